@@ -1,0 +1,1 @@
+"""Hydra config tree of llmkit (config.yaml + one group per component kind); data files only."""

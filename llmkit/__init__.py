@@ -1,0 +1,14 @@
+"""llmkit: LLM inference and serving from swappable components assembled by config."""
+from llmkit.outputs import CompletionOutput, Logprob, RequestOutput
+from llmkit.sampling.params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; load it only when asked for.
+    if name == "LLM":
+        from llmkit.engine.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'llmkit' has no attribute {name!r}")

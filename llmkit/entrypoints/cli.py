@@ -1,0 +1,238 @@
+"""The ``llmkit`` command line (the console script ``llmkit = llmkit.entrypoints.cli:main``).
+
+    llmkit <command> [MODEL] [--prompt TEXT] [key=value ...] [-m]
+
+argv is split by hand before Hydra sees it: the command word (and ``bench``'s sub-command), the
+optional positional MODEL (a preset from ``conf/model/`` or a path), ``--prompt TEXT`` (taken
+verbatim), ``-m``; every other word is a Hydra override. Configuration errors print one line
+``llmkit: error: <key>: got <value>; allowed: <...>`` and exit with 2 (a traceback only with
+``LLMKIT_DEBUG=1``).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from llmkit.config.errors import ConfigError
+
+COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim")
+BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
+EXIT_USAGE = 2
+
+USAGE = """\
+usage: llmkit <command> [MODEL] [--prompt TEXT] [key=value ...] [-m]
+
+commands:
+  generate   generate a completion for --prompt TEXT
+  chat       interactive chat in the terminal
+  serve      OpenAI-compatible HTTP server
+  config     print the composed, validated config
+  bench      benchmarks: bench serve|throughput|latency|plot
+  sim        simulate serving on modelled hardware
+
+MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
+             model folder or a .gguf file
+--prompt T   the prompt for generate (taken verbatim: commas, quotes and '=' are fine)
+key=value    Hydra overrides: scheduler.max_num_seqs=64 attention=triton recipe=cpu-chat
+             +key=value adds a key, ~key deletes one
+-m           multirun: sweep over comma-separated values (key=a,b)
+
+examples:
+  llmkit config recipe=cpu-default scheduler.max_num_seqs=32
+  llmkit generate --prompt "Hello, world" sampling.max_tokens=32
+  llmkit chat /path/to/model.gguf recipe=cpu-chat
+"""
+
+
+class UsageError(Exception):
+    """A malformed command line (exit code 2)."""
+
+
+@dataclass
+class CliArgs:
+    command: str
+    subcommand: str | None = None
+    model: str | None = None
+    prompt: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    multirun: bool = False
+
+
+def _is_override(word: str) -> bool:
+    if "=" in word:
+        return True
+    # Hydra's delete syntax `~key` (a path like `~/models/x` stays a path)
+    return word.startswith("~") and "/" not in word and len(word) > 1
+
+
+def parse_args(argv: Sequence[str]) -> CliArgs | None:
+    """Split argv; ``None`` means: print the usage (``--help``)."""
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return None
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        raise UsageError(f"unknown command {command!r}; allowed: {', '.join(COMMANDS)}")
+    args = CliArgs(command=command)
+    if command == "bench" and rest and rest[0] in BENCH_SUBCOMMANDS:
+        args.subcommand, rest = rest[0], rest[1:]
+    i = 0
+    while i < len(rest):
+        word = rest[i]
+        i += 1
+        if word in ("-h", "--help"):
+            return None
+        if word == "--prompt":
+            if i >= len(rest):
+                raise UsageError("--prompt needs a value: --prompt TEXT")
+            args.prompt = rest[i]
+            i += 1
+        elif word.startswith("--prompt="):
+            args.prompt = word[len("--prompt="):]
+        elif word in ("-m", "--multirun"):
+            args.multirun = True
+        elif word.startswith("-") and len(word) > 1 and not _is_override(word):
+            raise UsageError(f"unknown option {word!r}; options: --prompt TEXT, -m, --help")
+        elif _is_override(word):
+            args.overrides.append(word)
+        elif args.model is None:
+            args.model = word
+        else:
+            raise UsageError(f"unexpected argument {word!r} (MODEL is already {args.model!r}; "
+                             "overrides are key=value)")
+    if args.prompt is not None and command != "generate":
+        raise UsageError(f"--prompt only applies to generate, not {command}")
+    return args
+
+
+def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
+    """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
+    component name is registered (``llmkit.engine.components.validate_components``)."""
+    from llmkit.config.compose import build_config
+
+    cfg = build_config(args.model, overrides=args.overrides if overrides is None else overrides)
+    try:
+        from llmkit.engine.components import validate_components
+    except ModuleNotFoundError as e:
+        if e.name not in ("llmkit.engine", "llmkit.engine.components"):
+            raise
+    else:
+        validate_components(cfg)
+    return cfg
+
+
+def _cmd_config(args: CliArgs) -> int:
+    from llmkit.config.compose import config_to_yaml, expand_overrides
+
+    runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
+    texts = []
+    for overrides in runs:
+        cfg = load_config(args, overrides)
+        text = config_to_yaml(cfg)
+        if args.multirun:
+            text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
+        texts.append(text)
+    sys.stdout.write("---\n".join(texts))
+    return 0
+
+
+def _offline(name: str):
+    try:
+        offline = importlib.import_module("llmkit.entrypoints.offline")
+    except ModuleNotFoundError as e:
+        if e.name not in ("llmkit.entrypoints.offline",):
+            raise
+        raise UsageError(f"{name} is not available yet (llmkit.entrypoints.offline is missing)"
+                         ) from None
+    return getattr(offline, name)
+
+
+def _no_multirun(args: CliArgs) -> None:
+    if args.multirun:
+        raise UsageError(f"-m (multirun) is not supported by {args.command}; use it with "
+                         "config or bench")
+
+
+def _cmd_generate(args: CliArgs) -> int:
+    if args.prompt is None:
+        raise UsageError("generate needs --prompt TEXT")
+    _no_multirun(args)
+    cfg = load_config(args)
+    return int(_offline("run_generate")(cfg, args.prompt) or 0)
+
+
+def _cmd_chat(args: CliArgs) -> int:
+    _no_multirun(args)
+    cfg = load_config(args)
+    return int(_offline("run_chat")(cfg) or 0)
+
+
+def _not_implemented(args: CliArgs) -> int:
+    print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+HANDLERS = {
+    "config": _cmd_config,
+    "generate": _cmd_generate,
+    "chat": _cmd_chat,
+    "serve": _not_implemented,
+    "bench": _not_implemented,
+    "sim": _not_implemented,
+}
+
+
+def _config_failure(e: BaseException) -> ConfigError | None:
+    """A configuration failure (pydantic, Hydra, OmegaConf) as a ConfigError, else None."""
+    if isinstance(e, ConfigError):
+        return e
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover
+        ValidationError = ()  # type: ignore[assignment]
+    if isinstance(e, ValidationError):
+        from llmkit.config.compose import validation_error_to_config_error
+        return validation_error_to_config_error(e)
+    hydra_errors: tuple[type[BaseException], ...] = ()
+    try:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+        hydra_errors = (HydraException, OmegaConfBaseException)
+    except ImportError:  # pragma: no cover
+        pass
+    if hydra_errors and isinstance(e, hydra_errors):
+        from llmkit.config.compose import _hydra_error
+        return _hydra_error(e, ())
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = os.environ.get("LLMKIT_DEBUG") == "1"
+    try:
+        args = parse_args(argv)
+        if args is None:
+            (sys.stdout if argv else sys.stderr).write(USAGE)
+            return 0 if argv else EXIT_USAGE
+        return HANDLERS[args.command](args)
+    except UsageError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"llmkit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - configuration failures become one line
+        err = _config_failure(e)
+        if err is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"llmkit: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
