@@ -1,0 +1,150 @@
+"""A request as the engine core sees it: token ids, progress, status and timestamps."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmkit.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    # A refused request (prompt too long) reports "length" as vLLM does.
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+_S = RequestStatus
+_FINISHED = {_S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}),
+    _S.RUNNING: frozenset({_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED,
+                           _S.FINISHED_ABORTED}),
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    **{s: frozenset() for s in _FINISHED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Timestamps from the scheduler's clock (seconds); ``None`` until the event happens."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+class Request:
+    """One generation request inside the engine core.
+
+    ``all_token_ids`` is prompt + output; ``num_computed_tokens`` counts those whose KV is in
+    the cache (or will be, once the scheduled step runs). ``block_hashes`` holds the hashes of
+    the request's full blocks, filled by the KV cache manager as blocks fill.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
+        "cache_salt", "lora_id", "mm_hashes", "all_token_ids", "output_token_ids",
+        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
+        "times", "block_hashes", "max_tokens", "arrival_index",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_hashes: tuple[str, ...] = (),
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.mm_hashes = tuple(mm_hashes)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not admitted yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.times = RequestTimes(arrival=arrival_time)
+        self.block_hashes: list[bytes] = []
+        self.max_tokens = self.sampling_params.max_tokens
+        self.arrival_index = 0  # set by the scheduler: ties in priority break by arrival
+
+    # -- state machine -------------------------------------------------------------------
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.status]:
+            raise IllegalTransition(
+                f"request {self.request_id!r}: {self.status.name} -> {new.name} is not allowed")
+        self.status = new
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    # -- tokens --------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def block_hash_extra_keys(self) -> tuple[Any, ...] | None:
+        """What besides token ids makes two blocks' KV differ: adapter, images, salt."""
+        if self.lora_id is None and not self.mm_hashes and self.cache_salt is None:
+            return None
+        return (self.lora_id, self.mm_hashes, self.cache_salt)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
