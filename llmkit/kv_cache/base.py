@@ -1,0 +1,122 @@
+"""The KV cache manager interface the scheduler talks to, and its plain data."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Sequence
+
+import msgspec
+
+if TYPE_CHECKING:
+    from llmkit.kv_cache.block_pool import KVCacheBlock
+    from llmkit.request import Request
+
+
+class KVCacheIntegrityError(AssertionError):
+    """The manager's bookkeeping is inconsistent (ref counts, free list, hash table).
+
+    Raised by ``check_integrity()``; the message names the block or request and what is wrong.
+    """
+
+
+class PrefixCacheStats(msgspec.Struct):
+    """Prefix-cache counters: cumulative from ``prefix_cache_stats``, since the previous call
+    from ``take_step_stats()``.
+
+    - ``requests``: number of prefix-cache lookups (``get_computed_blocks`` calls). A waiting
+      request that cannot be admitted yet is looked up again at each step, and counts each time.
+    - ``queries``: tokens looked up, i.e. the sum of ``request.num_tokens`` over lookups.
+    - ``hits``: tokens served from the cache, i.e. the sum of the computed tokens returned.
+    - ``evictions``: cached blocks whose content was dropped to reuse the block for new
+      tokens (``reset_prefix_cache()`` is not counted).
+    - ``hit_rate``: ``hits / queries`` (0.0 before any query). At most
+      ``(num_tokens - 1) / num_tokens`` per request: the last token is always recomputed.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManagerBase(ABC):
+    """Hands out KV cache blocks to requests and finds reusable (prefix-cached) ones.
+
+    The scheduler's protocol, per request and step:
+    1. once, when a request holding no blocks is admitted:
+       ``blocks, n = get_computed_blocks(req)``;
+    2. ``allocate_slots(req, num_new_tokens, num_lookahead_tokens, new_computed_blocks=blocks,
+       num_new_computed_tokens=n)``; ``None`` means "not enough free blocks, nothing changed";
+    3. ``free(req)`` when it finishes, is aborted or is preempted.
+    """
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+    @abstractmethod
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks and the number of tokens it covers."""
+
+    @abstractmethod
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        *,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Ensure slots for the request's next tokens; the newly allocated blocks, or None."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release every block the request holds; safe to call twice."""
+
+    @abstractmethod
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The blocks the request holds, in token order."""
+
+    @abstractmethod
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The ids of the blocks the request holds, in token order (its block table row)."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of blocks not available for allocation (held by requests, or pinned), in
+        [0, 1]."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks available for allocation: not held by any request (cached or not) and not
+        pinned."""
+
+    @property
+    @abstractmethod
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of the cumulative prefix-cache counters."""
+
+    def take_step_stats(self) -> PrefixCacheStats:
+        """The prefix-cache counters since the previous call (or since start-up), for per-step
+        metrics. O(1): the difference of two snapshots of ``prefix_cache_stats``."""
+        now = self.prefix_cache_stats
+        last: PrefixCacheStats = getattr(self, "_last_step_stats", None) or PrefixCacheStats()
+        self._last_step_stats = now
+        return PrefixCacheStats(requests=now.requests - last.requests,
+                                queries=now.queries - last.queries, hits=now.hits - last.hits,
+                                evictions=now.evictions - last.evictions)
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (pinned prefixes excepted); refuses (False) while any
+        block is held."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise :class:`KVCacheIntegrityError` if the bookkeeping is inconsistent."""

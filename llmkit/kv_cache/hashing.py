@@ -1,0 +1,60 @@
+"""Block hashes for prefix caching.
+
+A block's hash covers its parent's hash, its token ids and the request's extra keys (LoRA id,
+multimodal hashes, cache salt), so two blocks share a hash only when the *whole* prefix up to
+and including them matches under the same adapter/salt. The hash must be identical in every
+process (API servers, engine core, workers, a restarted engine), so it is sha256 over a
+deterministic byte encoding, never Python's seeded ``hash()``.
+
+Byte layout hashed (unambiguous, so distinct inputs cannot alias):
+``parent (16 bytes) | number of tokens (4 bytes, little endian) | token ids (int64 each) |
+msgpack(extra_keys) or nothing``.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any, Sequence
+
+import msgspec
+
+#: Length of a block hash in bytes (sha256 truncated to 128 bits).
+BLOCK_HASH_BYTES = 16
+
+#: Stands in for the parent of a request's first block.
+ROOT_PARENT_HASH: bytes = hashlib.sha256(b"llmkit.kv_cache.root").digest()[:BLOCK_HASH_BYTES]
+
+_sha256 = hashlib.sha256
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+
+
+def encode_extra_keys(extra_keys: tuple[Any, ...] | None) -> bytes:
+    """Deterministic bytes for a request's extra keys; ``b""`` when there are none.
+
+    Encode once per request and pass the result to :func:`hash_block_tokens_encoded` to keep
+    msgpack off the per-block path.
+    """
+    if extra_keys is None:
+        return b""
+    return _msgpack_encode(extra_keys)
+
+
+def hash_block_tokens_encoded(parent_hash: bytes | None, token_ids: Sequence[int],
+                              extra: bytes) -> bytes:
+    """:func:`hash_block_tokens` with the extra keys already encoded by :func:`encode_extra_keys`."""
+    h = _sha256(ROOT_PARENT_HASH if parent_hash is None else parent_hash)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(array("q", token_ids))
+    if extra:
+        h.update(extra)
+    return h.digest()[:BLOCK_HASH_BYTES]
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None) -> bytes:
+    """The 16-byte hash of one block: H(parent hash, token ids, extra keys).
+
+    ``parent_hash`` is ``None`` for a request's first block. ``extra_keys`` must be built of
+    msgpack-encodable values (ints, strings, None, tuples of those).
+    """
+    return hash_block_tokens_encoded(parent_hash, token_ids, encode_extra_keys(extra_keys))

@@ -1,0 +1,429 @@
+"""KVCacheManager: paged KV cache with prefix caching for one KV cache group.
+
+Per request it keeps the list of blocks holding its KV (its block table row) and how many of
+its leading blocks are registered in the prefix cache. Full blocks are registered as soon as
+they are scheduled to be filled, so a request admitted in the same or a later step can reuse
+them; freed cached blocks stay reusable until new allocations evict them, in the order of the
+eviction policy (``lru`` or ``lfu``, see ``eviction.py``). The full blocks of pinned prefixes
+are never evicted once computed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence
+
+from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
+from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmkit.kv_cache.eviction import make_eviction_policy
+from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
+
+if TYPE_CHECKING:  # the manager reads a Request's attributes; it needs no import at run time
+    from llmkit.request import Request
+
+logger = logging.getLogger("llmkit.kv_cache")
+
+
+class KVCacheManager(KVCacheManagerBase):
+    """Paged KV cache manager (vLLM v1 style), registered as ``"paged"``.
+
+    ``max_model_len`` caps the slots a request can reserve (lookahead never reaches beyond it).
+    ``eviction_policy`` names the policy that picks which free cached block to evict
+    (``lru``, the default, or ``lfu``; see ``EVICTION_POLICIES``). ``pinned_prefixes`` are
+    token-id prefixes whose full blocks (hashed with no extra keys: no LoRA, images or salt)
+    are never evicted once computed; they must fit in half of the pool.
+    """
+
+    #: The useless-block-size detector (see ``_probe_prompt``) compares the first
+    #: ``min(block_size - 1, PROBE_TOKENS)`` prompt tokens; it is off below 4 tokens.
+    PROBE_TOKENS = 8
+    #: It judges after this many distinct requests were looked up ...
+    PROBE_MIN_REQUESTS = 32
+    #: ... when at least this many of them started like an earlier one and none hit.
+    PROBE_MIN_SHARED = 8
+    #: It stops watching after this many requests (bounded memory).
+    PROBE_MAX_REQUESTS = 1024
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, *, eviction_policy: str = "lru",
+                 pinned_prefixes: Sequence[Sequence[int]] = ()) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_model_len = max_model_len
+        self.eviction_policy = eviction_policy
+        self.pinned_hashes = self._pinned_hashes(pinned_prefixes, num_blocks, block_size,
+                                                 enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching,
+                                    make_eviction_policy(eviction_policy), self.pinned_hashes)
+        # request id -> its blocks in token order
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> number of its leading blocks already registered (or found) in the cache
+        self.num_cached_blocks: dict[str, int] = {}
+        self._num_lookups = 0
+        self._num_queries = 0
+        self._num_hits = 0
+        # The useless-block-size detector: on while it has not decided.
+        self._probe_len = min(block_size - 1, self.PROBE_TOKENS)
+        self._probe_on = enable_prefix_caching and self._probe_len >= 4
+        self._probe_ids: set[str] = set()
+        self._probe_starts: set[tuple[int, ...]] = set()
+        self._probe_shared = 0
+
+    @staticmethod
+    def _pinned_hashes(prefixes: Sequence[Sequence[int]], num_blocks: int, block_size: int,
+                       enable_prefix_caching: bool) -> frozenset[bytes]:
+        """The hashes of the pinned prefixes' full blocks; ValueError naming the setting."""
+        if isinstance(prefixes, (str, bytes)):
+            raise ValueError("kv_cache.pinned_prefixes: expected a list of token-id lists, "
+                             f"got {type(prefixes).__name__}")
+        prefixes = list(prefixes)
+        if not prefixes:
+            return frozenset()
+        if not enable_prefix_caching:
+            raise ValueError(f"kv_cache.pinned_prefixes ({len(prefixes)} given) needs "
+                             "kv_cache.enable_prefix_caching=true; it is false")
+        hashes: set[bytes] = set()
+        for i, prefix in enumerate(prefixes):
+            if isinstance(prefix, (str, bytes)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+                raise ValueError(f"kv_cache.pinned_prefixes[{i}]: expected a list of token ids "
+                                 "(tokenize text prefixes before building the manager), got "
+                                 f"{prefix!r:.60}")
+            n_full = len(prefix) // block_size
+            if n_full == 0:
+                raise ValueError(f"kv_cache.pinned_prefixes[{i}]: {len(prefix)} tokens, shorter "
+                                 f"than one block (kv_cache.block_size={block_size}); only full "
+                                 "blocks are cached, so nothing would be pinned")
+            parent = None
+            for j in range(n_full):
+                parent = hash_block_tokens_encoded(
+                    parent, list(prefix[j * block_size:(j + 1) * block_size]), b"")
+                hashes.add(parent)
+        limit = num_blocks // 2
+        if len(hashes) > limit:
+            raise ValueError(f"kv_cache.pinned_prefixes: {len(hashes)} blocks of {block_size} "
+                             f"tokens to pin; at most half of the pool ({limit} of {num_blocks} "
+                             "blocks) may be pinned")
+        return frozenset(hashes)
+
+    # -- hashes --------------------------------------------------------------------------
+    def _ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:
+        """Extend ``request.block_hashes`` to at least ``n`` entries (those blocks must be full).
+
+        Append-only and incremental: each block is hashed once in the request's lifetime,
+        preemptions included.
+        """
+        hashes = request.block_hashes
+        i = len(hashes)
+        if i >= n:
+            return hashes
+        bs = self.block_size
+        ids = request.all_token_ids
+        extra = encode_extra_keys(request.block_hash_extra_keys)
+        parent = hashes[-1] if i else None
+        append = hashes.append
+        start = i * bs
+        for _ in range(n - i):
+            parent = hash_block_tokens_encoded(parent, ids[start:start + bs], extra)
+            append(parent)
+            start += bs
+        return hashes
+
+    # -- the scheduler's protocol ---------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks matching the request, and its token count.
+
+        For a request holding no blocks (new, or re-admitted after preemption). At most
+        ``(num_tokens - 1) // block_size`` blocks: the last token is always recomputed since
+        its logits are needed. The blocks are not yet referenced: pass them to
+        ``allocate_slots`` right away, before anything else allocates.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        if self.req_to_blocks.get(request.request_id):
+            raise ValueError(f"request {request.request_id!r} already holds blocks; "
+                             "get_computed_blocks is for requests being admitted")
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        computed: list[KVCacheBlock] = []
+        if max_blocks > 0:
+            table = self.block_pool.cached_block_hash_to_block
+            hashes = request.block_hashes
+            for i in range(max_blocks):
+                # Hash lazily: blocks past the first miss are hashed only when they fill.
+                h = hashes[i] if i < len(hashes) else self._ensure_block_hashes(request, i + 1)[i]
+                block = table.get(h)
+                if block is None:
+                    break
+                computed.append(block)
+        num_computed_tokens = len(computed) * self.block_size
+        self._num_lookups += 1
+        self._num_queries += request.num_tokens
+        self._num_hits += num_computed_tokens
+        if self._probe_on:
+            self._probe_prompt(request, num_computed_tokens)
+        return computed, num_computed_tokens
+
+    def _probe_prompt(self, request: Request, num_hit: int) -> None:
+        """Warn once when the block size makes prefix caching useless. O(1) per lookup.
+
+        Prompts whose first ``p < block_size`` tokens equal an earlier prompt's share a prefix;
+        if, among the first ``PROBE_MIN_REQUESTS`` distinct requests looked up or later, at
+        least ``PROBE_MIN_SHARED`` do and no lookup has ever hit a full block, the shared
+        prefixes are shorter than a block (or the prompts too short for one shared block):
+        whole-block caching cannot reuse them. The first hit turns the detector off for good.
+        """
+        if num_hit:
+            self._probe_stop()
+            return
+        rid = request.request_id
+        ids = self._probe_ids
+        if rid in ids:  # a waiting request is looked up again each step; count it once
+            return
+        ids.add(rid)
+        p = self._probe_len
+        prompt = request.prompt_token_ids
+        if len(prompt) > p:
+            start = tuple(prompt[:p])
+            if start in self._probe_starts:
+                self._probe_shared += 1
+            else:
+                self._probe_starts.add(start)
+        n = len(ids)
+        if n >= self.PROBE_MIN_REQUESTS and self._probe_shared >= self.PROBE_MIN_SHARED:
+            logger.warning(
+                "kv_cache.block_size=%d makes prefix caching useless for this workload: "
+                "%d of %d prompts start with the same %d tokens as an earlier prompt, but no "
+                "lookup has hit a cached block (only whole blocks of %d tokens are reused). The "
+                "shared prefixes look shorter than a block; try a smaller kv_cache.block_size.",
+                self.block_size, self._probe_shared, n, p, self.block_size)
+            self._probe_stop()
+        elif n >= self.PROBE_MAX_REQUESTS:
+            self._probe_stop()
+
+    def _probe_stop(self) -> None:
+        self._probe_on = False
+        self._probe_ids = set()
+        self._probe_starts = set()
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        *,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_computed_tokens + num_new_computed_tokens + num_new_tokens +
+        num_lookahead_tokens`` tokens; return the newly allocated blocks, or None.
+
+        None means too few free blocks, and then nothing changed (the scheduler may preempt
+        and retry). Otherwise the computed blocks (cache hits) are referenced and prepended,
+        new blocks appended, and blocks that the computed + new tokens fill completely are
+        registered in the prefix cache. Lookahead slots (speculative tokens) are reserved but
+        never cached: their tokens are not known yet.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"request {request.request_id!r}: negative token count "
+                             f"(num_new_tokens={num_new_tokens}, "
+                             f"num_lookahead_tokens={num_lookahead_tokens})")
+        rid = request.request_id
+        bs = self.block_size
+        pool = self.block_pool
+        req_blocks = self.req_to_blocks.get(rid)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None and num_slots > self.max_model_len:
+            num_slots = max(self.max_model_len, num_computed + num_new_tokens)
+        num_hit_blocks = len(new_computed_blocks)
+        num_new_blocks = -(-num_slots // bs) - num_held - num_hit_blocks
+        if num_new_blocks < 0:
+            num_new_blocks = 0
+
+        num_evictable_hits = 0
+        if num_hit_blocks:
+            if num_held:
+                raise ValueError(f"request {rid!r} already holds blocks; computed blocks are "
+                                 "only given at admission")
+            hashes = request.block_hashes
+            if num_hit_blocks > len(hashes):
+                raise ValueError(f"request {rid!r}: more computed blocks than block hashes")
+            for i, b in enumerate(new_computed_blocks):
+                if b.block_hash != hashes[i]:
+                    # Evicted between get_computed_blocks() and now: its KV is something else.
+                    raise ValueError(f"request {rid!r}: computed block {b.block_id} is stale "
+                                     "(evicted since get_computed_blocks)")
+                if b.ref_cnt == 0 and not b.pinned:
+                    num_evictable_hits += 1  # it leaves the free blocks when touched
+        num_needed = num_new_blocks + num_evictable_hits
+        if num_needed and num_needed > pool.num_free_blocks:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+        if num_hit_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+
+        if self.enable_prefix_caching:
+            num_known = num_computed + num_new_tokens
+            if num_known > request.num_tokens:
+                num_known = request.num_tokens
+            num_full = num_known // bs
+            num_cached = self.num_cached_blocks.get(rid, 0)
+            if num_cached < num_hit_blocks:
+                num_cached = num_hit_blocks
+            if num_full > num_cached:
+                hashes = self._ensure_block_hashes(request, num_full)
+                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                num_cached = num_full
+            self.num_cached_blocks[rid] = num_cached
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix is evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks not available for allocation: held by requests, or pinned."""
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available for allocation: empty, or cached and evictable (not pinned)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks of pinned prefixes computed so far (held or idle); never free again."""
+        return self.block_pool.num_pinned_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted so far (content dropped to reuse the block)."""
+        return self.block_pool.num_evictions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(requests=self._num_lookups, queries=self._num_queries,
+                                hits=self._num_hits, evictions=self.block_pool.num_evictions)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes but the pinned ones (e.g. after swapping weights); False
+        while blocks are held."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Verify ref counts, the free lists (empty blocks and the eviction policy's), pinned
+        blocks and the hash table against the requests' blocks.
+
+        O(num_blocks): for tests and debugging, not for every step.
+        """
+        pool = self.block_pool
+        blocks = pool.blocks
+
+        def fail(msg: str) -> None:
+            raise KVCacheIntegrityError(msg)
+
+        refs: Counter[int] = Counter()
+        for rid, req_blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in req_blocks]
+            if len(set(ids)) != len(ids):
+                fail(f"request {rid!r} holds a block twice: {ids}")
+            for b in req_blocks:
+                if not (0 <= b.block_id < len(blocks)) or blocks[b.block_id] is not b:
+                    fail(f"request {rid!r} holds {b!r}, which is not a block of this pool")
+            refs.update(ids)
+            n_cached = self.num_cached_blocks.get(rid, 0)
+            if n_cached > len(req_blocks):
+                fail(f"request {rid!r}: {n_cached} cached blocks but holds {len(req_blocks)}")
+        for rid in self.num_cached_blocks:
+            if rid not in self.req_to_blocks:
+                fail(f"request {rid!r} has a cached-block count but no blocks")
+
+        for b in blocks:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                fail(f"block {b.block_id}: ref_cnt={b.ref_cnt} but "
+                     f"{refs.get(b.block_id, 0)} live requests hold it")
+
+        # Free lists: every block with ref_cnt 0 is in exactly one of them, or pinned and idle.
+        nb = len(blocks)
+        where: dict[int, str] = {}
+
+        def check_free(b: KVCacheBlock, name: str) -> None:
+            if not (0 <= b.block_id < nb) or blocks[b.block_id] is not b:
+                fail(f"{name}: {b!r} is not a block of this pool")
+            if b.block_id in where:
+                fail(f"{name}: block {b.block_id} appears twice (also in {where[b.block_id]})")
+            if b.ref_cnt != 0:
+                fail(f"{name}: block {b.block_id} has ref_cnt={b.ref_cnt}")
+            if b.block_id in refs:
+                fail(f"{name}: block {b.block_id} is held by a request")
+            if b.pinned:
+                fail(f"{name}: block {b.block_id} is pinned, so never free")
+            where[b.block_id] = name
+
+        empty_name = "free queue (empty blocks)"
+        pool.empty_block_queue.check_links(empty_name)
+        for b in pool.empty_block_queue:
+            check_free(b, empty_name)
+            if b.block_hash is not None:
+                fail(f"{empty_name}: block {b.block_id} holds cached content (hash set)")
+        evictor = pool.evictor
+        evict_name = f"free queue (cached blocks, {type(evictor).__name__})"
+        evictor.check()
+        n_evictable = 0
+        for b in evictor:
+            n_evictable += 1
+            if n_evictable > nb:
+                fail(f"{evict_name}: longer than the pool (cycle)")
+            check_free(b, evict_name)
+            if b.block_hash is None:
+                fail(f"{evict_name}: block {b.block_id} has no hash, so nothing to keep")
+        if n_evictable != evictor.num_free_blocks:
+            fail(f"{evict_name}: {n_evictable} blocks but num_free_blocks="
+                 f"{evictor.num_free_blocks}")
+        n_pinned = 0
+        for b in blocks:
+            n_pinned += b.pinned
+            if b.ref_cnt == 0 and b.block_id not in where and not b.pinned:
+                fail(f"block {b.block_id} has ref_cnt=0 but is in no free list")
+            if b.block_id not in where and (b.prev_free is not None or b.next_free is not None):
+                fail(f"block {b.block_id} is not free but still has free-list links")
+        if n_pinned != pool.num_pinned_blocks:
+            fail(f"{n_pinned} blocks are pinned but num_pinned_blocks={pool.num_pinned_blocks}")
+
+        table = pool.cached_block_hash_to_block
+        pinned_hashes = pool.pinned_hashes
+        for h, b in table.items():
+            if b.block_hash != h:
+                fail(f"hash table: {h.hex()} maps to block {b.block_id} whose hash is "
+                     f"{b.block_hash.hex() if b.block_hash else None}")
+            if (h in pinned_hashes) != b.pinned:
+                fail(f"block {b.block_id}: pinned={b.pinned} but its hash is "
+                     f"{'' if h in pinned_hashes else 'not '}a pinned prefix's")
+        for b in blocks:
+            if b.block_hash is not None and table.get(b.block_hash) is not b:
+                fail(f"block {b.block_id} has a hash but is not registered under it")
+            if b.pinned and b.block_hash is None:
+                fail(f"block {b.block_id} is pinned but holds no cached content")
