@@ -1,0 +1,11 @@
+"""Schedulers, picked by ``scheduler.name``."""
+from llmkit.registry import Registry
+from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler, SchedulerOutput,
+                                   SchedulerStats)
+from llmkit.scheduler.token_budget import TokenBudgetScheduler
+
+SCHEDULERS: Registry[Scheduler] = Registry("scheduler")
+SCHEDULERS.register("token_budget")(TokenBudgetScheduler)
+
+__all__ = ["SCHEDULERS", "CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput",
+           "SchedulerStats", "TokenBudgetScheduler"]

@@ -1,0 +1,97 @@
+"""The scheduler interface and the metadata it hands the runner each step.
+
+The scheduler decides, per step, how many tokens each request computes; it never touches
+tensors. Requests the runner has not seen (new, or resumed after preemption, whose KV must be
+recomputed) travel in full; requests it already holds travel as diffs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
+from llmkit.request import Request
+from llmkit.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner must (re)build: its tokens so far, blocks and progress."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far (a resumed request recomputes all of it)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Diffs for requests the runner already holds, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended since the last step (finished or aborted) or were preempted now:
+    # the runner drops their state.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    # Seam for structured output and other constraints: per request, a bool mask over the
+    # vocabulary (True = allowed) applied before sampling.
+    token_masks: dict[str, object] = field(default_factory=dict)
+    # Seam for speculative decoding: draft tokens to verify per request.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot after a step (cumulative counters are since start-up)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    step_num_scheduled_tokens: int = 0
+    step_num_preemptions: int = 0
+
+
+class Scheduler(ABC):
+    """What the engine core drives: add, schedule, update, abort."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput: ...
+
+    @abstractmethod
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]: ...
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    @abstractmethod
+    def stats(self) -> SchedulerStats: ...

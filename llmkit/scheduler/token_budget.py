@@ -1,0 +1,292 @@
+"""The token-budget scheduler: every step hands each request some number of tokens.
+
+There are no phases. Running requests go first (each at least one token, prefill chunks
+continue), then waiting requests are admitted in queue order, until the step's token budget,
+``max_num_seqs`` or the free KV blocks run out. A prompt larger than the remaining budget is
+chunked. When blocks run out for a running request, a victim is preempted (its blocks freed,
+its KV recomputed later); prefix caching usually keeps most of its blocks reusable.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from llmkit.config.schema import SchedulerConfig
+from llmkit.kv_cache.base import KVCacheManagerBase
+from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
+from llmkit.request import Request, RequestStatus
+from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
+                                   SchedulerOutput, SchedulerStats)
+from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
+
+
+class TokenBudgetScheduler(Scheduler):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManagerBase,
+        *,
+        max_model_len: int,
+        eos_token_id: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting = WAITING_QUEUES[config.policy]()
+        self.running: list[Request] = []
+        # Ended since the last schedule(): the runner must drop their state.
+        self._finished_req_ids: set[str] = set()
+        # Outputs produced outside a step (refused requests), delivered with the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._arrivals = 0
+        self.num_preemptions_total = 0
+        self._step_preemptions = 0
+        self._step_tokens = 0
+
+    # -- intake --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        if request.eos_token_id is None:
+            request.eos_token_id = self.eos_token_id
+        if request.num_prompt_tokens > self.max_model_len:
+            # Refuse rather than truncate: the caller learns why through the finish reason.
+            request.set_status(RequestStatus.FINISHED_IGNORED)
+            request.times.finished = self.clock()
+            self._pending_outputs.append(self._output(request, []))
+            return
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
+                                                                           max(room, 1))
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outs.append(self._output(req, []))
+        return outs
+
+    # -- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted_ids: set[str] = set()
+        lookahead = cfg.num_lookahead_tokens
+        spec_tokens: dict[str, list[int]] = {}
+
+        # 1. Running requests, in admission order: each continues its prefill or decodes.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(req, n, lookahead)
+                if new_blocks is not None:
+                    break
+                # Only requests not yet scheduled this step may be preempted.
+                victim = pick_victim(self.running[i:], cfg.preemption_policy)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted_ids.add(victim.request_id)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                continue  # req itself was preempted; `i` already points at the next one
+            num_scheduled[req.request_id] = n
+            budget -= n
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (blocks are scarce).
+        if not preempted_ids:
+            while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting.peek()
+                computed_blocks, num_hit = kv.get_computed_blocks(req)
+                n = req.num_tokens - num_hit
+                if n > budget and not cfg.enable_chunked_prefill:
+                    break
+                n = min(n, budget)
+                if cfg.long_prefill_token_threshold:
+                    n = min(n, cfg.long_prefill_token_threshold)
+                new_blocks = kv.allocate_slots(req, n, lookahead,
+                                               new_computed_blocks=computed_blocks,
+                                               num_new_computed_tokens=num_hit)
+                if new_blocks is None:
+                    if not self.running and not num_scheduled:
+                        # Nothing runs that could free blocks: this request can never fit.
+                        self.waiting.pop()
+                        self._refuse(req)
+                        continue
+                    break
+                self.waiting.pop()
+                req.set_status(RequestStatus.RUNNING)
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.times.first_scheduled is None:
+                    req.times.first_scheduled = self.clock()
+                self.running.append(req)
+                num_scheduled[req.request_id] = n
+                budget -= n
+                new_reqs.append(NewRequestData(
+                    req_id=req.request_id,
+                    token_ids=list(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    block_ids=kv.get_block_ids(req.request_id),
+                    num_computed_tokens=num_hit,
+                ))
+
+        # The step's tokens count as computed from now: the next schedule() builds on them.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+
+        total = cfg.max_num_batched_tokens - budget
+        self._step_tokens = total
+        self._step_preemptions = len(preempted_ids)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted_ids,
+            scheduled_spec_tokens=spec_tokens,
+        )
+        self._finished_req_ids = set()
+        return out
+
+    def _refuse(self, req: Request) -> None:
+        if req.status == RequestStatus.PREEMPTED:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        else:
+            self._finish(req, RequestStatus.FINISHED_IGNORED)
+        self._pending_outputs.append(self._output(req, []))
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        n = min(n, budget, self.max_model_len - req.num_computed_tokens)
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.set_status(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add_preempted(req)
+
+    # -- results -------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        now = self.clock()
+        sampled = model_runner_output.sampled_token_ids
+        index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
+        stopped: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            i = index.get(req_id)
+            new_tokens = sampled[i] if i is not None else []
+            if not new_tokens:
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            kept: list[int] = []
+            for tok in new_tokens:
+                req.append_output_token(tok)
+                kept.append(tok)
+                req.times.token_times.append(now)
+                if self._check_stop(req, tok):
+                    break
+            if req.times.first_token is None:
+                req.times.first_token = now
+            if req.is_finished:
+                stopped.append(req)
+            outputs.append(self._output(req, kept))
+        if stopped:
+            stopped_ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        """Apply stop conditions after ``tok`` was appended; finish the request if one holds."""
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if tok == req.eos_token_id and not sp.ignore_eos:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return True
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return True
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+            return True
+        return False
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.set_status(status)
+        req.times.finished = self.clock()
+        self.kv.free(req)
+        self._finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    # -- introspection -------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        pc = self.kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            step_num_scheduled_tokens=self._step_tokens,
+            step_num_preemptions=self._step_preemptions,
+        )
