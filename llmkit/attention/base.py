@@ -1,0 +1,57 @@
+"""The attention backend interface: how K/V are laid out in the paged cache and how a step's
+attention is computed over it. Metadata is built once per step and passed down explicitly."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer.
+
+    Tokens of request i occupy rows ``query_start_loc[i]:query_start_loc[i+1]`` of q/k/v; the
+    request has ``seq_lens[i]`` tokens of context once this step's tokens are written (its
+    cached prefix plus the new ones). ``slot_mapping[t]`` is where token t's K/V go in the
+    flattened cache (-1 = do not write), and ``block_table[i]`` lists request i's blocks.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    # Host copies, for backends that loop or branch on the CPU.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Stateless per-layer attention over a paged KV cache.
+
+    ``q`` is ``[num_tokens, num_heads, head_dim]``, ``k`` and ``v`` are
+    ``[num_tokens, num_kv_heads, head_dim]``; ``num_heads`` is a multiple of ``num_kv_heads``
+    (grouped-query attention). The result has ``q``'s shape.
+    """
+
+    name: str = "base"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor; index 0 selects K (0) or V (1)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Backends that need more per-step data (split plans, tile maps) extend it here."""
+        return metadata
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...

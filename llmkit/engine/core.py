@@ -1,0 +1,92 @@
+"""EngineCore: the control-plane loop. schedule → execute → update, on token ids only."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+from llmkit.config.schema import EngineConfig
+from llmkit.engine.components import validate_components
+from llmkit.executor import EXECUTORS, Executor
+from llmkit.kv_cache import KV_CACHE_MANAGERS
+from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
+from llmkit.platforms import resolve_platform
+from llmkit.request import Request
+from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic, **executor_kwargs) -> None:
+        validate_components(config)
+        self.config = config
+        self.platform = resolve_platform(config.platform)
+        self.platform.apply_runtime_settings()
+        if executor is None:
+            exec_cls = EXECUTORS.resolve(config.executor.name, config.executor.target)
+            executor = exec_cls(config, self.platform, **executor_kwargs)
+        self.executor = executor
+        facts = executor.model_facts
+        self.max_model_len = facts.max_model_len
+        self.eos_token_id = facts.eos_token_id
+        self.num_blocks = self._num_kv_blocks()
+        executor.initialize_kv_cache(self.num_blocks)
+        kv_cfg = config.kv_cache
+        kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
+        self.kv_cache_manager = kv_cls(self.num_blocks, kv_cfg.block_size,
+                                       enable_prefix_caching=kv_cfg.enable_prefix_caching,
+                                       max_model_len=self.max_model_len)
+        sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
+        self.scheduler: Scheduler = sched_cls(config.scheduler, self.kv_cache_manager,
+                                              max_model_len=self.max_model_len,
+                                              eos_token_id=self.eos_token_id, clock=clock)
+        self.clock = clock
+
+    def _num_kv_blocks(self) -> int:
+        kv_cfg = self.config.kv_cache
+        if kv_cfg.num_blocks is not None:
+            return kv_cfg.num_blocks
+        per_block = self.executor.kv_cache_bytes_per_block()
+        budget = self.platform.kv_cache_budget_bytes(kv_cfg.memory_gib)
+        blocks_per_seq = -(-self.max_model_len // kv_cfg.block_size)
+        # Never more than every sequence at full length needs: the rest would be idle memory.
+        cap = blocks_per_seq * self.config.scheduler.max_num_seqs
+        num = min(budget // per_block, cap)
+        if num < blocks_per_seq:
+            logger.warning("kv_cache.memory_gib=%s holds %d blocks of %d tokens, fewer than one "
+                           "sequence of max_model_len=%d needs", kv_cfg.memory_gib, num,
+                           kv_cfg.block_size, self.max_model_len)
+        return max(int(num), 1)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; return every request's new tokens and finishes."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            # Still tell the runner about finished/preempted requests so it drops them.
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

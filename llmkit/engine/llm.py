@@ -1,0 +1,171 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` with an in-process engine core."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterator, Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from llmkit.config.compose import build_config
+from llmkit.config.schema import EngineConfig
+from llmkit.engine.core import EngineCore
+from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmkit.models.loader import ModelSource, resolve_model_source
+from llmkit.outputs import RequestOutput
+from llmkit.request import Request
+from llmkit.sampling.params import SamplingParams
+
+PromptType = str | list[int]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """An engine in this process for batch generation.
+
+    ``LLM(model, dtype=..., overrides=[...], scheduler={...}, attention="torch", ...)``: ``model``
+    is a preset name or a path (HF folder or .gguf); each keyword names a config group, a
+    ``str`` picks its implementation and a ``dict`` sets its fields. Bad values raise
+    ``ConfigError`` naming the key.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None,
+                 overrides: Sequence[str] = (), **groups: str | dict) -> None:
+        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups)
+        self._init_from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init_from_config(config)
+        return llm
+
+    def _init_from_config(self, config: EngineConfig) -> None:
+        source: ModelSource = resolve_model_source(config.model)
+        self.config = config
+        self.model_source = source
+        self.tokenizer = source.load_tokenizer()
+        self.engine = EngineCore(config, model_source=source)
+        # vLLM's rule: the first EOS id is the EOS (ignore_eos turns it off); further ones from
+        # the model's generation config act as stop tokens.
+        self._extra_stop_ids = [t for t in source.eos_token_ids[1:]]
+        self._processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # -- requests --------------------------------------------------------------------------
+    def _add(self, prompt: PromptType, params: SamplingParams,
+             kind: RequestOutputKind) -> str:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than model.max_model_len "
+                             f"({self.max_model_len}); shorten it or raise model.max_model_len")
+        if self._extra_stop_ids:
+            params = dataclasses.replace(
+                params, stop_token_ids=list(params.stop_token_ids) + self._extra_stop_ids)
+        rid = str(next(self._ids))
+        self._processor.add_request(rid, text, ids, params, kind)
+        self.engine.add_request(Request(rid, ids, params, eos_token_id=self.engine.eos_token_id,
+                                        arrival_time=self.engine.clock()))
+        return rid
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        rids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY)
+                for p, sp in zip(prompt_list, params)]
+        return self._run_to_completion(rids, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: Sequence[Message],
+                            add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: PromptType,
+               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate one prompt, yielding each step's new text and tokens (delta outputs)."""
+        rid = self._add(prompt, sampling_params or SamplingParams(), RequestOutputKind.DELTA)
+        try:
+            while True:
+                for out in self._processor.process(self.engine.step()):
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if rid in self._processor.states:
+                self._processor.process(self.engine.abort_requests([rid]))
+
+    def _run_to_completion(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(rids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(rids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(results) < len(wanted):
+                for out in self._processor.process(self.engine.step()):
+                    if out.request_id in wanted and out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call: nothing of this batch keeps blocks.
+            pending = [r for r in rids if r not in results]
+            self._processor.process(self.engine.abort_requests(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in rids]
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._processor.process(self.engine.abort_requests(request_ids))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenized prompt
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (str, list, tuple)):
+            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, "
+                            f"got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one "
+                         "per prompt")
+    return params

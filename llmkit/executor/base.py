@@ -1,0 +1,43 @@
+"""Executors decide where workers run: in this process, in several processes, on a cluster,
+or nowhere at all (a simulator). The engine core talks to them through this interface only."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from llmkit.config.schema import EngineConfig
+from llmkit.outputs import ModelRunnerOutput
+from llmkit.platforms.base import Platform
+from llmkit.scheduler.base import SchedulerOutput
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """What the core needs to know about the model it serves."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+
+    @property
+    @abstractmethod
+    def model_facts(self) -> ModelFacts: ...
+
+    @abstractmethod
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block costs across all layers (and all workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        """Release workers and their memory."""

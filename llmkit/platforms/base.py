@@ -1,0 +1,39 @@
+"""Platforms: what the serving core needs to know about a device, and nothing more.
+
+A platform answers capability questions (device, default dtype, default attention backend,
+distributed backend) and applies process-wide runtime settings; it is not a base class of the
+components that run on it. Out-of-tree platforms register through the
+``llmkit.platform_plugins`` entry point group.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from llmkit.config.schema import PlatformConfig
+
+
+class Platform(ABC):
+    name: str = "base"
+    device_type: str = "cpu"
+    default_dtype: torch.dtype = torch.float32
+    default_attention: str = "torch"
+    dist_backend: str = "gloo"
+
+    def __init__(self, config: PlatformConfig) -> None:
+        self.config = config
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool: ...
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def apply_runtime_settings(self) -> None:
+        """Process-wide settings (threads, allocator) made once at engine start."""
+
+    def kv_cache_budget_bytes(self, memory_gib: float) -> int:
+        return int(memory_gib * (1 << 30))

@@ -1,0 +1,151 @@
+"""End to end through LLM.generate: greedy tokens equal Hugging Face transformers' on tiny
+random models, whatever the scheduling (preemption, chunked prefill, prefix-cache hits)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from llmkit import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+MAX_TOKENS = 32
+
+
+def make_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [3, 17, 5, 40, 9, 64, 23, 31, 12, 50][:n]
+    return [[rng.randrange(5, vocab) for _ in range(k)] for k in lengths]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=eos if isinstance(eos, int) else eos[0])
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    refs = {}
+    for arch in ARCHS:
+        d = tiny_model_dir(arch)
+        vocab = AutoModelForCausalLM.from_pretrained(d).config.vocab_size
+        prompts = make_prompts(vocab)
+        refs[arch] = (d, prompts, hf_greedy(d, prompts, MAX_TOKENS))
+    return refs
+
+
+def run_llmkit(model_dir, prompts, **groups) -> tuple[LLM, list]:
+    llm = LLM(str(model_dir), dtype="float32", **groups)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    return llm, outs
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf(references, arch):
+    model_dir, prompts, expected = references[arch]
+    llm, outs = run_llmkit(model_dir, prompts)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.prompt_token_ids == prompts[i]
+        assert out.outputs[0].token_ids == ref, f"prompt {i} differs from HF"
+        reason = out.outputs[0].finish_reason
+        assert reason == ("length" if len(ref) == MAX_TOKENS else "stop")
+    assert_all_blocks_free(llm)
+
+
+def test_same_tokens_under_preemption(references):
+    model_dir, prompts, expected = references["llama"]
+    # 24 blocks of 4 tokens cannot hold 8 requests of up to 96 tokens: some get preempted.
+    llm, outs = run_llmkit(model_dir, prompts, kv_cache={"num_blocks": 24, "block_size": 4})
+    assert llm.engine.stats().num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_same_tokens_with_chunked_prefill(references):
+    model_dir, prompts, expected = references["qwen2"]
+    llm, outs = run_llmkit(model_dir, prompts, scheduler={"max_num_batched_tokens": 8})
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_same_tokens_with_prefix_cache_hits(references):
+    model_dir, prompts, _ = references["qwen3"]
+    shared = prompts[5][:48]  # 48 tokens = 3 full blocks of 16
+    batch = [shared + p[:7] for p in prompts[:4]]
+    expected = hf_greedy(model_dir, batch, MAX_TOKENS)
+    llm = LLM(str(model_dir), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    first = llm.generate(batch[:1], params, use_tqdm=False)
+    rest = llm.generate(batch[1:], params, use_tqdm=False)
+    outs = first + rest
+    stats = llm.engine.kv_cache_manager.prefix_cache_stats
+    assert stats.hits > 0
+    assert all(o.num_cached_tokens == 48 for o in rest)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks(references):
+    model_dir, prompts, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32")
+    stream = llm.stream(prompts[3], SamplingParams(max_tokens=20, temperature=0))
+    next(stream)
+    stream.close()  # abandoning a stream aborts the request
+    assert_all_blocks_free(llm)
+
+
+def test_prompt_longer_than_max_model_len_is_refused(references):
+    model_dir, prompts, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32", overrides=["model.max_model_len=32"])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([prompts[3]], use_tqdm=False)
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=100, temperature=0),
+                       use_tqdm=False)[0]
+    # Output is capped by the model length: prompt + output <= max_model_len.
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 32
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_text_prompts_and_detokenization(references):
+    model_dir, _, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32")
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["Hello there", "The quick brown fox"],
+                        SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for out, prompt in zip(outs, ["Hello there", "The quick brown fox"]):
+        assert out.prompt == prompt
+        assert out.prompt_token_ids == tok.encode(prompt)
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids,
+                                                 skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(references):
+    model_dir, prompts, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32")
+    p = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=1234, max_tokens=16)
+    alone = llm.generate([prompts[1]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16)
+    mixed = llm.generate(prompts[:4], [others, p, others, others], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = llm.generate([prompts[1]], SamplingParams(temperature=1.5, top_k=50, top_p=0.95,
+                                                           seed=99, max_tokens=16),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
