@@ -97,7 +97,7 @@ def test_many_compositions_and_inside_a_hydra_app():
 def test_recipe_cpu_default():
     cfg = compose_config(["recipe=cpu-default"])
     assert cfg.recipe == "cpu-default"
-    assert cfg.platform.name == "cpu" and cfg.model.dtype == "bfloat16"
+    assert cfg.platform.name == "cpu" and cfg.model.dtype == "auto"
     assert cfg.scheduler.max_num_seqs == 64 and cfg.scheduler.max_num_batched_tokens == 2048
 
 

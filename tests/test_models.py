@@ -221,6 +221,17 @@ def test_model_source_facts(tiny_model_dir, tiny_tokenizer):
         resolve_model_source(ModelConfig(path=str(model_dir / "nope")))
 
 
+def test_sliding_window_caps_max_model_len_and_dynamic_rope_is_refused(tiny_model_dir):
+    source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("mistral",
+                                                                      sliding_window=64))))
+    assert source.max_model_len == 64
+    source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("llama", rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))))
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported; supported: "
+                                         "default, linear, llama3, yarn"):
+        build_model(source, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+
+
 def test_missing_weight_is_reported(tiny_model_dir):
     source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("llama"))))
     model = get_model_class(source.hf_config)(source.hf_config, TorchAttentionBackend(),
@@ -261,6 +272,27 @@ def test_tiny_gguf_matches_transformers(arch, tiny_model_dir, tiny_tokenizer, tm
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     cached = list((tmp_path / "cache" / "gguf").glob("*/tokenizer/tokenizer.json"))
     assert len(cached) == 1
+
+
+def test_gguf_reader_fallback_gives_the_same_tensors(tiny_model_dir, tmp_path, monkeypatch):
+    """Files transformers' fast header reader refuses are read with gguf.GGUFReader."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    from llmkit.models.loader.gguf import iter_gguf_weights
+
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "cache"))
+    gguf_path = write_tiny_gguf(tiny_model_dir("llama"), tmp_path / "tiny.gguf")
+    config = resolve_model_source(ModelConfig(path=str(gguf_path))).hf_config
+    fast = dict(iter_gguf_weights(gguf_path, config))
+
+    def refuse(path):
+        raise ValueError("unsupported")
+
+    monkeypatch.setattr(GgufHeader, "from_file", staticmethod(refuse))
+    slow = dict(iter_gguf_weights(gguf_path, config))
+    assert fast.keys() == slow.keys() and len(fast) == 2 + 9 * 2 + 1
+    for name in fast:
+        assert fast[name].dtype == torch.float32 and torch.equal(fast[name], slow[name]), name
 
 
 # -- the default model's fetch ----------------------------------------------------------------

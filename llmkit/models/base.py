@@ -38,7 +38,8 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor: ...
+                kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor: ...
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -206,4 +206,5 @@ class LlamaForCausalLM(CausalLM):
         try:
             return params[target]
         except KeyError:
-            raise ValueError(f"checkpoint weight {name!r} has no counterpart in the model") from None
+            raise ValueError(f"checkpoint weight {name!r} has no counterpart in the "
+                             "model") from None

@@ -18,6 +18,16 @@ from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.input_batch import InputBatch
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU, numpy's calloc maps zero pages lazily: a 4 GiB KV pool costs
+    nothing until used, where torch.zeros would write every byte at start-up (seconds)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -57,7 +67,7 @@ class ModelRunner:
         m = self.model
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads,
                                                  m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device)
                           for _ in range(m.num_layers)]
 
     # -- persistent batch ------------------------------------------------------------------

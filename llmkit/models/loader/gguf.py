@@ -5,8 +5,9 @@ Config and tokenizer come from transformers' GGUF support (``AutoConfig`` /
 Python (seconds), so their results are saved in llmkit's cache folder, keyed by the file's path,
 size and modification time, and read back from there on later runs.
 
-Weights are read with ``gguf.GGUFReader``, dequantized with ``gguf.quants.dequantize`` (every
-quantization type gguf-py knows), renamed to Hugging Face names, and for llama-architecture
+Weights are located with transformers' fast GGUF header reader (``gguf.GGUFReader`` when that
+cannot read the file), dequantized with ``gguf.quants.dequantize`` (every quantization type
+gguf-py knows), renamed to Hugging Face names, and for llama-architecture
 files the q/k rows are un-permuted with transformers' ``TensorProcessor`` for that
 architecture (llama.cpp reorders them for its rope layout).
 """
@@ -52,7 +53,7 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors some converters add that carry nothing llmkit needs (rope tables it computes itself).
+# Rope factor tensors of some converters; llmkit computes rope from the config (see below).
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_0-9]+)\.(weight|bias)$")
@@ -156,8 +157,8 @@ def load_gguf_tokenizer(path: Path):
 
 # -- weights ---------------------------------------------------------------------------------
 def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every tensor of the file, dequantized one at a time (to
-    float32; float16 tensors stay float16)."""
+    """``(hf_name, tensor)`` for every tensor of the file, dequantized to float32 one at a
+    time."""
     from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -172,7 +173,12 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor
         hf_name = gguf_to_hf_name(name)
         if hf_name is None:
             if name in _SKIPPED:
-                logger.info("%s: skipping %s (rope tables come from the config)", path.name, name)
+                # llama.cpp's per-frequency rope factors (Llama 3.1+ files): transformers' GGUF
+                # config does not carry that scaling either, so long-wavelength frequencies
+                # follow the plain rope_theta here.
+                logger.warning("%s: ignoring %s (llama.cpp rope frequency factors); rope comes "
+                               "from the config (%s)", path.name, name,
+                               getattr(hf_config, "rope_parameters", None))
                 continue
             raise ValueError(f"{path.name}: tensor {name!r} has no Hugging Face counterpart "
                              "that llmkit knows")
@@ -183,7 +189,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor
         yield hf_name, torch.from_numpy(weights)
 
 
-def _read_tensors(path: Path) -> tuple[str, Iterator[tuple[str, "GGMLQuantizationType", np.ndarray]]]:
+def _read_tensors(
+        path: Path) -> tuple[str, Iterator[tuple[str, "GGMLQuantizationType", np.ndarray]]]:
     """``(architecture, [(name, type, data)])`` with ``data`` laid out as ``gguf.GGUFReader``
     gives it (rows of packed blocks, or typed values for F32/F16).
 
