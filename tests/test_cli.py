@@ -1,0 +1,46 @@
+"""The `llmkit` command end to end on a tiny model (subprocesses, as a user runs it)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llmkit import LLM, SamplingParams
+
+PROMPT = "Hello, \"world\" = it's a test, isn't it?"
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "llmkit.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=180, env=env)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_generate_prints_the_completion(model_dir):
+    proc = run_cli("generate", str(model_dir), "--prompt", PROMPT, "model.dtype=float32",
+                   "sampling.max_tokens=12", "sampling.temperature=0")
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM(str(model_dir), dtype="float32").generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    assert proc.stdout == expected + "\n"
+    assert "tokens/s" in proc.stderr
+
+
+def test_generate_without_prompt_is_a_one_line_error(model_dir):
+    proc = run_cli("generate", str(model_dir))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_chat_streams_answers_and_keeps_history(model_dir):
+    proc = run_cli("chat", str(model_dir), "model.dtype=float32", "sampling.max_tokens=8",
+                   stdin="hi there\nand again\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count(">>> ") == 3  # two turns, then the empty line ends the chat
