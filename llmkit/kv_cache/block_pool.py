@@ -279,7 +279,7 @@ class BlockPool:
                 (empty if b.block_hash is None else cached).append(b)
         if cached:
             if self.num_pinned_blocks:
-                cached = [b for b in cached if not b.pinned]
+                pass
             self.evictor.add(cached)
         if empty:
             self.empty_block_queue.appendleft_n(empty)
