@@ -2,9 +2,13 @@
 
 Decode rows (one query token) of a step run as one batched SDPA over K/V gathered through the
 block table; prefill and chunked-prefill rows run one SDPA each, attending to their cached
-prefix and causally to each other.
+prefix and causally to each other. Everything that depends only on the batch layout (which rows
+decode, the gather indices, the masks) is built once per step in ``build_metadata``, not once
+per layer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,73 +29,100 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, v[: slot_mapping.shape[0]].to(flat.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-              length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first ``length`` tokens: ``[length, num_kv_heads, head_dim]``."""
-    block_size = kv_cache.shape[2]
-    nblk = (length + block_size - 1) // block_size
-    ids = block_ids[:nblk]
-    k = kv_cache[0, ids].flatten(0, 1)[:length]
-    v = kv_cache[1, ids].flatten(0, 1)[:length]
-    return k, v
+@dataclass(slots=True)
+class DecodePlan:
+    """Batched decode rows: their query rows, the flat cache slots of their context (padded to
+    the longest) and the padding mask."""
+
+    token_rows: torch.Tensor  # int64 [B]
+    slots: torch.Tensor  # int64 [B * L] indices into the flattened cache
+    mask: torch.Tensor  # bool [B, 1, 1, L]
+    max_len: int
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    start: int
+    end: int
+    slots: torch.Tensor  # int64 [seq_len]
+    mask: torch.Tensor | None  # bool [q_len, seq_len]; None = plain causal
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata(AttentionMetadata):
+    decode: DecodePlan | None = None
+    prefills: list[PrefillPlan] | None = None
+
+
+def _context_slots(block_ids: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return block_ids[pos // block_size].long() * block_size + pos % block_size
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def build_metadata(self, m: AttentionMetadata) -> TorchAttentionMetadata:
+        qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
+        decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        decode = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, dtype=torch.long)
+            lens = m.seq_lens[rows].long()
+            max_len = int(max(seq_lens[i] for i in decode_rows))
+            pos = torch.arange(max_len)
+            nblk = -(-max_len // bs)
+            blocks = m.block_table[rows, :nblk].long()  # [B, nblk]
+            slots = blocks[:, pos // bs] * bs + pos % bs  # [B, L]
+            decode = DecodePlan(
+                token_rows=torch.tensor([qsl[i] for i in decode_rows], dtype=torch.long),
+                slots=slots.reshape(-1),
+                mask=(pos[None, :] < lens[:, None])[:, None, None, :],
+                max_len=max_len,
+            )
+        prefills = []
+        if len(decode_rows) != m.num_reqs:
+            decode_set = set(decode_rows)
+            for i in range(m.num_reqs):
+                start, end = qsl[i], qsl[i + 1]
+                if i in decode_set or end == start:
+                    continue
+                q_len, kv_len = end - start, seq_lens[i]
+                mask = None
+                if q_len != kv_len:  # a chunk after a cached prefix: causal with an offset
+                    mask = (torch.arange(kv_len)[None, :]
+                            <= torch.arange(q_len)[:, None] + (kv_len - q_len))
+                prefills.append(PrefillPlan(start, end,
+                                            _context_slots(m.block_table[i], kv_len, bs), mask))
+        fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
+        return TorchAttentionMetadata(**fields, decode=decode, prefills=prefills)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not isinstance(metadata, TorchAttentionMetadata):
+            metadata = self.build_metadata(metadata)
         n = metadata.num_actual_tokens
         write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        decode_rows = [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if decode_rows:
-            self._decode(q, out, kv_cache, metadata, decode_rows, scale)
-        if len(decode_rows) != metadata.num_reqs:
-            decode_set = set(decode_rows)
-            for i in range(metadata.num_reqs):
-                if i in decode_set:
-                    continue
-                start, end = qsl[i], qsl[i + 1]
-                if end == start:
-                    continue
-                kc, vc = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i])
-                out[start:end] = _prefill_attention(q[start:end], kc, vc, scale)
+        d = metadata.decode
+        if d is not None:
+            b = d.token_rows.shape[0]
+            keys = flat[0].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
+            vals = flat[1].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q[d.token_rows].unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
+                vals.transpose(1, 2).to(q.dtype), attn_mask=d.mask, scale=scale,
+                enable_gqa=gqa)
+            out[d.token_rows] = o.squeeze(2)
+        for p in metadata.prefills or ():
+            kc = flat[0].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
+            vc = flat[1].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
+            qt = q[p.start:p.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=p.mask,
+                                               is_causal=p.mask is None, scale=scale,
+                                               enable_gqa=gqa)
+            out[p.start:p.end] = o.transpose(0, 1)
         return out
-
-    @staticmethod
-    def _decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, rows: list[int], scale: float) -> None:
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        block_size = kv_cache.shape[2]
-        max_len = max(seq_lens[i] for i in rows)
-        nblk = (max_len + block_size - 1) // block_size
-        tok_idx = torch.tensor([qsl[i] for i in rows], dtype=torch.long)
-        row_idx = torch.tensor(rows, dtype=torch.long)
-        blocks = metadata.block_table[row_idx, :nblk].long()  # [B, nblk]
-        keys = kv_cache[0][blocks].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
-        vals = kv_cache[1][blocks].flatten(1, 2)[:, :max_len]
-        lens = torch.tensor([seq_lens[i] for i in rows])
-        mask = torch.arange(max_len)[None, :] < lens[:, None]  # [B, L]
-        qb = q[tok_idx].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qb, keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :], scale=scale,
-            enable_gqa=q.shape[1] != keys.shape[2])
-        out[tok_idx] = o.squeeze(2)
-
-
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """Queries are the last ``len(q)`` of ``len(k)`` positions: causal with an offset."""
-    q_len, kv_len = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
-    gqa = q.shape[1] != k.shape[1]
-    if q_len == kv_len:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        offset = kv_len - q_len
-        mask = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + offset)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
