@@ -1,1 +1,71 @@
-"""Triton kernels and their torch references, installed as ``llmkit.kernels``."""
+"""Triton kernels and their torch references, installed as ``llmkit.kernels``.
+
+llmkit's GPU data plane: fused kernels that read the paged KV cache in place. Each kernel has a
+torch reference next to it (``<name>_ref``) with the same signature, used by the tests (under
+``TRITON_INTERPRET=1`` on a CPU) and by ``benchmarks/gpu/check_kernels.py`` on a GPU.
+
+===========================  ======================  ================================
+kernel                       module                  reference
+===========================  ======================  ================================
+reshape_and_cache            cache                   reshape_and_cache_ref
+paged_decode_attention       decode_attention        paged_decode_attention_ref
+  (+ split-KV reduce)
+unified_attention            unified                 unified_attention_ref
+rms_norm                     norm                    rms_norm_ref
+fused_add_rms_norm           norm                    fused_add_rms_norm_ref
+rotary_embedding             rotary                  rotary_embedding_ref
+silu_and_mul                 activation              silu_and_mul_ref
+===========================  ======================  ================================
+
+Whether a launch compiles for the GPU or runs in Triton's interpreter is decided at launch time
+from ``TRITON_INTERPRET`` (see ``_jit``), so import order never matters. Importing this package
+does not import Triton; the kernel modules do, on first use. (No module is named like the
+function it exports, so a submodule import never shadows a lazily exported function.)
+"""
+from __future__ import annotations
+
+import importlib
+
+from llmkit.kernels._jit import (KernelLaunchError, count_launches, interpreter_enabled,
+                                 launch_counts, unavailable_reason)
+
+_EXPORTS = {
+    "reshape_and_cache": "cache", "reshape_and_cache_ref": "cache",
+    "paged_decode_attention": "decode_attention",
+    "paged_decode_attention_ref": "decode_attention",
+    "default_num_splits": "decode_attention",
+    "unified_attention": "unified", "unified_attention_ref": "unified",
+    "unified_attention_tiles": "unified", "choose_block_q": "unified",
+    "rms_norm": "norm", "rms_norm_ref": "norm",
+    "fused_add_rms_norm": "norm", "fused_add_rms_norm_ref": "norm",
+    "rotary_embedding": "rotary", "rotary_embedding_ref": "rotary",
+    "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
+}
+
+#: Kernel names (as counted by ``launch_counts``) by the public function that launches them.
+KERNELS = {
+    "reshape_and_cache": ("_reshape_and_cache_kernel",),
+    "paged_decode_attention": ("_paged_decode_kernel", "_decode_reduce_kernel"),
+    "unified_attention": ("_unified_attention_kernel",),
+    "rms_norm": ("_rms_norm_kernel",),
+    "fused_add_rms_norm": ("_rms_norm_kernel",),
+    "rotary_embedding": ("_rotary_kernel",),
+    "silu_and_mul": ("_silu_and_mul_kernel",),
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmkit.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"llmkit.kernels.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["KERNELS", "KernelLaunchError", "count_launches", "interpreter_enabled",
+           "launch_counts", "unavailable_reason", *_EXPORTS]

@@ -48,6 +48,13 @@ class AttentionBackend(ABC):
         """Shape of one layer's cache tensor; index 0 selects K (0) or V (1)."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    @classmethod
+    def check_available(cls, platform) -> str | None:
+        """Why this backend cannot run on ``platform`` (a ``llmkit.platforms.Platform``), or
+        ``None`` when it can. Asked when the engine is assembled, so that an unusable choice
+        fails at start-up as a config error naming ``attention``."""
+        return None
+
     def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Backends that need more per-step data (split plans, tile maps) extend it here."""
         return metadata

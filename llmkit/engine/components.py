@@ -35,5 +35,29 @@ def validate_components(config: EngineConfig) -> None:
             except ImportError as e:
                 raise ConfigError(f"{section}._target_", comp.target,
                                   f"an importable class path ({e})") from None
-        elif comp.name not in registry:
-            raise ConfigError(f"{section}.name", comp.name, ", ".join(registry.names()))
+        elif comp.name not in registry and not (section == "attention" and comp.name == "auto"):
+            allowed = registry.names() + (["auto"] if section == "attention" else [])
+            raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
+    _check_attention_available(config)
+
+
+def _check_attention_available(config: EngineConfig) -> None:
+    """Ask the attention backend whether it runs on the configured platform (e.g. ``triton``
+    needs a CUDA GPU, or ``TRITON_INTERPRET=1`` on a CPU)."""
+    from llmkit.attention import attention_backend_class
+    from llmkit.platforms import resolve_platform
+
+    try:
+        platform = resolve_platform(config.platform)
+    except Exception:  # an unavailable platform fails with its own error when the engine starts
+        return
+    attn = config.attention
+    backend = attention_backend_class(attn, platform)
+    check = getattr(backend, "check_available", None)
+    why = check(platform) if check is not None else None
+    if why:
+        key = "attention._target_" if attn.target else "attention.name"
+        value = attn.target or backend.name
+        raise ConfigError(key, value, "", message=(
+            f"{value!r} cannot run on platform {platform.name!r}: {why}; "
+            f"use attention=torch there"))

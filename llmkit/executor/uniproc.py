@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from llmkit.attention import ATTENTION_BACKENDS
+from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import Executor, ModelFacts
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
@@ -26,7 +26,7 @@ class UniprocExecutor(Executor):
         super().__init__(config, platform)
         source = model_source or resolve_model_source(config.model)
         dtype = resolve_dtype(config.model.dtype, platform)
-        attn_cls = ATTENTION_BACKENDS.resolve(config.attention.name, config.attention.target)
+        attn_cls = attention_backend_class(config.attention, platform)
         attn = attn_cls()
         torch.manual_seed(config.seed)
         model = build_model(source, attn, dtype, platform.device)

@@ -9,7 +9,8 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
     default_dtype = torch.bfloat16
-    default_attention = "torch"
+    # Fused Triton kernels that read the paged KV cache in place (llmkit.kernels).
+    default_attention = "triton"
     dist_backend = "nccl"
 
     @classmethod

@@ -1,0 +1,203 @@
+"""Paged decode attention: one query token per sequence against its KV blocks, read in place
+through the block table (no gather copy), with grouped-query attention and an optional split
+of the KV length (flash-decoding) plus the kernel that merges the splits.
+
+Program ``(seq, kv_head, split)`` loads the query rows of every query head that shares
+``kv_head`` as one ``[BLOCK_H, HEAD_DIM]`` tile, so each K/V byte is read once per group, not
+once per query head: decode is bound by HBM bandwidth, and this is where the bytes are.
+With ``num_splits > 1`` each split writes its normalised partial output and its log-sum-exp;
+``_decode_reduce_kernel`` merges them (``out = sum_i exp(lse_i - lse) * o_i``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
+
+LOG2E = 1.4426950408889634
+
+
+@jit
+def _paged_decode_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale_log2,
+    stride_qs, stride_qh,
+    stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_ps, stride_ph, stride_pk,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits cover whole BLOCK_N tiles so that no tile straddles two of them.
+    per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < QUERIES_PER_KV
+    d_ok = offs_d < HEAD_DIM
+    q_head = kv_head * QUERIES_PER_KV + offs_h
+    q = tl.load(q_ptr + seq * stride_qs + q_head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e38, dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + kv_head * stride_c_head
+
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_ok = pos < end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        tok = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_tok
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_c_kv + tok[:, None] + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        # Dots in the storage dtype (tensor cores for bf16/fp16), accumulated in float32.
+        # scores [BLOCK_H, BLOCK_N], in the log2 domain
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = h_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_os + q_head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Natural-log LSE of this split; -inf marks an empty split.
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        p_base = seq * stride_ps + q_head * stride_ph + split * stride_pk
+        tl.store(part_out_ptr + p_base[:, None] + offs_d[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + (seq * NUM_HEADS + q_head) * NUM_SPLITS + split, lse, mask=h_ok)
+
+
+@jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_ph, stride_pk,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_HEADS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_ok = offs_k < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+    base = seq * stride_ps + head * stride_ph + offs_k * stride_pk
+    lse = tl.load(part_lse_ptr + (seq * NUM_HEADS + head) * NUM_SPLITS + offs_k, mask=k_ok,
+                  other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse - lse_max)  # empty splits weigh 0
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    o = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
+                       target_programs: int, min_split_len: int = 128,
+                       max_splits: int = 16) -> int:
+    """Flash-decoding's split count: enough programs to fill the device (``target_programs``,
+    e.g. 2x its SM count), each split at least ``min_split_len`` tokens long."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = max(1, target_programs // programs)
+    by_len = max(1, max_seq_len // max(1, min_split_len))
+    return int(max(1, min(want, by_len, max_splits)))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, *, num_splits: int = 1,
+                           out: torch.Tensor | None = None, block_n: int | None = None
+                           ) -> torch.Tensor:
+    """Attention of ``q [num_seqs, num_heads, head_dim]`` (one token per sequence, the last of
+    its ``seq_lens[i]`` tokens) over ``kv_cache [2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` through ``block_table [num_seqs, max_blocks]``. ``num_splits > 1`` splits each
+    sequence's KV range (flash-decoding) and merges the splits with a second kernel."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    block_h = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    num_splits = max(1, int(num_splits))
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    # part_out [seq, head, split, BLOCK_D] strides; part_lse is [seq, head, split], contiguous.
+    ps = (num_heads * num_splits * block_d, num_splits * block_d, block_d)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
+        q, kv_cache, block_table, seq_lens, out, part_out, part_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        *ps,
+        QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, *ps, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_K=next_power_of_2(num_splits), NUM_HEADS=num_heads,
+        )
+    return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Torch reference of :func:`paged_decode_attention` (float32 math, one sequence at a
+    time, K/V gathered through the block table)."""
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[2]
+    group = q.shape[1] // kv_cache.shape[3]
+    for i, n in enumerate(seq_lens.tolist()):
+        ids = block_table[i, :math.ceil(n / block_size)].long()
+        k = kv_cache[0, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)  # [n, H, D]
+        v = kv_cache[1, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out

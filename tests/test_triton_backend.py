@@ -1,0 +1,138 @@
+"""The ``triton`` attention backend: same results as the ``torch`` reference backend, alone and
+inside the engine (greedy tokens on a tiny random Llama), every kernel of the backend launched;
+a clear start-up error where it cannot run; the default on CUDA."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmkit import LLM, SamplingParams
+from llmkit.attention import ATTENTION_BACKENDS
+from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.torch_backend import TorchAttentionBackend
+from llmkit.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+from llmkit.config.errors import ConfigError
+from llmkit.kernels import count_launches
+from llmkit.kernels.testing import tolerances
+from llmkit.platforms import CudaPlatform
+
+BACKEND_KERNELS = {"_reshape_and_cache_kernel", "_paged_decode_kernel", "_decode_reduce_kernel",
+                   "_unified_attention_kernel"}
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def split_decodes(monkeypatch):
+    """Split short decodes over the KV length (flash-decoding), so tiny tests use the reduce
+    kernel too: aim for 64 programs, >= 8 tokens a split, at most 3 splits."""
+    monkeypatch.setattr(TritonAttentionBackend, "kv_split_target_programs", 64)
+    monkeypatch.setattr(TritonAttentionBackend, "kv_split_min_len", 8)
+    monkeypatch.setattr(TritonAttentionBackend, "kv_split_max", 3)
+
+
+def test_registered_and_cuda_default():
+    assert "triton" in ATTENTION_BACKENDS
+    assert ATTENTION_BACKENDS.get("triton") is TritonAttentionBackend
+    assert CudaPlatform.default_attention == "triton"
+
+
+def _metadata(q_lens, ctx_lens, block_size, block_table, pad_tokens=0):
+    """Step metadata like ModelRunner.prepare_inputs builds; ``pad_tokens`` extra rows at the
+    end of q/k/v with slot -1 (not written, not attended)."""
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    slots = []
+    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+        for p in range(c, c + q):
+            slots.append(int(block_table[i, p // block_size]) * block_size + p % block_size)
+    slots += [-1] * pad_tokens
+    return AttentionMetadata(
+        num_reqs=len(q_lens), num_actual_tokens=qsl[-1], max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens, block_size=block_size)
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", [
+    ([1, 6, 13, 1], [20, 0, 9, 33]),  # mixed: decodes, a prefill, a chunked prefill
+    ([1, 1, 1], [40, 3, 70]),  # decodes only: the paged decode kernel (split)
+], ids=["mixed", "decode"])
+def test_backend_forward_matches_torch_backend(interpret, split_decodes, q_lens, ctx_lens):
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 32
+    g = torch.Generator().manual_seed(len(q_lens))
+    num_blocks = 24
+    block_table = torch.randperm(num_blocks, generator=g)[:len(q_lens) * 6] \
+        .view(len(q_lens), 6).to(torch.int32)
+    meta = _metadata(q_lens, ctx_lens, block_size, block_table, pad_tokens=2)
+    n = meta.num_actual_tokens + 2
+    q = torch.randn(n, num_heads, head_dim, generator=g)
+    kv = torch.randn(n, 2 * num_kv_heads, head_dim, generator=g)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, as in the model
+    shape = TritonAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    cache_ref = torch.randn(shape, generator=g)
+    cache = cache_ref.clone()
+
+    backend = TritonAttentionBackend()
+    tmeta = backend.build_metadata(meta)
+    assert isinstance(tmeta, TritonAttentionMetadata)
+    assert tmeta.decode_only == (max(q_lens) == 1)
+    with count_launches() as launches:
+        out = backend.forward(q, k, v, cache, tmeta, head_dim ** -0.5)
+        out2 = backend.forward(q, k, v, cache, tmeta, head_dim ** -0.5)  # a 2nd layer: reuses
+    expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, head_dim ** -0.5)
+    m = meta.num_actual_tokens
+    torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out[:m], expected[:m], **tolerances(torch.float32))
+    torch.testing.assert_close(out2[:m], out[:m], rtol=0, atol=0)
+    expected_kernels = {"_reshape_and_cache_kernel"} | (
+        {"_paged_decode_kernel", "_decode_reduce_kernel"} if tmeta.decode_only
+        else {"_unified_attention_kernel"})
+    assert set(launches) == expected_kernels
+    assert all(c == 2 for c in launches.values())
+
+
+def test_triton_on_cpu_without_interpreter_fails_at_start(tiny_model_dir, monkeypatch):
+    if CUDA:
+        pytest.skip("the triton backend runs on this machine's GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_model_dir("llama")), dtype="float32", attention="triton")
+    msg = str(err.value)
+    assert msg.startswith("attention.name: 'triton' cannot run on platform 'cpu'")
+    assert "TRITON_INTERPRET=1" in msg and "attention=torch" in msg
+
+
+def test_engine_greedy_triton_equals_torch(tiny_model_dir, interpret, split_decodes):
+    """A few greedy tokens of a tiny random Llama (float32): identical with attention=triton and
+    attention=torch. A small token budget makes steps with chunked prefills next to decodes."""
+    model_dir = tiny_model_dir("llama")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 600) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    groups = dict(kv_cache={"num_blocks": 24, "block_size": 16},
+                  scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 4})
+
+    def run(attention):
+        llm = LLM(str(model_dir), dtype="float32", attention=attention, **groups)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        kv = llm.engine.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = run("torch")
+    with count_launches() as launches:
+        got = run("triton")
+    assert got == expected
+    missing = BACKEND_KERNELS - set(launches)
+    assert not missing, f"kernels never launched: {sorted(missing)}"
