@@ -25,8 +25,9 @@ class KVCacheBlock:
     """One block of ``block_size`` KV slots.
 
     ``prev_free``/``next_free`` link the free list the block is in (if any). ``hits`` counts
-    the prefix-cache hits on the block's current content (reset when evicted); ``pinned`` marks
-    a block of a pinned prefix, never evicted.
+    the prefix-cache hits on the block's current content (reset when evicted), maintained only
+    when the eviction policy uses it (``EvictionPolicy.uses_hits``: lfu does, lru does not, to
+    keep the default path lean); ``pinned`` marks a block of a pinned prefix, never evicted.
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "hits", "pinned")
@@ -197,6 +198,7 @@ class BlockPool:
         #: Holds the free cached blocks and picks which one to evict next.
         self.evictor: EvictionPolicy = (make_eviction_policy(eviction_policy)
                                         if isinstance(eviction_policy, str) else eviction_policy)
+        self._track_hits = bool(self.evictor.uses_hits)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.pinned_hashes: frozenset[bytes] = frozenset(pinned_hashes)
         #: Pinned blocks registered so far (held or idle); they never leave the cache.
@@ -244,11 +246,17 @@ class BlockPool:
         else:
             blocks = evicted = evictor.pop(n)
         table = self.cached_block_hash_to_block
-        for b in evicted:
-            del table[b.block_hash]
-            b.block_hash = None
-            b.hits = 0
-            b.ref_cnt = 1
+        if self._track_hits:
+            for b in evicted:
+                del table[b.block_hash]
+                b.block_hash = None
+                b.hits = 0
+                b.ref_cnt = 1
+        else:
+            for b in evicted:
+                del table[b.block_hash]
+                b.block_hash = None
+                b.ref_cnt = 1
         self.num_evictions += n - k
         return blocks
 
@@ -256,11 +264,17 @@ class BlockPool:
         """Take a reference on cache hits and count the hit; a free one leaves the eviction
         policy (no longer evictable)."""
         remove = self.evictor.remove
-        for b in blocks:
-            if b.ref_cnt == 0 and not b.pinned:
-                remove(b)
-            b.ref_cnt += 1
-            b.hits += 1
+        if self._track_hits or self.num_pinned_blocks:
+            for b in blocks:
+                if b.ref_cnt == 0 and not b.pinned:
+                    remove(b)
+                b.ref_cnt += 1
+                b.hits += 1
+        else:  # the default path (lru, nothing pinned yet)
+            for b in blocks:
+                if b.ref_cnt == 0:
+                    remove(b)
+                b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; those reaching zero become free.
@@ -279,7 +293,7 @@ class BlockPool:
                 (empty if b.block_hash is None else cached).append(b)
         if cached:
             if self.num_pinned_blocks:
-                pass
+                cached = [b for b in cached if not b.pinned]
             self.evictor.add(cached)
         if empty:
             self.empty_block_queue.appendleft_n(empty)
@@ -295,6 +309,19 @@ class BlockPool:
             return
         table = self.cached_block_hash_to_block
         pinned = self.pinned_hashes
+        if pinned:
+            for i in range(start, end):
+                b = blocks[i]
+                if b.block_hash is not None:
+                    continue
+                h = block_hashes[i]
+                if h not in table:
+                    table[h] = b
+                    b.block_hash = h
+                    if h in pinned:
+                        b.pinned = True
+                        self.num_pinned_blocks += 1
+            return
         for i in range(start, end):
             b = blocks[i]
             if b.block_hash is not None:
@@ -303,9 +330,6 @@ class BlockPool:
             if h not in table:
                 table[h] = b
                 b.block_hash = h
-                if pinned and h in pinned:
-                    b.pinned = True
-                    self.num_pinned_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash except the pinned ones. Refuses (False) while any block is

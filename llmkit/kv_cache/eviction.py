@@ -10,7 +10,8 @@ Policies are chosen by name (``kv_cache.eviction_policy``) through :data:`EVICTI
   prefix (the pool hands them over tail first). One intrusive linked list, every operation O(1).
 - ``lfu``: fewest hits first (``KVCacheBlock.hits``: how many times a request took the block as a
   prefix-cache hit since it was filled), ties broken by LRU order. One LRU list per hit count
-  plus a heap of the counts in use: O(1) add/remove, O(log #distinct counts) per evicting call.
+  plus a heap of the counts in use: O(1) remove, O(log #distinct counts) per run of equal
+  counts added and per bucket emptied by eviction.
 
 A third party adds a policy by subclassing :class:`EvictionPolicy` and registering it, either
 ``EVICTION_POLICIES.register("name")(MyPolicy)`` or an entry point in the group
@@ -38,7 +39,7 @@ class EvictionPolicy(ABC):
     - ``add(blocks)``: blocks whose last reference was just dropped, in the order the pool
       would evict them among themselves (a request's tail block first).
     - ``remove(block)``: a held block is taken back by a cache hit. Called *before* the
-      block's ``hits`` is incremented.
+      block's ``hits`` is incremented (``hits`` is maintained only if ``uses_hits``).
     - ``pop(n)``: remove and return ``n`` blocks to evict, first victim first;
       ``0 <= n <= num_free_blocks``. The pool then drops their hashes.
     - iteration yields the blocks in eviction order (for checks and debugging).
@@ -51,6 +52,8 @@ class EvictionPolicy(ABC):
     __slots__ = ()
     #: The registered name (informational).
     name: str = ""
+    #: Whether the policy reads ``KVCacheBlock.hits``; when False the pool does not maintain it.
+    uses_hits: bool = True
     num_free_blocks: int
 
     def __len__(self) -> int:
@@ -81,6 +84,7 @@ class LRUEvictionPolicy(FreeBlockQueue, EvictionPolicy):
 
     __slots__ = ()
     name = "lru"
+    uses_hits = False
 
     # FreeBlockQueue already has remove, __iter__ and num_free_blocks.
     add = FreeBlockQueue.append_n
@@ -96,12 +100,14 @@ class LRUEvictionPolicy(FreeBlockQueue, EvictionPolicy):
 class LFUEvictionPolicy(EvictionPolicy):
     """Fewest hits first; among blocks with as many hits, least recently freed first.
 
-    ``_buckets[h]`` is the LRU list of free blocks with ``hits == h``; ``_heap`` holds each
-    ``h`` whose bucket may be non-empty, once (``_in_heap``). Empty buckets are dropped lazily
-    when their count reaches the top of the heap.
+    ``_buckets[h]`` is the LRU list of the free blocks with ``hits == h``; a bucket exists only
+    while non-empty. ``_heap`` is a min-heap of the bucket keys (``_in_heap``: the keys with a
+    live entry), plus ``_stale`` entries of buckets deleted since; those are skipped when they
+    surface, and the heap is rebuilt when they outnumber the live ones, so memory stays
+    O(distinct hit counts among free blocks) however large counts grow.
     """
 
-    __slots__ = ("num_free_blocks", "_buckets", "_heap", "_in_heap")
+    __slots__ = ("num_free_blocks", "_buckets", "_heap", "_in_heap", "_stale")
     name = "lfu"
 
     def __init__(self) -> None:
@@ -109,26 +115,54 @@ class LFUEvictionPolicy(EvictionPolicy):
         self._buckets: dict[int, FreeBlockQueue] = {}
         self._heap: list[int] = []
         self._in_heap: set[int] = set()
+        self._stale = 0
+
+    def _bucket(self, hits: int) -> FreeBlockQueue:
+        q = self._buckets.get(hits)
+        if q is None:
+            q = self._buckets[hits] = FreeBlockQueue()
+            self._in_heap.add(hits)
+            heapq.heappush(self._heap, hits)
+        return q
+
+    def _drop_empty(self, hits: int) -> None:
+        """Delete an emptied bucket whose heap entry stays behind (stale)."""
+        del self._buckets[hits]
+        self._in_heap.discard(hits)
+        self._stale += 1
+        if self._stale > 16 + len(self._buckets):
+            self._heap = list(self._buckets)
+            heapq.heapify(self._heap)
+            self._in_heap = set(self._buckets)
+            self._stale = 0
 
     def add(self, blocks: Sequence[KVCacheBlock]) -> None:
-        buckets = self._buckets
-        for b in blocks:
-            h = b.hits
-            q = buckets.get(h)
-            if q is None:
-                q = buckets[h] = FreeBlockQueue()
-            if h not in self._in_heap:
-                self._in_heap.add(h)
-                heapq.heappush(self._heap, h)
-            q.append(b)
-        self.num_free_blocks += len(blocks)
+        # A request's blocks mostly share one hit count: append runs of equal counts at once.
+        n = len(blocks)
+        i = 0
+        while i < n:
+            h = blocks[i].hits
+            j = i + 1
+            while j < n and blocks[j].hits == h:
+                j += 1
+            self._bucket(h).append_n(blocks[i:j] if i or j < n else blocks)
+            i = j
+        self.num_free_blocks += n
 
     def remove(self, block: KVCacheBlock) -> None:
-        q = self._buckets.get(block.hits)
-        if q is None:
+        h = block.hits
+        q = self._buckets.get(h)
+        prev, nxt = block.prev_free, block.next_free
+        if q is None or prev is None or nxt is None:
             raise ValueError(f"{block!r} is not held by the lfu policy")
-        q.remove(block)
+        # FreeBlockQueue.remove, inlined: this is on every cache hit.
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        q.num_free_blocks -= 1
         self.num_free_blocks -= 1
+        if not q.num_free_blocks:
+            self._drop_empty(h)
 
     def pop(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
@@ -138,17 +172,22 @@ class LFUEvictionPolicy(EvictionPolicy):
         need = n
         while need > 0:
             h = heap[0]
-            q = buckets[h]
-            k = q.num_free_blocks
-            if k == 0:
+            q = buckets.get(h)
+            if q is None:  # a deleted bucket's entry
                 heapq.heappop(heap)
-                self._in_heap.discard(h)
-                del buckets[h]
+                self._stale -= 1
                 continue
+            k = q.num_free_blocks
             if k > need:
-                k = need
+                out += q.popleft_n(need)
+                break
             out += q.popleft_n(k)
             need -= k
+            # The bucket is empty: drop it with its live entry, which is on top. Stale entries
+            # of the same count, if any, stay and are skipped later.
+            heapq.heappop(heap)
+            del buckets[h]
+            self._in_heap.discard(h)
         self.num_free_blocks -= n
         return out
 
@@ -160,15 +199,18 @@ class LFUEvictionPolicy(EvictionPolicy):
         total = 0
         for h, q in self._buckets.items():
             q.check_links(f"eviction queue (lfu, hits={h})")
+            if not q.num_free_blocks:
+                raise KVCacheIntegrityError(f"lfu: bucket {h} is empty but kept")
             for b in q:
                 if b.hits != h:
                     raise KVCacheIntegrityError(
                         f"lfu: block {b.block_id} has hits={b.hits} but sits in bucket {h}")
-            if q.num_free_blocks and h not in self._in_heap:
-                raise KVCacheIntegrityError(f"lfu: bucket {h} is not in the heap")
             total += q.num_free_blocks
-        if sorted(self._heap) != sorted(self._in_heap) or len(self._heap) != len(self._in_heap):
-            raise KVCacheIntegrityError("lfu: heap and its membership set disagree")
+        if self._in_heap != set(self._buckets) or not self._in_heap <= set(self._heap):
+            raise KVCacheIntegrityError("lfu: the heap does not cover exactly the buckets")
+        if len(self._heap) != len(self._buckets) + self._stale:
+            raise KVCacheIntegrityError(f"lfu: heap of {len(self._heap)} entries for "
+                                        f"{len(self._buckets)} buckets and {self._stale} stale")
         if total != self.num_free_blocks:
             raise KVCacheIntegrityError(f"lfu: buckets hold {total} blocks but "
                                         f"num_free_blocks={self.num_free_blocks}")

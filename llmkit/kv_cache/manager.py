@@ -10,6 +10,7 @@ are never evicted once computed.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
@@ -89,11 +90,14 @@ class KVCacheManager(KVCacheManagerBase):
                              "kv_cache.enable_prefix_caching=true; it is false")
         hashes: set[bytes] = set()
         for i, prefix in enumerate(prefixes):
-            if isinstance(prefix, (str, bytes)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+            try:
+                if isinstance(prefix, (str, bytes)) or any(isinstance(t, bool) for t in prefix):
+                    raise TypeError
+                prefix = [operator.index(t) for t in prefix]
+            except TypeError:
                 raise ValueError(f"kv_cache.pinned_prefixes[{i}]: expected a list of token ids "
                                  "(tokenize text prefixes before building the manager), got "
-                                 f"{prefix!r:.60}")
+                                 f"{prefix!r:.60}") from None
             n_full = len(prefix) // block_size
             if n_full == 0:
                 raise ValueError(f"kv_cache.pinned_prefixes[{i}]: {len(prefix)} tokens, shorter "
@@ -102,7 +106,7 @@ class KVCacheManager(KVCacheManagerBase):
             parent = None
             for j in range(n_full):
                 parent = hash_block_tokens_encoded(
-                    parent, list(prefix[j * block_size:(j + 1) * block_size]), b"")
+                    parent, prefix[j * block_size:(j + 1) * block_size], b"")
                 hashes.add(parent)
         limit = num_blocks // 2
         if len(hashes) > limit:
@@ -262,7 +266,8 @@ class KVCacheManager(KVCacheManagerBase):
                 if b.ref_cnt == 0 and not b.pinned:
                     num_evictable_hits += 1  # it leaves the free blocks when touched
         num_needed = num_new_blocks + num_evictable_hits
-        if num_needed and num_needed > pool.num_free_blocks:
+        if num_needed and num_needed > (pool.empty_block_queue.num_free_blocks
+                                        + pool.evictor.num_free_blocks):
             return None
 
         if req_blocks is None:
