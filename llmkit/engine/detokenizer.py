@@ -4,6 +4,9 @@ Uses the `tokenizers` library's DecodeStream, which holds back bytes until they 
 characters (byte-level BPE splits multi-byte characters across tokens). The stream is primed
 with the prompt's last tokens so that the first output token decodes with its context (leading
 spaces of SentencePiece-style vocabularies).
+
+``spaces_between_special_tokens`` only affects slow (Python) tokenizers; fast ones, the only
+kind llmkit detokenizes with, ignore it, as they do in vLLM and transformers.
 """
 from __future__ import annotations
 
@@ -25,13 +28,26 @@ class IncrementalDetokenizer:
                                     skip_special_tokens=skip_special_tokens)
         self.text = ""
 
+    def add_token(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        piece = self._stream.step(self._backend, token_id) or ""
+        self.text += piece
+        return piece
+
     def add_tokens(self, token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
-        pieces = []
-        for tok in token_ids:
-            piece = self._stream.step(self._backend, tok)
-            if piece:
-                pieces.append(piece)
-        delta = "".join(pieces)
-        self.text += delta
-        return delta
+        return "".join([self.add_token(t) for t in token_ids])
+
+
+class TokenTexts:
+    """Each token's own text (``Logprob.decoded_token``), decoded once per token id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text

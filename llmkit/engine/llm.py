@@ -14,6 +14,7 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
 from llmkit.request import Request
+from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
 
 PromptType = str | list[int]
@@ -71,14 +72,37 @@ class LLM:
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than model.max_model_len "
                              f"({self.max_model_len}); shorten it or raise model.max_model_len")
-        if self._extra_stop_ids:
-            params = dataclasses.replace(
-                params, stop_token_ids=list(params.stop_token_ids) + self._extra_stop_ids)
+        params = self._prepare_params(params)
         rid = str(next(self._ids))
-        self._processor.add_request(rid, text, ids, params, kind)
-        self.engine.add_request(Request(rid, ids, params, eos_token_id=self.engine.eos_token_id,
-                                        arrival_time=self.engine.clock()))
+        for child_id, child_params in self._processor.add_request(rid, text, ids, params, kind):
+            self.engine.add_request(Request(child_id, ids, child_params,
+                                            eos_token_id=self.engine.eos_token_id,
+                                            arrival_time=self.engine.clock()))
         return rid
+
+    def _prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary; add the model's extra EOS ids as stop ids;
+        tokenize bad words."""
+        vocab = self.engine.executor.model_facts.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"SamplingParams.{name}: token ids {bad[:5]} are outside the "
+                                 f"vocabulary (size {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs: at most the vocabulary size ({vocab}), "
+                             f"got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"SamplingParams.prompt_logprobs: at most the vocabulary size "
+                             f"({vocab}), got {params.prompt_logprobs}")
+        changes: dict[str, Any] = {}
+        if self._extra_stop_ids:
+            changes["stop_token_ids"] = list(params.stop_token_ids) + self._extra_stop_ids
+        if params.bad_words and params.bad_words_token_ids is None:
+            changes["bad_words_token_ids"] = tokenize_bad_words(params.bad_words, self.tokenizer)
+        return dataclasses.replace(params, **changes) if changes else params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -110,14 +134,22 @@ class LLM:
         rid = self._add(prompt, sampling_params or SamplingParams(), RequestOutputKind.DELTA)
         try:
             while True:
-                for out in self._processor.process(self.engine.step()):
+                for out in self._step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:
                             return
         finally:
-            if rid in self._processor.states:
-                self._processor.process(self.engine.abort_requests([rid]))
+            self.abort([rid])
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step through the output processor. Requests the front end finished (a
+        stop string matched) are aborted in the core at once, which frees their blocks."""
+        stopped: list[str] = []
+        outs = self._processor.process(self.engine.step(), stopped)
+        if stopped:
+            self.engine.abort_requests(stopped)
+        return outs
 
     def _run_to_completion(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(rids)
@@ -125,21 +157,23 @@ class LLM:
         bar = tqdm(total=len(rids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while len(results) < len(wanted):
-                for out in self._processor.process(self.engine.step()):
+                for out in self._step():
                     if out.request_id in wanted and out.finished:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
             # Leave the engine clean for the next call: nothing of this batch keeps blocks.
-            pending = [r for r in rids if r not in results]
-            self._processor.process(self.engine.abort_requests(pending))
+            self.abort([r for r in rids if r not in results])
             raise
         finally:
             bar.close()
         return [results[r] for r in rids]
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        self._processor.process(self.engine.abort_requests(request_ids))
+        """Abort user requests (all their samples when ``n > 1``)."""
+        child_ids = [c for r in request_ids for c in self._processor.child_request_ids(r)]
+        if child_ids:
+            self._processor.process(self.engine.abort_requests(child_ids))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,81 +1,180 @@
-"""Turns the core's per-step token outputs into user-facing RequestOutputs (detokenized)."""
+"""Turns the core's per-step token outputs into user-facing RequestOutputs.
+
+Per engine request (a child of a user request, see :mod:`llmkit.sampling.parallel`): detokenize
+incrementally, match stop strings on the text as it grows, turn logprob lists into
+``{token_id: Logprob}`` dicts, and build the ``CompletionOutput`` for the request's output kind.
+
+A stop string is found here, not in the core: the request is finished in the front end and
+the core still runs it. ``process(outputs, reqs_to_abort)`` appends such engine request ids to
+the caller's list; the caller aborts them in the core so that their KV blocks are freed at
+once (an output with ``finished=True`` whose engine output was not finished says the same).
+"""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from llmkit.engine.detokenizer import IncrementalDetokenizer
-from llmkit.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
-from llmkit.sampling.params import SamplingParams
+from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from llmkit.outputs import (CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists,
+                            RequestOutput)
+from llmkit.sampling.parallel import ParentRequest
+from llmkit.sampling.params import RequestOutputKind, SamplingParams
+from llmkit.sampling.stop_strings import find_stop_string, holdback_chars
 
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0  # every output carries everything so far
-    DELTA = 1  # every output carries only what is new
-    FINAL_ONLY = 2  # one output, when the request finishes
+__all__ = ["OutputProcessor", "RequestOutputKind", "RequestState"]
 
 
 @dataclass(slots=True)
 class RequestState:
+    """One engine request (child ``index`` of ``parent``) as the front end tracks it."""
+
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    parent: ParentRequest
+    index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    output_kind: RequestOutputKind
+    holdback: int  # trailing characters not streamed yet (a stop string may start there)
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_sent_chars: int = 0  # DELTA: text already streamed
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}  # by engine (child) request id
+        self.parents: dict[str, ParentRequest] = {}
+        self._token_text = TokenTexts(tokenizer)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams,
-                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                       skip_special_tokens=params.skip_special_tokens)
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
-                                               detok, output_kind)
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+                    ) -> list[tuple[str, SamplingParams]]:
+        """Track a user request; return the engine requests to add for it: ``(request_id,
+        params)`` per child (one, with the same id, when ``n == 1``)."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, output_kind)
+        self.parents[request_id] = parent
+        for i, (cid, cparams) in enumerate(zip(parent.child_ids, parent.child_params)):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                           skip_special_tokens=cparams.skip_special_tokens)
+            self.states[cid] = RequestState(
+                cid, parent, i, cparams, detok,
+                holdback_chars(cparams.stop, cparams.include_stop_str_in_output),
+                logprobs=[] if cparams.logprobs is not None else None,
+                cumulative_logprob=0.0 if cparams.logprobs is not None else None)
+        return list(zip(parent.child_ids, parent.child_params))
 
-    def process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        results = []
+    def child_request_ids(self, request_id: str) -> list[str]:
+        """The engine request ids of a user request that is still running."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return [request_id] if request_id in self.states else []
+        return [c for c in parent.child_ids if c in self.states]
+
+    # -- one step -------------------------------------------------------------------------
+    def process(self, outputs: list[EngineCoreOutput],
+                reqs_to_abort: list[str] | None = None) -> list[RequestOutput]:
+        """User-facing outputs for one step's engine outputs. Engine requests finished here
+        by a stop string are appended to ``reqs_to_abort``: abort them in the core."""
+        touched: dict[str, ParentRequest] = {}
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
-                continue
-            delta_text = state.detokenizer.add_tokens(out.new_token_ids)
-            state.token_ids.extend(out.new_token_ids)
-            state.num_cached_tokens = out.num_cached_tokens
-            if out.finish_reason is not None:
-                state.finish_reason = out.finish_reason
-                state.stop_reason = out.stop_reason
+                continue  # finished here already (a stop string), or unknown
+            new_ids, new_logprobs = self._update(state, out)
+            parent = state.parent
+            if out.num_cached_tokens and state.index == 0:
+                parent.num_cached_tokens = out.num_cached_tokens
+            finished = state.finish_reason is not None
+            if finished:
                 del self.states[out.request_id]
-            ro = self._make_output(state, out.new_token_ids, delta_text)
+                if out.finish_reason is None and reqs_to_abort is not None:
+                    reqs_to_abort.append(out.request_id)  # the core still runs it
+            parent.record(state.index, self._completion(state, new_ids, new_logprobs),
+                          finished)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            ro = parent.make_output()
             if ro is not None:
                 results.append(ro)
+            if parent.finished:
+                del self.parents[parent.request_id]
         return results
 
-    @staticmethod
-    def _make_output(state: RequestState, new_ids: list[int],
-                     delta_text: str) -> RequestOutput | None:
+    def _update(self, state: RequestState,
+                out: EngineCoreOutput) -> tuple[list[int], list[dict[int, Logprob]]]:
+        """Take in one step's tokens; return the tokens kept and their logprob dicts."""
+        sp = state.params
+        if out.new_prompt_logprobs is not None and state.parent.prompt_logprobs is None:
+            state.parent.prompt_logprobs = [None] + self._logprob_dicts(out.new_prompt_logprobs)
+        new_ids = out.new_token_ids
+        lps = self._logprob_dicts(out.new_logprobs) if out.new_logprobs is not None else []
+        # The core stopped on EOS or a stop token id: that token is not part of the text
+        # unless asked (vLLM's rule; it is in token_ids either way).
+        skip_last = out.finish_reason == "stop" and not sp.include_stop_str_in_output
+        kept = len(new_ids)
+        stop: tuple[str, int] | None = None
+        for j, tok in enumerate(new_ids):
+            state.token_ids.append(tok)
+            if skip_last and j == len(new_ids) - 1:
+                break
+            piece = state.detokenizer.add_token(tok)
+            state.text += piece
+            # Stop strings count only once min_tokens outputs exist (as in vLLM).
+            if sp.stop and piece and len(state.token_ids) > sp.min_tokens:
+                stop = find_stop_string(state.text, len(piece), sp.stop,
+                                        sp.include_stop_str_in_output)
+                if stop is not None:
+                    kept = j + 1
+                    break
+        del lps[kept:]
+        if state.logprobs is not None and out.new_logprobs is not None:
+            state.logprobs.extend(lps)
+            state.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs[:kept])
+        if stop is not None:
+            state.text = state.text[:stop[1]]
+            state.finish_reason, state.stop_reason = "stop", stop[0]
+        elif out.finish_reason is not None:
+            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        return new_ids[:kept], lps
+
+    def _completion(self, state: RequestState, new_ids: list[int],
+                    new_logprobs: list[dict[int, Logprob]]) -> CompletionOutput | None:
         finished = state.finish_reason is not None
-        kind = state.output_kind
+        kind = state.parent.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        visible = state.text if finished or not state.holdback \
+            else state.text[:max(0, len(state.text) - state.holdback)]
         if kind == RequestOutputKind.DELTA:
-            text, ids = delta_text, list(new_ids)
+            text = visible[state.num_sent_chars:]
+            state.num_sent_chars = max(state.num_sent_chars, len(visible))
+            ids, logprobs = list(new_ids), (new_logprobs if state.logprobs is not None
+                                            else None)
         else:
-            text, ids = state.detokenizer.text, list(state.token_ids)
-        completion = CompletionOutput(index=0, text=text, token_ids=ids,
-                                      finish_reason=state.finish_reason,
-                                      stop_reason=state.stop_reason)
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=finished, num_cached_tokens=state.num_cached_tokens)
+            text, ids = visible, list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        return CompletionOutput(index=state.index, text=text, token_ids=ids,
+                                cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=state.finish_reason,
+                                stop_reason=state.stop_reason)
+
+    def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        """vLLM's layout: the chosen token with its rank, then the top-k with ranks 1..k (a
+        chosen token among the top-k appears once)."""
+        text = self._token_text
+        out = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            d = {ids[0]: Logprob(lps[0], rank, text(ids[0]))}
+            for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                d[t] = Logprob(lp, r, text(t))
+            out.append(d)
+        return out

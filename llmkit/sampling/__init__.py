@@ -8,7 +8,7 @@ from llmkit.sampling.params import SamplingParams
 SAMPLERS: Registry = Registry("sampler")
 SAMPLERS.register_lazy("torch", "llmkit.sampling.sampler.TorchSampler")
 
-_LAZY = {"Sampler", "SamplingMetadata", "TorchSampler"}
+_LAZY = {"Sampler", "SamplerOutput", "SamplingMetadata", "PenaltyInputs", "TorchSampler"}
 
 
 def __getattr__(name: str):
@@ -18,4 +18,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'llmkit.sampling' has no attribute {name!r}")
 
 
-__all__ = ["SAMPLERS", "SamplingParams", "Sampler", "SamplingMetadata", "TorchSampler"]
+__all__ = ["SAMPLERS", "SamplingParams", "Sampler", "SamplerOutput", "SamplingMetadata",
+           "PenaltyInputs", "TorchSampler"]

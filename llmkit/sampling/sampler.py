@@ -1,85 +1,122 @@
 """The batched sampler: one pass over a step's logits, per-row parameters.
 
-Order of operations (fixed): external token mask → temperature → min-p → top-k → top-p →
-sample. Greedy rows (temperature 0) take the argmax of the masked logits; random rows draw with
-the exponential-race trick (argmax of p / Exp(1) noise is a categorical draw from p), which lets
-a seeded row draw its noise from its own generator, so its tokens do not depend on the batch.
+Order of operations (fixed, vLLM's):
+
+0. logprobs, when asked, from the *raw* logits (the model's distribution);
+1. token constraints: external mask (structured output), ``allowed_token_ids``, bad words,
+   EOS / stop ids before ``min_tokens``, ``logit_bias``;
+2. penalties: repetition, then frequency and presence;
+3. greedy rows take the argmax here (the filters below never change the argmax);
+4. random rows: temperature → min-p → top-k → top-p → softmax → draw.
+
+Draws use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d., picks token ``i``
+with probability ``p_i``), which lets a seeded row draw its noise from its own generator: its
+tokens do not depend on what else is in the batch. Unseeded rows share the engine's generator.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from llmkit.sampling.logits_processors import apply_penalties, apply_token_constraints
+from llmkit.sampling.logprobs import LogprobsTensors, compute_logprobs
+from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
+from llmkit.sampling import topk_topp
+
+_GREEDY_EPS = 1e-5
+
+__all__ = ["PenaltyInputs", "Sampler", "SamplerOutput", "SamplingMetadata", "TorchSampler"]
+
 
 @dataclass(slots=True)
-class SamplingMetadata:
-    """Per-row parameters for the rows being sampled this step (float32/int64 CPU tensors)."""
-
-    temperature: torch.Tensor  # [B]; 0 = greedy
-    all_greedy: bool
-    top_k: torch.Tensor | None = None  # [B]; 0 = off
-    top_p: torch.Tensor | None = None  # [B]; 1 = off
-    min_p: torch.Tensor | None = None  # [B]; 0 = off
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> own RNG
-    # The structured-output seam: True = may be sampled. None = everything allowed.
-    token_mask: torch.Tensor | None = None  # bool [B, V]
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    logprobs: LogprobsTensors | None = None  # [B, max_num_logprobs + 1]; None if not asked
 
 
 class Sampler(ABC):
     @abstractmethod
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of float32 ``logits`` ``[B, V]`` (never modified)."""
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Token ids ``[B]`` (int64) for float32 logits ``[B, V]``."""
+        """Token ids ``[B]`` (int64)."""
+        return self.sample(logits, metadata).sampled_token_ids
 
 
 class TorchSampler(Sampler):
     def __init__(self, seed: int = 0) -> None:
         # Rows without their own seed draw from this engine-wide generator.
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        if metadata.token_mask is not None:
-            logits = logits.masked_fill(~metadata.token_mask, float("-inf"))
-        greedy_tokens = logits.argmax(dim=-1)
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self._generator(torch.device("cpu"))
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw = logits
+        if metadata.has_processors:
+            logits = logits.float().clone()  # processors work in place on our own copy
+            apply_token_constraints(logits, metadata)
+            if metadata.penalties is not None:
+                apply_penalties(logits, metadata.penalties)
         if metadata.all_greedy:
-            return greedy_tokens
-        temperature = metadata.temperature
-        is_greedy = temperature < 1e-5
-        scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
-        probs = self.filtered_probs(scaled, metadata)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_mixed(logits, metadata)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw, tokens, metadata.max_num_logprobs)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        is_random = meta.temperature >= _GREEDY_EPS
+        if bool(is_random.all()):
+            return self._sample_random(logits, meta.temperature, meta.top_k, meta.top_p,
+                                       meta.min_p, meta.generators)
+        # Greedy rows keep their argmax; only the random rows pay for softmax, sort and noise.
+        tokens = logits.argmax(dim=-1)
+        idx = is_random.nonzero().squeeze(1)
+        pos = {int(r): i for i, r in enumerate(idx.tolist())}
+        gens = {pos[r]: g for r, g in meta.generators.items() if r in pos}
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        tokens[idx] = self._sample_random(logits[idx], meta.temperature[idx], pick(meta.top_k),
+                                          pick(meta.top_p), pick(meta.min_p), gens)
+        return tokens
+
+    def _sample_random(self, logits: torch.Tensor, temperature: torch.Tensor,
+                       top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                       min_p: torch.Tensor | None,
+                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+        probs = self.filtered_probs(logits / temperature.unsqueeze(1), top_k, top_p, min_p)
+        # Exp(1) noise as -log(U), U ~ U[0, 1): ~4x faster than exponential_() on the CPU.
+        # U = 0 gives inf: that token's p / inf = 0, never NaN.
         noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for row, gen in metadata.generators.items():
-            noise[row].exponential_(generator=gen)
-        random_tokens = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, random_tokens)
+        if len(generators) < probs.shape[0]:
+            noise.uniform_(generator=self._generator(probs.device))
+        for row, gen in generators.items():
+            noise[row].uniform_(generator=gen)
+        return probs.div_(noise.log_().neg_()).argmax(dim=-1)
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Softmax of temperature-scaled logits after min-p, top-k and top-p filtering."""
-        if metadata.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(1)
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = _top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor | None = None,
+                       top_p: torch.Tensor | None = None,
+                       min_p: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax of temperature-scaled ``logits`` after min-p, top-k and top-p (in place)."""
+        if min_p is not None:
+            logits = topk_topp.apply_min_p(logits, min_p)
+        if top_k is not None or top_p is not None:
+            logits = topk_topp.apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                 top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        beyond_k = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
-    if top_p is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = mass_before >= top_p.unsqueeze(1)
-        outside[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

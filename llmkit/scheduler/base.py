@@ -25,6 +25,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The runner masks EOS (with stop_token_ids) until ``min_tokens`` outputs exist.
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)

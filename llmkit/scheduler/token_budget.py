@@ -104,6 +104,14 @@ class TokenBudgetScheduler(Scheduler):
                 new_blocks = kv.allocate_slots(req, n, lookahead)
                 if new_blocks is not None:
                     break
+                if len(self.running) == 1:
+                    # Alone and still out of blocks: the request has outgrown the whole pool.
+                    # Preempting it would only re-admit it to grow again (a livelock), so it
+                    # ends here, capped by KV capacity as it would be by max_model_len.
+                    self.running.pop()
+                    self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    self._pending_outputs.append(self._output(req, []))
+                    break
                 # Only requests not yet scheduled this step may be preempted.
                 victim = pick_victim(self.running[i:], cfg.preemption_policy)
                 self.running.remove(victim)
@@ -124,7 +132,13 @@ class TokenBudgetScheduler(Scheduler):
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
-                computed_blocks, num_hit = kv.get_computed_blocks(req)
+                if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+                    computed_blocks, num_hit = kv.get_computed_blocks(req)
+                else:
+                    # Cached positions have no logits: a request that still owes its prompt
+                    # logprobs computes its whole prompt (as vLLM does). Its blocks are still
+                    # cached for other requests by allocate_slots.
+                    computed_blocks, num_hit = [], 0
                 n = req.num_tokens - num_hit
                 if n > budget and not cfg.enable_chunked_prefill:
                     break
@@ -158,6 +172,7 @@ class TokenBudgetScheduler(Scheduler):
                     sampling_params=req.sampling_params,
                     block_ids=kv.get_block_ids(req.request_id),
                     num_computed_tokens=num_hit,
+                    eos_token_id=req.eos_token_id,
                 ))
 
         # The step's tokens count as computed from now: the next schedule() builds on them.
@@ -228,7 +243,14 @@ class TokenBudgetScheduler(Scheduler):
                 req.times.first_token = now
             if req.is_finished:
                 stopped.append(req)
-            outputs.append(self._output(req, kept))
+            out = self._output(req, kept)
+            logprobs = model_runner_output.logprobs.get(req_id)
+            if logprobs is not None:
+                # Tokens after a stop are dropped: so are their logprobs.
+                out.new_logprobs = (logprobs if len(logprobs) == len(kept)
+                                    else logprobs.slice(0, len(kept)))
+            out.new_prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            outputs.append(out)
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]

@@ -2,14 +2,89 @@
 
 Rows are kept dense (0..num_reqs-1): removing a request moves the last row into its place, so
 building a step's inputs is a handful of vectorised numpy ops, not a Python loop per token.
+Sampling parameters live in per-row numpy columns (for vectorised per-step checks: does any
+row of this step need penalties, top-k, ...); the few ragged ones (bias, allow-lists, bad
+words, penalty counts) in a per-row :class:`RowSamplingExtras`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import NewRequestData
+
+
+class _GrowingIds:
+    """Distinct token ids in first-seen order, with a count each, as numpy arrays that grow
+    by doubling: a step reads them as slices (no per-step conversion), a new token is O(1)."""
+
+    __slots__ = ("ids", "counts", "n", "_pos")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.ids = np.empty(max(16, 2 * len(tokens)), dtype=np.int64)
+        self.counts = np.zeros(len(self.ids), dtype=np.int64)
+        self.n = 0
+        self._pos: dict[int, int] = {}
+        for t in tokens:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        i = self._pos.get(token)
+        if i is None:
+            i = self._pos[token] = self.n
+            if i == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            self.ids[i] = token
+            self.n += 1
+        self.counts[i] += 1
+
+
+@dataclass(slots=True)
+class PenaltyState:
+    """A row's token statistics for penalties, kept up to date as it samples (O(1) a token)."""
+
+    output: _GrowingIds  # output tokens and their counts (frequency, presence)
+    seen: _GrowingIds | None  # prompt + output tokens (repetition only)
+
+    @classmethod
+    def build(cls, prompt: list[int], output: list[int], repetition: bool) -> "PenaltyState":
+        return cls(_GrowingIds(output), _GrowingIds(prompt + output) if repetition else None)
+
+    def add(self, token: int) -> None:
+        self.output.add(token)
+        if self.seen is not None:
+            self.seen.add(token)
+
+
+@dataclass(slots=True)
+class RowSamplingExtras:
+    """The ragged per-row sampling data, precomputed once per request as numpy arrays."""
+
+    min_tokens_stop_ids: np.ndarray  # EOS + stop_token_ids: banned before min_tokens
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+    allowed_ids: np.ndarray | None = None
+    bad_words: list[list[int]] | None = None
+    penalty: PenaltyState | None = None  # built on the first step that needs it
+
+    @classmethod
+    def from_params(cls, sp: SamplingParams, eos_token_id: int | None) -> "RowSamplingExtras":
+        stop_ids = list(sp.stop_token_ids or [])
+        if eos_token_id is not None:
+            stop_ids.append(eos_token_id)
+        extras = cls(min_tokens_stop_ids=np.asarray(sorted(set(stop_ids)), dtype=np.int64))
+        if sp.logit_bias:
+            extras.bias_ids = np.fromiter(sp.logit_bias.keys(), dtype=np.int64)
+            extras.bias_values = np.fromiter(sp.logit_bias.values(), dtype=np.float32)
+        if sp.allowed_token_ids is not None:
+            extras.allowed_ids = np.asarray(sp.allowed_token_ids, dtype=np.int64)
+        if sp.bad_words_token_ids:
+            extras.bad_words = [list(w) for w in sp.bad_words_token_ids]
+        return extras
 
 
 class InputBatch:
@@ -24,12 +99,30 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling columns (one entry per row).
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = no logprobs
+        self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
+        self.has_bias = np.zeros(max_num_reqs, dtype=bool)
+        self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
+        self.has_bad_words = np.zeros(max_num_reqs, dtype=bool)
+        self.has_seed = np.zeros(max_num_reqs, dtype=bool)
+        self._columns = (
+            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+            self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
+            self.frequency_penalty, self.repetition_penalty, self.min_tokens, self.num_logprobs,
+            self.has_penalties, self.has_bias, self.has_allowed, self.has_bad_words,
+            self.has_seed)
         self.sampling_params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
+        self.extras: list[RowSamplingExtras] = []
 
     @property
     def num_reqs(self) -> int:
@@ -55,8 +148,19 @@ class InputBatch:
         self.top_k[row] = sp.top_k
         self.top_p[row] = sp.top_p
         self.min_p[row] = sp.min_p
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.min_tokens[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.has_penalties[row] = sp.has_penalties
+        self.has_bias[row] = bool(sp.logit_bias)
+        self.has_allowed[row] = sp.allowed_token_ids is not None
+        self.has_bad_words[row] = bool(sp.bad_words_token_ids)
+        self.has_seed[row] = generator is not None
         self.sampling_params.append(sp)
         self.generators.append(generator)
+        self.extras.append(RowSamplingExtras.from_params(sp, data.eos_token_id))
         return row
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -76,17 +180,21 @@ class InputBatch:
         self.req_ids.pop()
         self.sampling_params.pop()
         self.generators.pop()
+        self.extras.pop()
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]]
 
     def _move(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = self.num_blocks[src]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.num_blocks, self.temperature, self.top_k, self.top_p, self.min_p):
+        for arr in self._columns:
             arr[dst] = arr[src]
         rid = self.req_ids[src]
         self.req_ids[dst] = rid
         self.req_id_to_row[rid] = dst
         self.sampling_params[dst] = self.sampling_params[src]
         self.generators[dst] = self.generators[src]
+        self.extras[dst] = self.extras[src]

@@ -12,10 +12,13 @@ import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
-from llmkit.outputs import ModelRunnerOutput
-from llmkit.sampling.sampler import Sampler, SamplingMetadata
+from llmkit.outputs import LogprobsLists, ModelRunnerOutput
+from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.worker import prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
+from llmkit.worker.prompt_logprobs import PromptLogprobsState
+from llmkit.worker.sampling_inputs import build_sampling_metadata, record_sampled_tokens
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,6 +39,10 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of hidden states to sample from
     sample_rows: np.ndarray  # batch rows that sample this step
     req_ids: list[str]  # scheduled requests, in batch-row order
+    rows: np.ndarray  # their batch rows
+    query_starts: np.ndarray  # per scheduled row: its first token's index in the flat batch
+    computed: np.ndarray  # per scheduled row: tokens computed before this step
+    num_scheduled: np.ndarray  # per scheduled row: tokens computed in this step
 
 
 class ModelRunner:
@@ -55,6 +62,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # A request's RNG lives until it finishes, so preemption does not replay its draws.
         self._generators: dict[str, torch.Generator] = {}
+        # Requests still owed their prompt logprobs, accumulated across prefill chunks.
+        self._prompt_logprobs: dict[str, PromptLogprobsState] = {}
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -76,16 +85,23 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove_request(rid)
             self._generators.pop(rid, None)
+            self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
+            self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
-            seed = new.sampling_params.seed
+            sp = new.sampling_params
             gen = None
-            if seed is not None:
+            if sp.seed is not None:
                 gen = self._generators.get(new.req_id)
                 if gen is None:
-                    gen = self._generators[new.req_id] = torch.Generator().manual_seed(seed)
+                    gen = torch.Generator(self.device).manual_seed(sp.seed)
+                    self._generators[new.req_id] = gen
             b.add_request(new, gen)
+            # Owed only until the first token: a request resumed after that already has them.
+            if sp.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
+                self._prompt_logprobs[new.req_id] = PromptLogprobsState(
+                    sp.prompt_logprobs, new.num_prompt_tokens)
         c = so.scheduled_cached_reqs
         for rid, block_ids, n_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             row = b.req_id_to_row[rid]
@@ -135,35 +151,10 @@ class ModelRunner:
             logits_indices=torch.from_numpy(cu[samples] - 1),
             sample_rows=rows[samples],
             req_ids=[b.req_ids[r] for r in rows],
-        )
-
-    def _sampling_metadata(self, rows: np.ndarray, so: SchedulerOutput) -> SamplingMetadata:
-        b = self.batch
-        temperature = b.temperature[rows]
-        greedy = temperature < 1e-5
-        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        generators = {i: g for i, r in enumerate(rows) if (g := b.generators[r]) is not None}
-        token_mask = None
-        if so.token_masks:
-            vocab = None
-            masks = []
-            for r in rows:
-                m = so.token_masks.get(b.req_ids[r])
-                masks.append(m)
-                if m is not None:
-                    vocab = m.shape[-1]
-            if vocab is not None:
-                token_mask = torch.stack([
-                    m if m is not None else torch.ones(vocab, dtype=torch.bool) for m in masks])
-        random = ~greedy
-        return SamplingMetadata(
-            temperature=torch.from_numpy(temperature),
-            all_greedy=bool(greedy.all()),
-            top_k=torch.from_numpy(top_k) if (top_k[random] > 0).any() else None,
-            top_p=torch.from_numpy(top_p) if (top_p[random] < 1.0).any() else None,
-            min_p=torch.from_numpy(min_p) if (min_p[random] > 0.0).any() else None,
-            generators=generators,
-            token_mask=token_mask,
+            rows=rows,
+            query_starts=starts,
+            computed=computed,
+            num_scheduled=num_sched,
         )
 
     # -- one step --------------------------------------------------------------------------
@@ -175,20 +166,59 @@ class ModelRunner:
         inputs = self.prepare_inputs(so)
         hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device),
                             self.kv_caches, inputs.attn_metadata)
+        prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, int] = {}
+        logprobs: dict[str, LogprobsLists] = {}
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
-            meta = self._sampling_metadata(inputs.sample_rows, so)
-            tokens = self.sampler(logits.float(), meta).tolist()
-            b = self.batch
-            for row, tok in zip(inputs.sample_rows.tolist(), tokens):
-                n = b.num_tokens[row]
-                if n < self.max_model_len:
-                    b.token_ids[row, n] = tok
-                b.num_tokens[row] = n + 1
-                sampled_by_row[row] = tok
-        rows = [self.batch.req_id_to_row[r] for r in inputs.req_ids]
+            rows = inputs.sample_rows
+            meta = build_sampling_metadata(self.batch, rows, so.token_masks, logits.shape[-1],
+                                           self.device)
+            out = self.sampler.sample(logits.float(), meta)
+            sampled_by_row = self._record(rows, out, logprobs)
+        rows = inputs.rows.tolist()
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[[sampled_by_row[r]] if r in sampled_by_row else [] for r in rows],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
         )
+
+    def _record(self, rows: np.ndarray, out: SamplerOutput,
+                logprobs: dict[str, LogprobsLists]) -> dict[int, int]:
+        """Append the sampled tokens to the batch; collect logprobs of rows that asked."""
+        b = self.batch
+        tokens = out.sampled_token_ids.tolist()
+        row_list = rows.tolist()
+        for row, tok in zip(row_list, tokens):
+            n = b.num_tokens[row]
+            if n < self.max_model_len:
+                b.token_ids[row, n] = tok
+            b.num_tokens[row] = n + 1
+        record_sampled_tokens(b, rows, tokens)
+        if out.logprobs is not None:
+            num_lp = b.num_logprobs[rows]
+            wanted = np.flatnonzero(num_lp >= 0)
+            lists = out.logprobs.to_lists()
+            for i in wanted.tolist():
+                k = int(num_lp[i]) + 1  # rows were computed with the batch's largest k
+                logprobs[b.req_ids[row_list[i]]] = LogprobsLists(
+                    [lists.token_ids[i][:k]], [lists.logprobs[i][:k]], [lists.ranks[i]])
+        return dict(zip(row_list, tokens))
+
+    def _score_prompts(self, inputs: StepInputs,
+                       hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Prompt logprobs of this step's chunks; the full list of each prompt it completes."""
+        done: dict[str, LogprobsLists] = {}
+        for i, rid in enumerate(inputs.req_ids):
+            state = self._prompt_logprobs.get(rid)
+            if state is None:
+                continue
+            row = int(inputs.rows[i])
+            prompt_logprobs.score_chunk(state, hidden, self.model.compute_logits,
+                                        self.batch.token_ids[row], int(inputs.query_starts[i]),
+                                        int(inputs.computed[i]), int(inputs.num_scheduled[i]))
+            if prompt_logprobs.finished(state):
+                done[rid] = prompt_logprobs.collect(state)
+                del self._prompt_logprobs[rid]
+        return done

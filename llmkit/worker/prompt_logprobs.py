@@ -1,0 +1,54 @@
+"""Prompt logprobs: the logprob of every prompt token given the tokens before it.
+
+Position ``j`` of the prompt (``1 <= j < P``) is scored from the hidden state at ``j - 1``.
+A chunk computing positions ``[c, c + n)`` scores prompt tokens ``c + 1 .. min(c + n, P - 1)``;
+the runner accumulates chunks and hands the whole list over once, in the step whose chunk
+reaches the end of the prompt (the step that samples the first token), as vLLM does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from llmkit.outputs import LogprobsLists
+from llmkit.sampling.logprobs import compute_logprobs
+
+# Rows of logits computed at a time: bounds memory to SLICE x vocab floats for long prompts.
+_SLICE = 512
+
+
+@dataclass(slots=True)
+class PromptLogprobsState:
+    num_logprobs: int
+    num_prompt_tokens: int
+    next_position: int = 0  # first position not yet scored (scores go to position + 1)
+    parts: list[LogprobsLists] = field(default_factory=list)
+
+
+def score_chunk(state: PromptLogprobsState, hidden: torch.Tensor, compute_logits,
+                token_ids: np.ndarray, start: int, computed: int, num_scheduled: int) -> None:
+    """Score this chunk's prompt positions. ``hidden`` holds the step's hidden states, the
+    chunk's at ``[start, start + num_scheduled)``; ``token_ids`` is the request's token row."""
+    if computed != state.next_position:
+        raise RuntimeError(
+            f"prompt logprobs: chunk starts at position {computed} but position "
+            f"{state.next_position} was expected; a request with prompt_logprobs must not take "
+            "prefix-cache hits (cached positions have no logits)")
+    end = min(computed + num_scheduled, state.num_prompt_tokens - 1)
+    for lo in range(computed, end, _SLICE):
+        hi = min(lo + _SLICE, end)
+        h = hidden[start + lo - computed:start + hi - computed]
+        logits = compute_logits(h)
+        targets = torch.from_numpy(token_ids[lo + 1:hi + 1].copy()).to(logits.device)
+        state.parts.append(compute_logprobs(logits, targets, state.num_logprobs).to_lists())
+    state.next_position = computed + num_scheduled
+
+
+def finished(state: PromptLogprobsState) -> bool:
+    return state.next_position >= state.num_prompt_tokens
+
+
+def collect(state: PromptLogprobsState) -> LogprobsLists:
+    return LogprobsLists.concat(state.parts)
