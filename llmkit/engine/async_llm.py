@@ -1,0 +1,531 @@
+"""AsyncLLM: the asyncio front end of an engine core that runs in its own process.
+
+This process tokenizes, detokenizes (``OutputProcessor``) and streams; the engine core
+(scheduler + executor) runs in a child process (``MPClient``) and sees token ids only.
+
+    llm = AsyncLLM("path/or/preset", dtype="float32")
+    async for out in llm.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)          # cumulative by default
+    await llm.abort("req-1")                # frees the request's KV blocks at the next step
+
+``n > 1`` fans out in this process (the ``OutputProcessor``, as for the offline ``LLM``) into
+``n`` engine requests ``"{i}_{request_id}"`` with ``n=1`` and seed ``seed + i`` when a seed is
+given (vLLM's rule); the engine's prefix cache shares their prompt blocks. Their outputs come
+back merged under the request's id, each ``CompletionOutput`` with its ``index``.
+
+The engine process is started with ``multiprocessing``'s spawn method, which re-imports the
+main module: a script that creates an AsyncLLM must guard its entry point with
+``if __name__ == "__main__":``.
+
+Admission: at most ``max_waiting_requests`` engine requests may wait for their first token
+(queued in the engine or being prefilled); beyond that ``add_request`` raises
+``EngineOverloadedError`` (the server answers 503). When the engine process dies, every stream
+in flight raises ``EngineDeadError`` and so does every new request.
+
+Metrics hooks (``StatLogger``) see, per engine request: time to first token (from
+``add_request`` here, so it includes tokenization and queueing), inter-token latency, end-to-end
+latency, the engine's queue time (first scheduled − arrival at the core), prompt and generated
+token counts, finish reason; and the engine's stats snapshot after each step.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Mapping, Protocol, Sequence
+
+from llmkit.config.compose import build_config
+from llmkit.config.schema import EngineConfig
+from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
+                                       start_engine_core)
+from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
+from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmkit.outputs import EngineCoreOutput, RequestOutput
+from llmkit.sampling.params import SamplingParams
+from llmkit.scheduler.base import SchedulerStats
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
+           "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int]
+Message = Mapping[str, Any]
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests wait for their first token; try again later."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StatLogger(Protocol):
+    """What AsyncLLM reports (``llmkit.entrypoints.metrics.ServerMetrics`` implements it)."""
+
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None: ...
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
+
+    def on_new_tokens(self, num_tokens: int, inter_token_latency_s: float | None) -> None: ...
+
+    def on_finished(self, finish_reason: str, e2e_s: float, queue_time_s: float | None,
+                    num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One engine request (a child, when n > 1) as this process follows it."""
+
+    request_id: str
+    stream: "RequestStream"
+    arrival: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class RequestStream:
+    """The outputs of one request (all its ``n`` samples merged by the output processor:
+    ``outputs[i].index`` is the sample), as an async iterator.
+
+    Ends after the output with ``finished=True``; raises ``EngineDeadError`` if the engine
+    dies, ``ValueError`` if the engine refused the request. ``abort()`` (sync, idempotent)
+    stops the request; the stream then ends with an output whose finish_reason is ``"abort"``.
+    """
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, child_ids: list[str]) -> None:
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._live = len(child_ids)  # engine requests not finished yet
+        self._done = False  # the consumer has seen the end
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._live == 0
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Stop every unfinished sample of this request (no-op once finished)."""
+        if self._live:
+            self._engine._abort_local(self.child_ids)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """An engine core in a child process behind an asyncio API (see the module docstring).
+
+    ``AsyncLLM(model, dtype=..., overrides=[...], **groups)`` composes the config as ``LLM``
+    does; ``AsyncLLM.from_config(config)`` takes a validated ``EngineConfig``. Construction
+    blocks until the engine process has loaded the model.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None,
+                 overrides: Sequence[str] = (), stat_logger: StatLogger | None = None,
+                 **groups: str | dict) -> None:
+        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups)
+        self._init_from_config(config, stat_logger)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, stat_logger: StatLogger | None = None,
+                    engine_core: MPClient | None = None) -> "AsyncLLM":
+        """``engine_core``: an engine process already started with ``start_engine_core``
+        (so that it loads the model while this process imports and loads the tokenizer)."""
+        llm = cls.__new__(cls)
+        llm._init_from_config(config, stat_logger, engine_core)
+        return llm
+
+    def _init_from_config(self, config: EngineConfig, stat_logger: StatLogger | None,
+                          engine_core: MPClient | None = None) -> None:
+        from llmkit.models.loader import resolve_model_source
+
+        # The engine process starts first and loads the model while this process loads the
+        # tokenizer.
+        if engine_core is None:
+            engine_core = start_engine_core(config)
+        engine_config = engine_core.config
+        self.config = config
+        self.stat_logger = stat_logger
+        self.max_waiting_requests = config.server.max_waiting_requests
+        self._tracked: dict[str, _Tracked] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._num_pending = 0  # engine requests without a first token yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+        self.last_stats: SchedulerStats | None = None
+        self._shutdown = False
+        self.engine_core = engine_core
+        engine_core.set_handlers(on_message=self._on_message_threadsafe,
+                                 on_death=self._on_death_threadsafe)
+        try:
+            source = resolve_model_source(engine_config.model)
+            self.model_source = source
+            self.tokenizer = source.load_tokenizer()
+            self.vocab_size = int(getattr(source.hf_config, "vocab_size", None)
+                                  or len(self.tokenizer))
+            self._extra_stop_ids = list(source.eos_token_ids[1:])
+            self._processor = OutputProcessor(self.tokenizer)
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.shutdown(timeout=2.0)
+            raise
+        self.max_model_len = self.engine_core.max_model_len
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return not self._shutdown and not self.engine_core.is_dead
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.is_dead
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self.engine_core.dead_error or EngineDeadError("the engine core has shut down")
+
+    @property
+    def num_pending_requests(self) -> int:
+        """Engine requests that wait for their first token."""
+        return self._num_pending
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests ---------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed() and self._tracked:
+            raise RuntimeError("AsyncLLM is serving requests from another event loop")
+        self._loop = loop
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            ids = [int(t) for t in prompt]
+            self._check_token_ids("prompt", ids)
+            return None, ids
+        raise TypeError(f"prompt must be a str or a list of token ids, got "
+                        f"{type(prompt).__name__}")
+
+    def _check_token_ids(self, what: str, ids) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{what}: token id {t} is out of range (the vocabulary has "
+                                 f"{self.vocab_size} tokens)")
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        # Ids beyond the vocabulary would fail inside the engine's step, for the whole batch.
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            value = getattr(params, name, None)
+            if value:
+                self._check_token_ids(name, [int(t) for t in value])
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name, None)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name}: at most the vocabulary size ({self.vocab_size}), "
+                                 f"got {value}")
+        changes: dict[str, Any] = {}
+        if self._extra_stop_ids:
+            changes["stop_token_ids"] = list(params.stop_token_ids or []) + self._extra_stop_ids
+        if getattr(params, "bad_words", None) and getattr(params, "bad_words_token_ids",
+                                                          None) is None:
+            from llmkit.sampling.bad_words import tokenize_bad_words
+            changes["bad_words_token_ids"] = tokenize_bad_words(params.bad_words, self.tokenizer)
+        return dataclasses.replace(params, **changes) if changes else params
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams | None = None, *,
+                          n: int | None = None, priority: int = 0,
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                          prompt_text: str | None = None) -> RequestStream:
+        """Validate, admit and send a request; return its stream. Raises ``ValueError`` (bad
+        input: empty or too long a prompt, token ids outside the vocabulary, duplicate id),
+        ``EngineOverloadedError`` (queue full) or ``EngineDeadError``, before anything is
+        sent. ``n`` overrides ``sampling_params.n``."""
+        self._bind_loop()
+        if self._shutdown:
+            raise EngineDeadError("the engine is shutting down")
+        if self.engine_core.is_dead:
+            raise self.dead_error
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams()
+        if n is not None and n != params.n:
+            params = dataclasses.replace(params, n=n)
+        text, ids = self._tokenize(prompt)
+        if prompt_text is not None:
+            text = prompt_text
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's "
+                             f"maximum context length ({self.max_model_len} tokens)")
+        if self._num_pending + params.n > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self._num_pending} requests wait for their first "
+                f"token (server.max_waiting_requests={self.max_waiting_requests}); retry later")
+        params = self._engine_params(params)
+        # The output processor fans n > 1 out into children "{i}_{id}" with seeds seed + i.
+        children = self._processor.add_request(request_id, text, ids, params, output_kind) \
+            or [(request_id, params)]
+        try:
+            # Encode first: a parameter that cannot cross to the engine fails before any
+            # request is sent.
+            messages = [self.engine_core.encode(EngineCoreRequest(
+                cid, ids, encode_sampling_params(cp), priority=priority))
+                for cid, cp in children]
+        except Exception:
+            self._drop_processor_state([cid for cid, _ in children])
+            raise
+        stream = RequestStream(self, request_id, [cid for cid, _ in children])
+        now = stream.arrival_time
+        self._streams[request_id] = stream
+        for (cid, _), data in zip(children, messages):
+            self._tracked[cid] = _Tracked(cid, stream, now, len(ids))
+            self._num_pending += 1
+            self.engine_core.send_encoded(data)
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, n: int | None = None,
+                       priority: int = 0,
+                       output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes (cumulative by default; ``DELTA``
+        yields only what is new). Leaving the loop early (break, cancellation, an error)
+        aborts the request."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        stream = await self.add_request(request_id, prompt, sampling_params, n=n,
+                                        priority=priority, output_kind=output_kind)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def chat(self, messages: Sequence[Message],
+                   sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, **kwargs) -> AsyncGenerator[RequestOutput, None]:
+        async for out in self.generate(self.apply_chat_template(messages), sampling_params,
+                                       request_id, **kwargs):
+            yield out
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """The prompt token ids of a conversation, by the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests (by the id given to ``generate``); the engine frees their blocks
+        before its next step. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.abort()
+            elif rid in self._tracked:
+                self._abort_local([rid])
+
+    # -- outputs (event loop) ----------------------------------------------------------------
+    def _on_message_threadsafe(self, msg: EngineCoreOutputs) -> None:
+        """Called in the client's reader thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            if msg.stats is not None:
+                self._on_stats(msg.stats)
+            return
+        try:
+            loop.call_soon_threadsafe(self._handle_outputs, msg)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _on_death_threadsafe(self, err: EngineDeadError) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail_all, err)
+        except RuntimeError:
+            pass
+
+    def _on_stats(self, stats: SchedulerStats) -> None:
+        self.last_stats = stats
+        if self.stat_logger is not None:
+            self.stat_logger.on_scheduler_stats(stats)
+
+    def _handle_outputs(self, msg: EngineCoreOutputs) -> None:
+        if msg.stats is not None:
+            self._on_stats(msg.stats)
+        now = time.monotonic()
+        stat = self.stat_logger
+        for rid, err in msg.errors.items():
+            t = self._tracked.get(rid)
+            if t is not None:
+                self._finish(t, "error", now, None)
+                self._drop_processor_state([rid])
+                self._forget_stream(t.stream)
+                t.stream._put(ValueError(f"the engine refused the request: {err}"))
+                self._abort_local(t.stream.child_ids)  # its siblings, if n > 1
+        for eco in msg.outputs:
+            t = self._tracked.get(eco.request_id)
+            n_new = len(eco.new_token_ids)
+            if t is None or not n_new:
+                continue
+            if t.first_token_time is None:
+                t.first_token_time = now
+                if t.stream.first_token_time is None:
+                    t.stream.first_token_time = now
+                self._num_pending -= 1
+                if stat is not None:
+                    stat.on_first_token(now - t.arrival, t.num_prompt_tokens)
+                    stat.on_new_tokens(1, None)
+                    if n_new > 1:
+                        stat.on_new_tokens(n_new - 1, 0.0)
+            elif stat is not None:
+                stat.on_new_tokens(n_new, now - (t.last_token_time or now))
+            t.last_token_time = now
+            t.num_generation_tokens += n_new
+        # Children finished here by a stop string; the engine core still runs them.
+        stopped: list[str] = []
+        request_outputs = self._processor.process(msg.outputs, stopped)
+        if stopped:
+            self.engine_core.abort_requests(stopped)
+        finished = {eco.request_id: eco.finish_reason for eco in msg.outputs
+                    if eco.finish_reason is not None}
+        finished.update((rid, "stop") for rid in stopped)
+        for rid, reason in finished.items():
+            t = self._tracked.get(rid)
+            if t is not None:
+                timing = msg.timings.get(rid)
+                self._finish(t, reason, now, timing.queue_time if timing else None)
+        for ro in request_outputs:
+            stream = self._streams.get(ro.request_id)
+            if stream is None:
+                continue
+            if ro.finished:
+                self._forget_stream(stream)
+                first = stream.first_token_time
+                ro.metrics.update(arrival_time=stream.arrival_time, first_token_time=first,
+                                  finished_time=now,
+                                  time_to_first_token=None if first is None
+                                  else first - stream.arrival_time)
+            stream._put(ro)
+
+    def _finish(self, t: _Tracked, reason: str, now: float, queue_time: float | None) -> None:
+        self._tracked.pop(t.request_id, None)
+        if t.first_token_time is None:
+            self._num_pending -= 1
+        t.stream._live -= 1
+        if self.stat_logger is not None:
+            self.stat_logger.on_finished(reason, now - t.arrival, queue_time,
+                                         t.num_prompt_tokens, t.num_generation_tokens)
+
+    def _drop_processor_state(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish engine requests in the output processor as the engine does for an abort."""
+        return self._processor.process([EngineCoreOutput(rid, [], finish_reason="abort")
+                                        for rid in request_ids])
+
+    def _abort_local(self, request_ids: list[str]) -> None:
+        """Abort engine requests now: their streams end with a final "abort" output, and the
+        engine core frees their blocks before its next step."""
+        ids = [rid for rid in request_ids if rid in self._tracked]
+        if not ids:
+            return
+        now = time.monotonic()
+        for rid in ids:
+            self._finish(self._tracked[rid], "abort", now, None)
+        for ro in self._drop_processor_state(ids):
+            stream = self._streams.get(ro.request_id)
+            if stream is not None:
+                if ro.finished:
+                    self._forget_stream(stream)
+                stream._put(ro)
+        try:
+            self.engine_core.abort_requests(ids)
+        except Exception:  # noqa: BLE001 - a dead or closed engine frees nothing anyway
+            logger.debug("abort of %s not sent", ids, exc_info=True)
+
+    def _forget_stream(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _fail_all(self, err: BaseException) -> None:
+        tracked = list(self._tracked.values())
+        now = time.monotonic()
+        for t in tracked:
+            self._finish(t, "error", now, None)
+        if tracked:
+            try:
+                self._drop_processor_state([t.request_id for t in tracked])
+            except Exception:  # noqa: BLE001
+                logger.debug("dropping output state failed", exc_info=True)
+        for stream in {id(t.stream): t.stream for t in tracked}.values():
+            self._forget_stream(stream)
+            stream._put(err)
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def fail_in_flight(self, message: str = "the server is shutting down") -> None:
+        """End every stream in flight with ``EngineDeadError`` and abort it in the engine
+        (call in the event loop)."""
+        ids = list(self._tracked)
+        self._fail_all(EngineDeadError(message))
+        if ids:
+            try:
+                self.engine_core.abort_requests(ids)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process (ask, wait ``timeout`` s, terminate, kill). Idempotent;
+        blocking: from a coroutine use ``await asyncio.to_thread(llm.shutdown)``."""
+        self._shutdown = True
+        self.engine_core.shutdown(timeout=timeout)
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,315 @@
+"""The engine core in its own process (the seed's ch. 03, process B), and the messages it
+exchanges with the API process over ZMQ.
+
+Messages are msgspec structs encoded with msgpack: token ids, plain numbers and strings, never
+tensors or pickled objects. Two PUSH/PULL sockets over IPC, both bound by the client:
+
+    API process ──(EngineCoreRequest | AbortRequests | ShutdownEngine)──▶ engine core
+    API process ◀──(EngineReady | EngineCoreOutputs | EngineFailed)────── engine core
+
+The loop (``EngineCoreProc.run``) drains its input without blocking while requests are in
+flight and runs one ``EngineCore.step`` per turn; while idle it blocks on the input socket (a
+1 s timeout, to notice a dead parent), so an idle engine burns no CPU. Every batch of outputs
+carries the scheduler's stats snapshot (running, waiting, KV usage, prefix-cache counters,
+preemptions), and an abort is answered with one at once, so the API process sees freed blocks.
+The process exits when told to, on SIGTERM, or when its parent dies; it ignores SIGINT (a
+Ctrl-C in a terminal reaches the whole process group; the parent orders the shutdown).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any, Union
+
+import msgspec
+import zmq
+
+from llmkit.outputs import EngineCoreOutput
+from llmkit.sampling.params import SamplingParams
+from llmkit.scheduler.base import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# How often an idle engine wakes up to check that its parent is alive (ms).
+IDLE_POLL_MS = 1000
+
+
+# --------------------------------------------------------------------------- messages
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag="add"):
+    """A request as it crosses to the engine core: token ids and the sampling parameters as a
+    plain dict (``encode_sampling_params``), so that new SamplingParams fields cross unchanged."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
+    request_ids: list[str]
+
+
+class ShutdownEngine(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+EngineInput = Union[EngineCoreRequest, AbortRequests, ShutdownEngine]
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once, when the model is loaded and the KV cache allocated."""
+
+    pid: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_id: int | None = None
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    """The engine core cannot go on (start-up failed, or a step raised); it exits after this."""
+
+    message: str
+
+
+class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Engine-side facts about a finished request (engine clock, seconds)."""
+
+    queue_time: float | None = None  # first scheduled - arrival at the engine core
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
+    """One step's outputs (or an abort's), with the scheduler's stats after it."""
+
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    # For requests that finished in this batch.
+    timings: dict[str, RequestTiming] = {}
+    # Requests the core refused (bad parameters, duplicate id): request id -> message.
+    errors: dict[str, str] = {}
+
+
+EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs]
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine core "
+                              "(only plain data crosses the process boundary)")
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def encode_sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """Every init field of the (slots) dataclass by name; the engine side rebuilds it with
+    ``decode_sampling_params``. Generic on purpose: fields added to SamplingParams cross too."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+
+
+def decode_sampling_params(data: dict[str, Any]) -> SamplingParams:
+    # msgspec.convert restores typed fields (enums, nested dataclasses) from their msgpack
+    # form; where a field's type is beyond msgspec, the constructor takes the plain values.
+    try:
+        return msgspec.convert(data, SamplingParams)
+    except (msgspec.ValidationError, TypeError, ValueError):
+        return SamplingParams(**data)
+
+
+# --------------------------------------------------------------------------- the process
+
+class EngineCoreProc:
+    """Owns an ``EngineCore`` and runs the busy loop between two ZMQ sockets."""
+
+    def __init__(self, config, input_address: str, output_address: str,
+                 parent_pid: int | None = None) -> None:
+        from llmkit.engine.core import EngineCore
+        from llmkit.models.loader import resolve_model_source
+
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 1000)
+        self.output.setsockopt(zmq.SNDTIMEO, 5000)
+        self.output.connect(output_address)
+        self.encoder = make_encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.stop = False
+        self.requests: dict[str, Any] = {}  # request id -> Request (for timings)
+        try:
+            source = resolve_model_source(config.model)
+            self.core = EngineCore(config, model_source=source)
+        except BaseException as e:
+            self.send(EngineFailed(message=f"{type(e).__name__}: {e}"))
+            self.input.close(linger=0)
+            self.output.close(linger=2000)  # let the message out before the process ends
+            self.ctx.term()
+            raise
+        self.send(EngineReady(pid=os.getpid(), max_model_len=self.core.max_model_len,
+                              num_blocks=self.core.num_blocks,
+                              block_size=config.kv_cache.block_size,
+                              eos_token_id=self.core.eos_token_id))
+
+    # -- I/O -------------------------------------------------------------------------------
+    def send(self, msg: EngineMessage) -> None:
+        data = self.encoder.encode(msg)
+        while True:
+            try:
+                self.output.send(data, copy=False)
+                return
+            except zmq.Again:  # nobody reads: is the parent still there?
+                if not self.parent_alive():
+                    self.stop = True
+                    return
+
+    def parent_alive(self) -> bool:
+        if self.parent_pid is None:
+            return True
+        return os.getppid() == self.parent_pid
+
+    def drain_inputs(self, block: bool) -> None:
+        if block and not self.input.poll(IDLE_POLL_MS):
+            return
+        aborted_outputs: list[EngineCoreOutput] = []
+        errors: dict[str, str] = {}
+        while not self.stop:
+            try:
+                data = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = self.decoder.decode(data.buffer)
+            except msgspec.DecodeError as e:
+                logger.error("engine core: dropped an undecodable message: %s", e)
+                continue
+            if isinstance(msg, EngineCoreRequest):
+                err = self.add_request(msg)
+                if err is not None:
+                    errors[msg.request_id] = err
+            elif isinstance(msg, AbortRequests):
+                outs = self.core.abort_requests(msg.request_ids)
+                aborted_outputs.extend(outs)
+            elif isinstance(msg, ShutdownEngine):
+                self.stop = True
+        if aborted_outputs or errors:
+            # Answer at once (not after the next step): the front end learns that the blocks
+            # are free even when nothing else runs.
+            self.send(EngineCoreOutputs(outputs=aborted_outputs, stats=self.core.stats(),
+                                        timings=self.pop_timings(aborted_outputs),
+                                        errors=errors))
+
+    def add_request(self, msg: EngineCoreRequest) -> str | None:
+        from llmkit.request import Request
+
+        try:
+            params = decode_sampling_params(msg.sampling_params)
+            req = Request(msg.request_id, msg.prompt_token_ids, params,
+                          eos_token_id=self.core.eos_token_id, arrival_time=self.core.clock(),
+                          priority=msg.priority, cache_salt=msg.cache_salt)
+            self.core.add_request(req)
+        except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
+            return f"{type(e).__name__}: {e}"
+        self.requests[msg.request_id] = req
+        return None
+
+    def pop_timings(self, outputs: list[EngineCoreOutput]) -> dict[str, RequestTiming]:
+        timings = {}
+        for out in outputs:
+            if out.finish_reason is None:
+                continue
+            req = self.requests.pop(out.request_id, None)
+            if req is None:
+                continue
+            t = req.times
+            queue = None if t.first_scheduled is None else max(t.first_scheduled - t.arrival, 0.0)
+            timings[out.request_id] = RequestTiming(queue_time=queue,
+                                                    num_preemptions=req.num_preemptions)
+        return timings
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        core = self.core
+        while not self.stop:
+            self.drain_inputs(block=not core.has_unfinished_requests())
+            if self.stop:
+                break
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.send(EngineCoreOutputs(outputs=outputs, stats=core.stats(),
+                                            timings=self.pop_timings(outputs)))
+            if not self.parent_alive():
+                logger.warning("engine core: the API process (pid %s) is gone; exiting",
+                               self.parent_pid)
+                break
+
+    def close(self) -> None:
+        try:
+            self.core.shutdown()
+        except Exception:  # noqa: BLE001 - closing anyway
+            logger.exception("engine core: shutdown of the executor failed")
+        finally:
+            self.input.close(linger=0)
+            self.output.close(linger=1000)
+            self.ctx.term()
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: dict, input_address: str, output_address: str,
+                    parent_pid: int | None = None, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine-core process (``multiprocessing`` spawn target).
+
+    ``config`` is ``EngineConfig.model_dump(mode="json", by_alias=True)``, re-validated here;
+    ``model.path`` already names the resolved model (the API process fetched it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(levelname)s %(asctime)s [engine-core pid={os.getpid()}] "
+                               "%(name)s: %(message)s")
+    proc = None
+    exit_code = 0
+    logger.info("engine core process started (parent pid %s)", parent_pid)
+    try:
+        from llmkit.config.schema import EngineConfig
+
+        engine_config = EngineConfig.model_validate(config)
+        proc = EngineCoreProc(engine_config, input_address, output_address, parent_pid)
+        logger.info("engine core ready: %d KV blocks, max_model_len=%d",
+                    proc.core.num_blocks, proc.core.max_model_len)
+        proc.run()
+    except SystemExit:
+        pass
+    except BaseException as e:  # noqa: BLE001 - report, then exit non-zero
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if proc is not None:
+            proc.send(EngineFailed(message=f"{type(e).__name__}: {e}"))
+        exit_code = 1
+    finally:
+        try:
+            if proc is not None:
+                proc.close()
+            logger.info("engine core stopped")
+        finally:
+            # Everything this process owns is closed; skip the interpreter's teardown of
+            # torch & co. (seconds on a busy box) so that shutdown is quick.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)

@@ -1,0 +1,164 @@
+"""Prometheus metrics of the OpenAI server (``GET /metrics``), with vLLM's names where vLLM
+has the metric (prefix ``llmkit:``). Every series carries the label ``model_name``.
+
+Per request (an "engine request": each of a request's ``n`` samples counts as one):
+
+- ``llmkit:time_to_first_token_seconds`` (histogram): from the request's arrival in the API
+  process (after validation) to its first generated token arriving back there — tokenization,
+  queueing, prefill and transport included.
+- ``llmkit:inter_token_latency_seconds`` (histogram): time between consecutive output tokens of
+  a request, as this process receives them (one observation per token after the first).
+- ``llmkit:e2e_request_latency_seconds`` (histogram): arrival to the final output.
+- ``llmkit:request_queue_time_seconds`` (histogram): engine-side, from the request's arrival in
+  the engine core to its first scheduling (requests that finish without ever being scheduled,
+  e.g. aborted while waiting, are not observed).
+- ``llmkit:prompt_tokens_total`` / ``llmkit:generation_tokens_total`` (counters): prompt tokens
+  of requests that produced a first token; tokens generated and delivered.
+- ``llmkit:request_success_total{finished_reason}`` (counter): finished requests by reason:
+  ``stop``, ``length``, ``abort`` (client gone, or shutdown), ``error`` (the engine refused it
+  or died).
+
+Engine state, from the engine core's stats snapshot after its latest step or abort:
+
+- ``llmkit:num_requests_running`` / ``llmkit:num_requests_waiting`` (gauges): requests in the
+  scheduler's running list / waiting queue (preempted ones wait).
+- ``llmkit:kv_cache_usage_perc`` (gauge, 0..1): fraction of KV blocks held by requests or
+  pinned; freed blocks that still cache a prefix count as free.
+- ``llmkit:prefix_cache_queries_total`` / ``llmkit:prefix_cache_hits_total`` (counters): tokens
+  looked up in the prefix cache / tokens served from it (hit rate = hits / queries).
+- ``llmkit:num_preemptions_total`` (counter): preemptions since start-up.
+- ``llmkit:engine_up`` (gauge): 1 while the engine core process is alive.
+
+And at the HTTP layer: ``llmkit:http_request_errors_total{status}``: requests answered with an
+error (400, 401, 404, 503, 500 ...).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llmkit.scheduler.base import SchedulerStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineStatsCollector:
+    """Exports the latest engine stats snapshot at scrape time."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.metrics
+        s = m.last_stats
+        labels = [m.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("llmkit:num_requests_running", "Requests in the scheduler's running list.",
+                    s.num_running if s else 0)
+        yield gauge("llmkit:num_requests_waiting", "Requests in the scheduler's waiting queue.",
+                    s.num_waiting if s else 0)
+        yield gauge("llmkit:kv_cache_usage_perc",
+                    "Fraction (0..1) of KV cache blocks held by requests or pinned.",
+                    s.kv_usage if s else 0.0)
+        yield counter("llmkit:prefix_cache_queries",
+                      "Tokens looked up in the prefix cache.", s.prefix_cache_queries if s else 0)
+        yield counter("llmkit:prefix_cache_hits",
+                      "Tokens served from the prefix cache.", s.prefix_cache_hits if s else 0)
+        yield counter("llmkit:num_preemptions", "Preemptions since start-up.",
+                      s.num_preemptions_total if s else 0)
+        yield gauge("llmkit:engine_up", "1 while the engine core process is alive.",
+                    1.0 if m.engine_alive() else 0.0)
+
+
+class ServerMetrics:
+    """The server's metrics in their own registry (several servers or engines can live in one
+    process); implements AsyncLLM's ``StatLogger`` hooks."""
+
+    def __init__(self, model_name: str, *, registry: CollectorRegistry | None = None,
+                 engine_alive: Callable[[], bool] = lambda: True) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.engine_alive = engine_alive
+        self.last_stats: SchedulerStats | None = None
+        r, ln = self.registry, ["model_name"]
+        self.ttft = Histogram("llmkit:time_to_first_token_seconds",
+                              "Time to first token: arrival in the API process to the first "
+                              "generated token there.", ln, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llmkit:inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request.", ln,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("llmkit:e2e_request_latency_seconds",
+                             "Arrival in the API process to the final output.", ln,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("llmkit:request_queue_time_seconds",
+                               "Arrival in the engine core to first scheduling.", ln,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("llmkit:prompt_tokens",
+                                     "Prompt tokens of requests that produced a first token.",
+                                     ln, registry=r)
+        self.generation_tokens = Counter("llmkit:generation_tokens",
+                                         "Generated tokens delivered.", ln, registry=r)
+        self.finished = Counter("llmkit:request_success",
+                                "Finished requests by finish reason (stop, length, abort, "
+                                "error).", ln + ["finished_reason"], registry=r)
+        self.http_errors = Counter("llmkit:http_request_errors",
+                                   "Requests answered with an HTTP error, by status.",
+                                   ln + ["status"], registry=r)
+        self.registry.register(_EngineStatsCollector(self))
+        name = model_name
+        self._ttft, self._itl = self.ttft.labels(name), self.itl.labels(name)
+        self._e2e, self._queue = self.e2e.labels(name), self.queue.labels(name)
+        self._prompt = self.prompt_tokens.labels(name)
+        self._gen = self.generation_tokens.labels(name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(name, reason)
+
+    # -- StatLogger ---------------------------------------------------------------------------
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.last_stats = stats
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self._ttft.observe(ttft_s)
+        self._prompt.inc(num_prompt_tokens)
+
+    def on_new_tokens(self, num_tokens: int, inter_token_latency_s: float | None) -> None:
+        self._gen.inc(num_tokens)
+        if inter_token_latency_s is not None:
+            per_token = inter_token_latency_s / max(num_tokens, 1)
+            for _ in range(num_tokens):
+                self._itl.observe(per_token)
+
+    def on_finished(self, finish_reason: str, e2e_s: float, queue_time_s: float | None,
+                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self._e2e.observe(e2e_s)
+        if queue_time_s is not None:
+            self._queue.observe(queue_time_s)
+        self.finished.labels(self.model_name, finish_reason).inc()
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def on_http_error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

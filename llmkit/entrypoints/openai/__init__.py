@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server: ``protocol`` (request/response bodies), ``serving`` (endpoint
+logic on an ``AsyncLLM``), ``server`` (the FastAPI app). Run it with ``llmkit serve``."""

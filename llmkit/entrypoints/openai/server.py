@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP app (FastAPI): routes, errors in OpenAI's body, API-key check.
+
+``build_app(engine, config, metrics=..., api_key=...)`` wires an ``AsyncLLM`` into a FastAPI
+app; ``llmkit.entrypoints.serve.run_server`` runs it under uvicorn.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``stream`` is true), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
+once the engine process is gone), ``GET /metrics`` (Prometheus text), ``GET /docs``.
+
+Errors: ``{"error": {"message", "type", "param", "code"}}`` — 400 for bad JSON, wrong types,
+out-of-range values and prompts that do not fit ``max_model_len``; 401 for a missing or wrong
+API key (``server.api_key`` or ``LLMKIT_API_KEY``; ``/v1/*``, ``/tokenize`` and
+``/detokenize`` need ``Authorization: Bearer KEY``, ``/health``, ``/metrics`` and ``/docs`` do
+not); 404 for an unknown model or route; 503 with ``Retry-After`` when
+``server.max_waiting_requests`` requests already wait for their first token; 500 when the
+engine process has died.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmkit.config.schema import EngineConfig
+from llmkit.engine.async_llm import AsyncLLM
+from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, ErrorResponse, ModelList,
+                                                TokenizeRequest)
+from llmkit.entrypoints.openai.serving import OpenAIError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    500: {"model": ErrorResponse, "description": "The engine is not running"},
+    503: {"model": ErrorResponse, "description": "Overloaded; retry after Retry-After seconds"},
+}
+
+
+def served_model_names(config: EngineConfig, model_path: str | None = None) -> list[str]:
+    """The name clients use (``model.served_name``, else the preset's name, else the model
+    path), then accepted aliases (the preset, the path, its last component)."""
+    from pathlib import Path
+
+    m = config.model
+    preset = m.name if m.name and m.name != "custom" else None
+    path = m.path or model_path
+    primary = m.served_name or preset or path or "model"
+    names = [primary]
+    for alias in (preset, path, model_path, path and Path(path).name, path and Path(path).stem):
+        if alias and alias not in names:
+            names.append(alias)
+    return names
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (streams and disconnects pass through untouched)."""
+
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str, metrics: ServerMetrics | None = None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" \
+                and scope["path"].startswith(self.PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                if self.metrics is not None:
+                    self.metrics.on_http_error(401)
+                err = OpenAIError(401, "Incorrect or missing API key: send the header "
+                                       "'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z_-]+\[.*\])$")
+
+
+def _field_path(loc) -> list:
+    """The location without ``body`` and pydantic's union-member tags (``str``,
+    ``list[int]``, ``function-after[...]``)."""
+    return [p for i, p in enumerate(loc) if p != "body"
+            and not (i > 1 and isinstance(p, str) and _TYPE_TAG.match(p))]
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError(400, "invalid request")
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", "")
+        return OpenAIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "),
+                           code="invalid_json")
+    loc = _field_path(e.get("loc", ()))
+    param = str(loc[0]) if loc and isinstance(loc[0], str) else None
+    path = ".".join(str(p) for p in loc)
+    # A union field reports one error per member type: say them all.
+    msgs = []
+    for other in errors:
+        if _field_path(other.get("loc", ())) == loc:
+            msg = other.get("msg", "invalid value").removeprefix("Value error, ")
+            if msg not in msgs:
+                msgs.append(msg)
+    msg = " or ".join(msgs)
+    if e.get("type") == "missing":
+        message = f"'{path}' is a required field" if path else "a request body is required"
+    else:
+        shown = e.get("input")
+        shown = repr(shown) if not isinstance(shown, (dict, list)) else type(shown).__name__
+        message = f"'{path}': {msg} (got {shown})" if path else f"{msg} (got {shown})"
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics | None = None,
+              api_key: str | None = None, engine_stop_timeout: float = 5.0) -> FastAPI:
+    names = served_model_names(config, str(engine.model_source.path))
+    serving = OpenAIServing(engine, names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has stopped accepting and waited (server.shutdown_timeout) for requests in
+        # flight; whatever still runs is ended here, then the engine process is stopped.
+        import asyncio
+
+        engine.fail_in_flight()
+        await asyncio.to_thread(engine.shutdown, engine_stop_timeout)
+
+    app = FastAPI(title="llmkit OpenAI-compatible server", lifespan=lifespan,
+                  description="OpenAI-compatible API served by llmkit.")
+    app.state.engine = engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    def error_response(err: OpenAIError) -> JSONResponse:
+        if metrics is not None:
+            metrics.on_http_error(err.status)
+        return err.response()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(OpenAIError(exc.status_code, str(exc.detail),
+                                          code="not_found" if exc.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                          type="server_error"))
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(OpenAIError(503, f"the engine is not running: "
+                                               f"{engine.dead_error}",
+                                          type="service_unavailable_error",
+                                          code="engine_dead"))
+
+    @app.get("/metrics", response_class=Response)
+    async def get_metrics():
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models():
+        return serving.list_models()
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await serving.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await serving.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(request: TokenizeRequest):
+        return serving.tokenize(request)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(request: DetokenizeRequest):
+        return serving.detokenize(request)
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics=metrics)
+    return app

@@ -1,0 +1,188 @@
+"""The server's limits and failures: API key (401), a full queue (503 + Retry-After), the
+engine process dying (in-flight requests fail with 500, /health 503 within 5 s, no hang), and
+shutdown after that. One server for the module (one running sequence at a time, at most two
+waiting); the engine-death tests run last."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_server import PROMPT, SERVER_THREADS, ServerProcess, error_body, pid_alive, wait_for
+
+API_KEY = "sekret-123"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = ServerProcess(tiny_model_dir("llama"), f"server.api_key={API_KEY}",
+                        "scheduler.max_num_seqs=1", "server.max_waiting_requests=2",
+                        "server.shutdown_timeout=3", "kv_cache.num_blocks=128", SERVER_THREADS,
+                        log_path=tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def long_stream(client, model, max_tokens=480):
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                     temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def wait_idle(server, timeout=10.0):
+    def idle():
+        m = server.metrics()
+        return m["llmkit:num_requests_running"] == 0 and m["llmkit:num_requests_waiting"] == 0 \
+            and m["llmkit:kv_cache_usage_perc"] == 0
+    assert wait_for(idle, timeout), server.metrics()
+
+
+# --------------------------------------------------------------------------- start-up
+
+def test_busy_port_fails_fast_with_one_line(server, capsys):
+    """The port is bound before the engine starts: a second server on the same port exits
+    with 2 and one line, without loading the model."""
+    from llmkit.entrypoints import cli
+
+    model_dir = server.proc.args[4]
+    capsys.readouterr()
+    start = time.monotonic()
+    assert cli.main(["serve", model_dir, f"server.port={server.port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmkit: error: server.port: cannot listen on") and \
+        err.count("\n") == 1, err
+    assert time.monotonic() - start < 30
+
+
+# --------------------------------------------------------------------------- 401
+
+def test_api_key_is_required(server, client, model):
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="wrong").completions.create(model=model, prompt="hi")
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for method, path, body in [("GET", "/v1/models", None),
+                               ("POST", "/v1/completions", {"prompt": "hi"}),
+                               ("POST", "/v1/chat/completions", {"messages": []}),
+                               ("POST", "/tokenize", {"prompt": "hi"})]:
+        resp = httpx.request(method, server.url(path), json=body)
+        assert resp.status_code == 401, (path, resp.text)
+        err = error_body(resp)
+        assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+    resp = httpx.get(server.url("/v1/models"), headers={"Authorization": "Bearer nope"})
+    assert resp.status_code == 401
+    # with the key
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices
+    assert httpx.post(server.url("/tokenize"), json={"prompt": "hi"},
+                      headers=AUTH).status_code == 200
+    # health, metrics and docs stay open
+    for path in ("/health", "/metrics", "/docs"):
+        assert httpx.get(server.url(path)).status_code == 200, path
+    assert server.metrics()['llmkit:http_request_errors_total{model_name="%s",status="401"}'
+                            % model] >= 5
+
+
+def test_api_key_from_environment(monkeypatch):
+    from llmkit.config.compose import build_config
+    from llmkit.entrypoints.serve import API_KEY_ENV, resolve_api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    cfg = build_config("smollm2-135m-instruct")
+    assert resolve_api_key(cfg) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(cfg) == "from-env"
+    cfg = build_config("smollm2-135m-instruct", overrides=["server.api_key=from-config"])
+    assert resolve_api_key(cfg) == "from-config"
+
+
+# --------------------------------------------------------------------------- 503
+
+def test_full_queue_is_503_with_retry_after(server, client, model):
+    """One sequence runs (scheduler.max_num_seqs=1); two more wait for their first token
+    (server.max_waiting_requests=2); the next request is refused with 503 until they drain."""
+    for attempt in range(3):
+        running = long_stream(client, model)
+        next(iter(running))  # its first token arrived: it runs
+        waiting = [long_stream(client, model, 8) for _ in range(2)]
+        resp = httpx.post(server.url("/v1/completions"), headers=AUTH,
+                          json={"model": model, "prompt": "hi", "max_tokens": 2})
+        if resp.status_code == 503:
+            break
+        # Only acceptable if the long request had already finished (a very fast box): retry.
+        rest = list(running)
+        assert rest and rest[-1].choices[0].finish_reason == "length", resp.text
+        for w in waiting:
+            list(w)
+    else:
+        pytest.fail("the running request always finished before the queue filled")
+    assert resp.headers["Retry-After"] == "1"
+    err = error_body(resp)
+    assert err["code"] == "overloaded" and "max_waiting_requests" in err["message"]
+    with pytest.raises(openai.APIStatusError) as e:  # the openai client sees it too
+        client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                               "content": "hi"}])
+    assert e.value.status_code == 503
+    # The waiting ones get their turn and finish; then there is room again.
+    running.close()
+    for w in waiting:
+        chunks = list(w)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices
+    wait_idle(server)
+    m = server.metrics()
+    assert m[f'llmkit:http_request_errors_total{{model_name="{model}",status="503"}}'] >= 2
+
+
+# --------------------------------------------------------------------------- engine death (last)
+
+def test_engine_death_fails_requests_and_health(server, client, model):
+    engine_pid = server.engine_pid
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # Both in flight: the stream runs (max_num_seqs=1), the plain request waits.
+        stream = long_stream(client, model)
+        next(iter(stream))
+        pending = pool.submit(client.completions.create, model=model, prompt=PROMPT,
+                              max_tokens=200)
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        assert wait_for(lambda: httpx.get(server.url("/health")).status_code == 503, 5)
+        assert time.monotonic() - killed_at < 5
+        with pytest.raises(openai.InternalServerError) as e:
+            pending.result(timeout=10)
+        assert e.value.body["code"] == "engine_dead"
+    with pytest.raises(openai.APIError):  # the stream ends with an error event
+        list(stream)
+    health = httpx.get(server.url("/health"))
+    assert health.status_code == 503 and error_body(health)["code"] == "engine_dead"
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert time.monotonic() - start < 5
+    assert server.metrics()["llmkit:engine_up"] == 0
+    assert not pid_alive(engine_pid)
+
+
+def test_sigterm_after_engine_death_exits_cleanly(server):
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(20) == 0
