@@ -7,6 +7,7 @@ from typing import Callable, Iterable
 
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.components import validate_components
+from llmkit.engine.step_trace import StepTrace
 from llmkit.executor import EXECUTORS, Executor
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -37,12 +38,48 @@ class EngineCore:
         kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
         self.kv_cache_manager = kv_cls(self.num_blocks, kv_cfg.block_size,
                                        enable_prefix_caching=kv_cfg.enable_prefix_caching,
-                                       max_model_len=self.max_model_len)
+                                       max_model_len=self.max_model_len,
+                                       eviction_policy=kv_cfg.eviction_policy,
+                                       pinned_prefixes=self._pinned_prefix_ids())
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
         self.scheduler: Scheduler = sched_cls(config.scheduler, self.kv_cache_manager,
                                               max_model_len=self.max_model_len,
                                               eos_token_id=self.eos_token_id, clock=clock)
         self.clock = clock
+        # Per-step stats as a Chrome trace (observability.trace_file); None = off.
+        self.step_trace: StepTrace | None = StepTrace.from_config(
+            getattr(config, "observability", None))
+
+    def _pinned_prefix_ids(self) -> list[list[int]]:
+        """``kv_cache.pinned_prefixes`` as token ids (text is tokenized as prompts are)."""
+        kv_cfg = self.config.kv_cache
+        prefixes = kv_cfg.pinned_prefixes
+        if not prefixes:
+            return []
+        if not kv_cfg.enable_prefix_caching:
+            logger.warning("kv_cache.pinned_prefixes is set but kv_cache.enable_prefix_caching is "
+                           "false: nothing is cached, so nothing can be pinned")
+            return []
+        tokenizer = None
+        ids = []
+        for p in prefixes:
+            if isinstance(p, str):
+                if tokenizer is None:
+                    from llmkit.models.loader import resolve_model_source
+                    tokenizer = resolve_model_source(self.config.model).load_tokenizer()
+                ids.append(tokenizer.encode(p))
+            else:
+                ids.append(list(p))
+        return ids
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (pinned ones stay). Refused, returning False with a
+        warning, while requests hold blocks: their blocks cannot be dropped under them."""
+        if self.kv_cache_manager.reset_prefix_cache():
+            return True
+        logger.warning("reset_prefix_cache refused: %d requests still hold KV blocks; finish or "
+                       "abort them first", self.scheduler.get_num_unfinished_requests())
+        return False
 
     def _num_kv_blocks(self) -> int:
         kv_cfg = self.config.kv_cache
@@ -75,7 +112,12 @@ class EngineCore:
         """Run one scheduling step; return every request's new tokens and finishes."""
         if not self.scheduler.has_unfinished_requests():
             return []
+        trace = self.step_trace
+        if trace is not None:
+            trace.begin_step()
         scheduler_output = self.scheduler.schedule()
+        if trace is not None:
+            trace.scheduled(scheduler_output, self.scheduler)
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # Still tell the runner about finished/preempted requests so it drops them.
@@ -83,10 +125,17 @@ class EngineCore:
                 runner_output = self.executor.execute_model(scheduler_output)
         else:
             runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if trace is None:
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        trace.executed()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        trace.end_step(self.scheduler)
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        if self.step_trace is not None:
+            self.step_trace.close()
         self.executor.shutdown()

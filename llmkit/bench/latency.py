@@ -1,0 +1,91 @@
+"""``llmkit bench latency``: the latency of one batch through the offline engine, with the time
+of every engine step.
+
+One batch of ``bench.batch_size`` requests (``bench.dataset``, ``input_len`` / ``output_len``;
+a fresh seed per iteration so that no iteration hits the prefix cache of another) is generated
+``bench.num_iters_warmup`` times untimed, then ``bench.num_iters`` times timed. Each engine step
+is timed by the same ``StepTrace`` that ``observability.trace_file`` writes; steps are
+**prefill** steps when they compute any prompt token, else **decode** steps.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from llmkit.bench.datasets import build_workload
+from llmkit.bench.metrics import stats
+
+__all__ = ["format_latency", "run_latency"]
+
+
+def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
+                llm: Any = None) -> dict[str, Any]:
+    from llmkit import LLM, SamplingParams
+    from llmkit.bench.results import make_result
+    from llmkit.engine.step_trace import StepTrace
+
+    b = cfg.bench
+    own = llm is None
+    if own:
+        llm = LLM.from_config(cfg)
+    tokenizer = llm.get_tokenizer()
+    engine = llm.engine
+    saved_trace = engine.step_trace
+    trace = StepTrace()
+    engine.step_trace = trace
+    latencies: list[float] = []
+    steps: list[dict[str, Any]] = []
+    last_steps: list[dict[str, Any]] = []
+    try:
+        for it in range(b.num_iters_warmup + b.num_iters):
+            batch_cfg = b.model_copy(update={"num_requests": b.batch_size, "seed": b.seed + it})
+            workload = build_workload(batch_cfg, tokenizer)
+            params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=b.ignore_eos,
+                                     temperature=b.temperature) for r in workload]
+            trace.clear()
+            t0 = time.perf_counter()
+            llm.generate([r.payload_prompt for r in workload], params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            if it < b.num_iters_warmup:
+                continue
+            latencies.append(elapsed)
+            last_steps = [s.to_dict() for s in trace.steps]
+            steps.extend(last_steps)
+    finally:
+        engine.step_trace = saved_trace
+        if own:
+            llm.shutdown()
+    prefill = [s["step_ms"] for s in steps if s["prefill_tokens"]]
+    decode = [s["step_ms"] for s in steps if not s["prefill_tokens"] and s["decode_tokens"]]
+    summary = {
+        "batch_size": b.batch_size, "num_iters": b.num_iters,
+        "latency_s": stats(latencies),
+        "steps_per_iter": len(steps) / max(len(latencies), 1),
+        "prefill_step_ms": stats(prefill), "decode_step_ms": stats(decode),
+        "num_prefill_steps": len(prefill), "num_decode_steps": len(decode),
+        "decode_tokens_per_s": (sum(s["decode_tokens"] for s in steps)
+                                / (sum(decode) / 1e3) if decode else None),
+    }
+    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    return make_result(config, summary, [{"latency_s": x, "ok": True} for x in latencies],
+                       simulated=False, kind="latency", steps=last_steps)
+
+
+def format_latency(result: Mapping[str, Any]) -> str:
+    s = result["summary"]
+    lat, pf, dc = s["latency_s"], s["prefill_step_ms"], s["decode_step_ms"]
+
+    def f(v: Any, scale: float = 1.0, unit: str = "") -> str:
+        return "-" if v is None else f"{v * scale:.2f}{unit}"
+
+    return "\n".join([
+        f"llmkit bench latency: batch of {s['batch_size']}, {s['num_iters']} timed iterations, "
+        f"{s['steps_per_iter']:.1f} steps each",
+        f"  batch latency   mean {f(lat['mean'], 1e3, ' ms')}  p50 {f(lat['p50'], 1e3, ' ms')}  "
+        f"p99 {f(lat['p99'], 1e3, ' ms')}",
+        f"  prefill step    mean {f(pf['mean'], unit=' ms')}  p50 {f(pf['p50'], unit=' ms')}  "
+        f"p99 {f(pf['p99'], unit=' ms')}  ({s['num_prefill_steps']} steps)",
+        f"  decode step     mean {f(dc['mean'], unit=' ms')}  p50 {f(dc['p50'], unit=' ms')}  "
+        f"p99 {f(dc['p99'], unit=' ms')}  ({s['num_decode_steps']} steps)",
+        f"  decode tokens/s {f(s['decode_tokens_per_s'])}",
+    ])

@@ -1,0 +1,198 @@
+"""Serving metrics: their written definitions and the pure math (no I/O, no clocks).
+
+Every timestamp is in seconds on one monotonic clock; every latency is reported in ms.
+
+For one request (the seed's ch. 02):
+
+- **arrival** — the moment the request is issued to the server (the client sends it). Time
+  spent waiting in the *server's* queue, tokenizing and prefilling is after arrival, so it is
+  part of TTFT. (A client-side concurrency cap delays the send itself; that wait is reported
+  separately as ``queue_ms`` and is not part of TTFT, as in vLLM's benchmark.)
+- **TTFT** (time to first token) = first token's time − arrival. Includes queueing. (From
+  the client, a token's time is when the streamed chunk that carries it arrives: its text, or
+  the choice's finish for tokens without text of their own.)
+- **E2E latency** (``e2el``) = end − arrival, where end is when the last token (the end of the
+  response stream) arrived.
+- **TPOT** (time per output token) = (E2E − TTFT) / (output tokens − 1): the mean gap between
+  output tokens after the first. Undefined (``None``) for a request with one output token; such
+  a request meets any TPOT objective.
+- **ITL** (inter-token latency) = the gaps between consecutive streamed chunks, every one of
+  them (a chunk that carries several tokens is one gap). Summaries pool all gaps of all
+  requests.
+- A request is **ok** when the server answered 200 and streamed at least one token.
+
+For a run (``summarize``):
+
+- ``duration_s`` — from the first request's arrival to the last response's end (or the time
+  limit), as the caller measured it.
+- **request throughput** = completed requests / duration; **output throughput** = output tokens
+  of completed requests / duration; **total token throughput** adds their prompt tokens.
+- **goodput** = requests / s that completed *and* met every SLO that is set
+  (TTFT ≤ ``slo.ttft_ms`` ∧ TPOT ≤ ``slo.tpot_ms`` ∧ E2E ≤ ``slo.e2el_ms``), over the same
+  duration. With no SLO set, goodput equals request throughput.
+- Percentiles interpolate linearly between order statistics (numpy's default), over completed
+  requests only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["METRICS", "PERCENTILES", "RequestRecord", "Slo", "meets_slo", "percentile",
+           "request_record", "stats", "summarize"]
+
+# The metrics the summary reports, each as {mean, p50, p90, p99}.
+METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class Slo:
+    """Service-level objectives in ms; ``None`` = no objective on that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def of(cls, obj: Any) -> "Slo":
+        """From a ``SloConfig``, a mapping, an ``Slo`` or ``None``."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, Mapping):
+            return cls(**{k: obj.get(k) for k in ("ttft_ms", "tpot_ms", "e2el_ms")})
+        return cls(obj.ttft_ms, obj.tpot_ms, obj.e2el_ms)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the result file stores it (API.md's fields first, then extras)."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2el_ms: float | None
+    itl_ms: list[float]
+    prompt_tokens: int | None
+    output_tokens: int
+    ok: bool
+    # -- extras: enough to redraw throughput over time and to debug ---------------------
+    request_id: str = ""
+    # when the request was sent, seconds after the benchmark started
+    start_s: float | None = None
+    # client-side wait before sending (concurrency cap / a late event loop), ms
+    queue_ms: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RequestRecord":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def request_record(arrival_s: float, chunk_times_s: Sequence[float], end_s: float | None = None,
+                   *, output_tokens: int | None = None, prompt_tokens: int | None = None,
+                   ok: bool = True, error: str | None = None, request_id: str = "",
+                   start_s: float | None = None, queue_ms: float = 0.0) -> RequestRecord:
+    """Metrics of one request from its timestamps (seconds, one clock).
+
+    ``chunk_times_s``: when each streamed chunk with tokens arrived; ``end_s``: when the
+    response ended (default: the last chunk); ``output_tokens``: the count the server reported
+    (default: one per chunk). A request without any chunk is not ok.
+    """
+    times = list(chunk_times_s)
+    if not times or not ok:
+        return RequestRecord(None, None, None, [], prompt_tokens, output_tokens or 0, False,
+                             request_id, start_s, queue_ms, error or "no tokens received")
+    if any(b < a for a, b in zip(times, times[1:])) or times[0] < arrival_s:
+        raise ValueError("chunk times must be non-decreasing and not before the arrival")
+    end = times[-1] if end_s is None else max(end_s, times[-1])
+    n_out = len(times) if output_tokens is None else int(output_tokens)
+    ttft = times[0] - arrival_s
+    e2el = end - arrival_s
+    tpot = (e2el - ttft) / (n_out - 1) if n_out > 1 else None
+    itl = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+    return RequestRecord(1e3 * ttft, None if tpot is None else 1e3 * tpot, 1e3 * e2el, itl,
+                         prompt_tokens, n_out, True, request_id, start_s, queue_ms, error)
+
+
+def meets_slo(rec: RequestRecord | Mapping[str, Any], slo: Slo) -> bool:
+    """A completed request that meets every objective that is set (TPOT: a one-token request
+    has none and meets it)."""
+    get = rec.get if isinstance(rec, Mapping) else (lambda k: getattr(rec, k))
+    if not get("ok"):
+        return False
+    for key, limit in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms),
+                       ("e2el_ms", slo.e2el_ms)):
+        value = get(key)
+        if limit is None or (value is None and key == "tpot_ms"):
+            continue
+        if value is None or value > limit:
+            return False
+    return True
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation (numpy's default method);
+    ``None`` for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(values: Iterable[float | None]) -> dict[str, float | None]:
+    """``{mean, p50, p90, p99}`` of the values that are not ``None`` (all ``None`` if none)."""
+    xs = [float(v) for v in values if v is not None]
+    out: dict[str, float | None] = {"mean": sum(xs) / len(xs) if xs else None}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(xs, q)
+    return out
+
+
+def _as_record(r: RequestRecord | Mapping[str, Any]) -> RequestRecord:
+    return r if isinstance(r, RequestRecord) else RequestRecord.from_dict(r)
+
+
+def summarize(records: Sequence[RequestRecord | Mapping[str, Any]], slo: Any = None,
+              duration_s: float = 0.0) -> dict[str, Any]:
+    """The run's summary (API.md's keys, then extras). Pure: the same records, SLOs and
+    duration always give the same summary."""
+    recs = [_as_record(r) for r in records]
+    slo = Slo.of(slo)
+    done = [r for r in recs if r.ok]
+    good = [r for r in done if meets_slo(r, slo)]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens or 0 for r in done)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
+    summary: dict[str, Any] = {
+        "num_requests": len(recs),
+        "completed": len(done),
+        "failed": len(recs) - len(done),
+        "duration_s": duration_s,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(out_tokens),
+        "goodput": per_s(len(good)),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "total_token_throughput": per_s(in_tokens + out_tokens),
+        "good_requests": len(good),
+        "slo_attainment": len(good) / len(recs) if recs else None,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms},
+    }
+    summary["ttft_ms"] = stats(r.ttft_ms for r in done)
+    summary["tpot_ms"] = stats(r.tpot_ms for r in done)
+    summary["itl_ms"] = stats(x for r in done for x in r.itl_ms)
+    summary["e2el_ms"] = stats(r.e2el_ms for r in done)
+    return summary
+

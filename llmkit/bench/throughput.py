@@ -1,0 +1,112 @@
+"""``llmkit bench throughput``: offline throughput of the ``LLM`` API (no server), optionally
+against the Hugging Face ``generate`` baseline on the same model, prompts and lengths.
+
+All requests of the workload (``bench.dataset`` etc.; arrival times are ignored) go to one
+``LLM.generate`` call after an untimed warm-up request. Throughputs count completed requests
+and their generated tokens over the wall time of that call. With ``bench.baseline=hf`` (or the
+shorthand ``baseline=hf``) the same prompt token ids run through ``transformers`` afterwards in
+the same process and thread count; ``ratio`` is llmkit's throughput over the baseline's (ratios,
+not absolute times, are what the suite compares).
+"""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Mapping
+
+from llmkit.bench.datasets import build_workload
+
+__all__ = ["format_throughput", "run_throughput"]
+
+
+def _engine_facts(llm: Any) -> dict[str, Any]:
+    import torch
+
+    from llmkit.executor.uniproc import resolve_dtype
+
+    return {"dtype": resolve_dtype(llm.config.model.dtype, llm.engine.platform),
+            "num_threads": torch.get_num_threads(), "device": llm.engine.platform.device}
+
+
+def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
+                   llm: Any = None) -> dict[str, Any]:
+    """Run the benchmark for ``cfg`` (an ``EngineConfig``); returns the result document."""
+    from llmkit import LLM, SamplingParams
+    from llmkit.bench.results import make_result
+
+    b = cfg.bench
+    own = llm is None
+    if own:
+        llm = LLM.from_config(cfg)
+    tokenizer = llm.get_tokenizer()
+    workload = build_workload(b, tokenizer)
+    prompts = [r.payload_prompt for r in workload]
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=b.ignore_eos,
+                             temperature=b.temperature, seed=b.seed if b.temperature else None)
+              for r in workload]
+    facts = _engine_facts(llm)
+    llm.generate(prompts[0], SamplingParams(max_tokens=min(4, workload[0].max_tokens),
+                                            ignore_eos=True), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=b.progress)
+    elapsed = time.perf_counter() - t0
+    prompt_ids = [list(o.prompt_token_ids) for o in outs]
+    records = [{"prompt_tokens": len(o.prompt_token_ids),
+                "output_tokens": sum(len(c.token_ids) for c in o.outputs),
+                "max_tokens": r.max_tokens, "ok": True} for o, r in zip(outs, workload)]
+    in_tok = sum(r["prompt_tokens"] for r in records)
+    out_tok = sum(r["output_tokens"] for r in records)
+    summary = {"num_requests": len(records), "completed": len(records), "failed": 0,
+               "duration_s": elapsed, "request_throughput": len(records) / elapsed,
+               "output_throughput": out_tok / elapsed,
+               "total_token_throughput": (in_tok + out_tok) / elapsed,
+               "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+               "dtype": str(facts["dtype"]), "num_threads": facts["num_threads"],
+               "device": str(facts["device"])}
+    baseline = ratio = None
+    if b.baseline == "hf":
+        model_path = llm.model_source.path
+        eos_ids = list(llm.model_source.eos_token_ids)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = eos_ids[0] if eos_ids else 0
+        if own:  # free the engine's KV cache and weights before loading the baseline
+            llm.shutdown()
+            llm = None
+            gc.collect()
+        from llmkit.bench.hf_baseline import load_hf_model, run_hf_generate
+
+        model = load_hf_model(model_path, facts["dtype"], device=facts["device"])
+        hf = run_hf_generate(model, prompt_ids, [r.max_tokens for r in workload],
+                             pad_token_id=pad, eos_token_ids=eos_ids, ignore_eos=b.ignore_eos,
+                             temperature=b.temperature, batch_size=b.hf_batch_size,
+                             num_threads=facts["num_threads"], progress=b.progress)
+        del model
+        gc.collect()
+        baseline = {"name": "hf", **hf.to_dict()}
+        ratio = {k: summary[k] / baseline[k] if baseline[k] else None
+                 for k in ("output_throughput", "request_throughput")}
+    if own and llm is not None:
+        llm.shutdown()
+    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    return make_result(config, summary, records, simulated=False, kind="throughput",
+                       baseline=baseline, ratio=ratio)
+
+
+def format_throughput(result: Mapping[str, Any]) -> str:
+    s = result["summary"]
+    lines = [f"llmkit bench throughput: {s['num_requests']} requests, "
+             f"{s['total_input_tokens']} prompt + {s['total_output_tokens']} output tokens "
+             f"(dtype {s['dtype']}, {s['num_threads']} threads, {s.get('device', 'cpu')})",
+             f"  llmkit: {s['duration_s']:8.2f} s  {s['request_throughput']:9.2f} req/s  "
+             f"{s['output_throughput']:10.1f} output tok/s"]
+    base = result.get("baseline")
+    if base:
+        lines.append(f"  hf:     {base['elapsed_s']:8.2f} s  {base['request_throughput']:9.2f} "
+                     f"req/s  {base['output_throughput']:10.1f} output tok/s  (transformers "
+                     f"generate, {base['attn_implementation']}, batches of "
+                     f"<={base['batch_size']})")
+        r = result.get("ratio") or {}
+        if r.get("output_throughput") is not None:
+            lines.append(f"  ratio llmkit/hf (output tok/s): {r['output_throughput']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""Per-step engine stats, kept in memory and written as a Chrome-trace JSON (Perfetto).
+
+``observability.trace_file=PATH`` makes ``EngineCore`` record every step: when it ran, how long
+``schedule`` / ``execute`` / ``update`` took, how many requests it batched and how many tokens it
+scheduled — split into **prefill** (requests whose step computes prompt tokens, or recomputes
+after a preemption) and **decode** (requests past their prompt, computing new tokens). The file
+is written when the engine shuts down (and at interpreter exit); open it at
+https://ui.perfetto.dev or chrome://tracing: one track of step slices (each with its numbers as
+args) and counter tracks for tokens, batch size, queue length and KV usage.
+
+``bench latency`` uses a ``StepTrace`` without a file to time each step.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["StepRecord", "StepTrace"]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    start_s: float  # time.perf_counter() at the step's start
+    schedule_ms: float
+    execute_ms: float
+    update_ms: float
+    num_reqs: int  # the batch size: requests with tokens scheduled in this step
+    scheduled_tokens: int
+    prefill_reqs: int
+    prefill_tokens: int
+    decode_reqs: int
+    decode_tokens: int
+    num_preempted: int
+    num_running: int  # after the step
+    num_waiting: int
+    kv_usage: float
+
+    @property
+    def step_ms(self) -> float:
+        return self.schedule_ms + self.execute_ms + self.update_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["step_ms"] = self.step_ms
+        return d
+
+
+def split_prefill_decode(scheduler_output: Any, get_request: Callable[[str], Any] | None
+                         ) -> tuple[int, int, int, int]:
+    """``(prefill_reqs, prefill_tokens, decode_reqs, decode_tokens)`` of one step. A request
+    the runner (re)builds this step is prefill; a running one is prefill while the tokens it
+    had computed before this step are fewer than its prompt, else decode."""
+    counts = scheduler_output.num_scheduled_tokens
+    pr = pt = dr = dt = 0
+    for new in scheduler_output.scheduled_new_reqs:
+        n = counts.get(new.req_id, 0)
+        if n:
+            pr, pt = pr + 1, pt + n
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        n = counts.get(rid, 0)
+        if not n:
+            continue
+        req = get_request(rid) if get_request is not None else None
+        prompt_len = req.num_prompt_tokens if req is not None else 0
+        if computed < prompt_len:
+            pr, pt = pr + 1, pt + n
+        else:
+            dr, dt = dr + 1, dt + n
+    return pr, pt, dr, dt
+
+
+class StepTrace:
+    """Records steps (at most ``max_steps``, the first ones); ``write()`` saves the trace."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, max_steps: int = 100_000,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.path = Path(path).expanduser() if path else None
+        self.max_steps = max_steps
+        self.clock = clock
+        self.steps: list[StepRecord] = []
+        self.dropped = 0
+        self._marks: list[float] = []
+        self._split = (0, 0, 0, 0)
+        self._num_reqs = self._tokens = self._preempted = 0
+        self._lock = threading.Lock()
+        self._written = False
+        if self.path is not None:
+            atexit.register(self.close)
+
+    @classmethod
+    def from_config(cls, observability: Any) -> "StepTrace | None":
+        """A trace for ``observability.trace_file``, or ``None`` when it is unset."""
+        path = getattr(observability, "trace_file", None) if observability is not None else None
+        if not path:
+            return None
+        return cls(path, max_steps=observability.trace_max_steps)
+
+    # -- the hooks EngineCore.step() calls, in order ---------------------------------------
+    def begin_step(self) -> None:
+        self._marks = [self.clock()]
+
+    def scheduled(self, scheduler_output: Any, scheduler: Any) -> None:
+        self._marks.append(self.clock())
+        get = getattr(scheduler, "get_request", None)
+        self._split = split_prefill_decode(scheduler_output, get)
+        self._num_reqs = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n)
+        self._tokens = scheduler_output.total_num_scheduled_tokens
+        self._preempted = len(scheduler_output.preempted_req_ids)
+
+    def executed(self) -> None:
+        self._marks.append(self.clock())
+
+    def end_step(self, scheduler: Any) -> None:
+        t3 = self.clock()
+        if len(self._marks) != 3:
+            return
+        t0, t1, t2 = self._marks
+        if len(self.steps) >= self.max_steps:
+            self.dropped += 1
+            return
+        stats = scheduler.stats()
+        pr, pt, dr, dt = self._split
+        with self._lock:
+            self.steps.append(StepRecord(
+                step=len(self.steps) + self.dropped, start_s=t0,
+                schedule_ms=1e3 * (t1 - t0), execute_ms=1e3 * (t2 - t1),
+                update_ms=1e3 * (t3 - t2), num_reqs=self._num_reqs,
+                scheduled_tokens=self._tokens, prefill_reqs=pr, prefill_tokens=pt,
+                decode_reqs=dr, decode_tokens=dt, num_preempted=self._preempted,
+                num_running=stats.num_running, num_waiting=stats.num_waiting,
+                kv_usage=float(stats.kv_usage)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.steps.clear()
+            self.dropped = 0
+
+    # -- output ----------------------------------------------------------------------------
+    def chrome_trace(self) -> dict[str, Any]:
+        """The Trace Event Format: complete events ("X") for steps and their phases, counter
+        events ("C") for the numbers; timestamps in µs from the first step."""
+        with self._lock:
+            steps = list(self.steps)
+        pid, tid = os.getpid(), 1
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "llmkit engine"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+             "args": {"name": "EngineCore.step"}},
+        ]
+        origin = steps[0].start_s if steps else 0.0
+        for s in steps:
+            ts = 1e6 * (s.start_s - origin)
+            kind = ("mixed" if s.prefill_tokens and s.decode_tokens
+                    else "prefill" if s.prefill_tokens else "decode" if s.decode_tokens
+                    else "idle")
+            args = s.to_dict()
+            events.append({"ph": "X", "name": f"step {s.step} ({kind})", "cat": "step",
+                           "pid": pid, "tid": tid, "ts": ts, "dur": 1e3 * s.step_ms,
+                           "args": args})
+            t = ts
+            for name, ms in (("schedule", s.schedule_ms), ("execute", s.execute_ms),
+                             ("update", s.update_ms)):
+                events.append({"ph": "X", "name": name, "cat": "phase", "pid": pid,
+                               "tid": tid, "ts": t, "dur": 1e3 * ms})
+                t += 1e3 * ms
+            events.append({"ph": "C", "name": "scheduled tokens", "pid": pid, "ts": ts,
+                           "args": {"prefill": s.prefill_tokens, "decode": s.decode_tokens}})
+            events.append({"ph": "C", "name": "batch size", "pid": pid, "ts": ts,
+                           "args": {"prefill reqs": s.prefill_reqs,
+                                    "decode reqs": s.decode_reqs}})
+            events.append({"ph": "C", "name": "queue", "pid": pid, "ts": ts,
+                           "args": {"running": s.num_running, "waiting": s.num_waiting}})
+            events.append({"ph": "C", "name": "kv usage", "pid": pid, "ts": ts,
+                           "args": {"usage": s.kv_usage}})
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"generator": "llmkit", "steps": len(steps),
+                              "dropped_steps": self.dropped}}
+
+    def write(self, path: str | os.PathLike | None = None) -> Path:
+        target = Path(path).expanduser() if path else self.path
+        if target is None:
+            raise ValueError("no trace file: pass a path or set observability.trace_file")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(self.chrome_trace()))
+        tmp.replace(target)
+        return target
+
+    def close(self) -> None:
+        """Write the trace to its file once (at engine shutdown or interpreter exit)."""
+        if self.path is None or self._written:
+            return
+        self._written = True
+        try:
+            self.write()
+        finally:
+            atexit.unregister(self.close)

@@ -1,0 +1,155 @@
+"""Helpers of the bench tests.
+
+``FakeServer``: a minimal OpenAI-compatible streaming server for the load generator's tests:
+it emits ``max_tokens`` chunks with known delays (the first after ``first_delay_s``, then one
+every ``gap_s``), so the client's timestamps have known lower bounds.
+
+``serial=True`` serves one request at a time (the others wait in a queue, as in a busy engine):
+the k-th request's TTFT then includes k - 1 whole services. Prompts whose first token id is
+``FAIL_TOKEN`` get a 400 in OpenAI's error body. Runs uvicorn in a thread on 127.0.0.1.
+
+``check_result_consistency(doc, n)``: a result file's summary agrees with its records.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+FAIL_TOKEN = 7
+# prompts that start with it get tokens without text: only the final chunk (empty text,
+# finish_reason) is sent, as llmkit's server does for tokens that decode to nothing
+EMPTY_TOKEN = 8
+
+
+@dataclass
+class FakeState:
+    requests: list[dict] = field(default_factory=list)
+    inflight: int = 0
+    max_inflight: int = 0
+
+
+def make_app(first_delay_s: float = 0.1, gap_s: float = 0.02, serial: bool = False,
+             model: str = "fake-model"):
+    app = FastAPI()
+    state = FakeState()
+    app.state.fake = state
+    lock = asyncio.Lock() if serial else None
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        state.requests.append(body)
+        prompt = body["prompt"]
+        n = int(body.get("max_tokens", 16))
+        if isinstance(prompt, list) and prompt and prompt[0] == FAIL_TOKEN:
+            return JSONResponse(status_code=400, content={"error": {
+                "message": "this prompt is refused", "type": "invalid_request_error",
+                "param": "prompt", "code": None}})
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        empty = isinstance(prompt, list) and prompt[0] == EMPTY_TOKEN
+
+        async def events():
+            state.inflight += 1
+            state.max_inflight = max(state.max_inflight, state.inflight)
+            try:
+                async with (lock if lock is not None else contextlib.nullcontext()):
+                    await asyncio.sleep(first_delay_s)
+                    for i in range(n):
+                        if i:
+                            await asyncio.sleep(gap_s)
+                        last = i == n - 1
+                        if empty and not last:
+                            continue
+                        choice = {"index": 0, "text": "" if empty else f" t{i}",
+                                  "logprobs": None, "finish_reason": "length" if last else None}
+                        yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": n,
+                         "total_tokens": n_prompt + n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state.inflight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class FakeServer:
+    def __init__(self, **kwargs) -> None:
+        import uvicorn
+
+        self.app = make_app(**kwargs)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self) -> FakeState:
+        return self.app.state.fake
+
+    def __enter__(self) -> "FakeServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fake server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def check_result_consistency(doc: dict, expected_requests: int) -> None:
+    """The summary agrees with the per-request records (the contract's shape)."""
+    assert list(doc)[:4] == ["config", "simulated", "summary", "requests"]
+    assert doc["simulated"] is False
+    s, recs = doc["summary"], doc["requests"]
+    assert s["num_requests"] == len(recs) == expected_requests
+    done = [r for r in recs if r["ok"]]
+    assert s["completed"] == len(done) and s["failed"] == len(recs) - len(done)
+    assert s["total_output_tokens"] == sum(r["output_tokens"] for r in done)
+    assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in done)
+    assert s["request_throughput"] == pytest.approx(len(done) / s["duration_s"])
+    assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration_s"])
+    assert s["goodput"] <= s["request_throughput"] + 1e-9
+    for r in recs:
+        assert set(r) >= {"ttft_ms", "tpot_ms", "e2el_ms", "itl_ms", "prompt_tokens",
+                          "output_tokens", "ok"}
+    for m in ("ttft_ms", "e2el_ms", "tpot_ms"):
+        values = sorted(r[m] for r in done if r[m] is not None)
+        st = s[m]
+        assert values[0] <= st["p50"] <= st["p90"] <= st["p99"] <= values[-1]
+        assert st["mean"] == pytest.approx(sum(values) / len(values))
+    itl = sorted(x for r in done for x in r["itl_ms"])
+    assert itl[0] <= s["itl_ms"]["p50"] <= s["itl_ms"]["p99"] <= itl[-1]
+    for r in done:
+        assert r["e2el_ms"] >= r["ttft_ms"]
+        if r["output_tokens"] > 1:
+            assert r["tpot_ms"] == pytest.approx((r["e2el_ms"] - r["ttft_ms"])
+                                                 / (r["output_tokens"] - 1))

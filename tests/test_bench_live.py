@@ -1,0 +1,120 @@
+"""``llmkit bench serve`` against a live ``llmkit serve`` of a tiny model (a subprocess on a
+free port): the result JSON agrees with its per-request records, every request got exactly
+its ``max_tokens`` (ignore_eos) for exactly the prompt ids sent, a PNG is written, and the
+server's engine writes its step trace (``observability.trace_file``) when it stops."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_helpers import check_result_consistency  # noqa: E402
+
+from llmkit.bench.datasets import build_workload  # noqa: E402
+from llmkit.config.compose import compose_config  # noqa: E402
+from llmkit.entrypoints import cli  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir("llama")
+    tmp = tmp_path_factory.mktemp("live")
+    port = free_port()
+    trace = tmp / "engine-trace.json"
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmkit.entrypoints.cli", "serve", str(model),
+         "model.dtype=float32", f"server.port={port}", "kv_cache.num_blocks=256",
+         f"observability.trace_file={trace}"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # while the server starts: the imports the bench command will need
+        from llmkit.bench.results import _pyplot
+        from llmkit.models.loader import resolve_model_source  # noqa: F401
+        _pyplot()
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready: {(tmp / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield {"url": url, "model": model, "proc": proc, "trace": trace, "tmp": tmp}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        log.close()
+
+
+def test_bench_serve_against_live_server(live, tmp_path, capsys):
+    args = [f"bench.base_url={live['url']}", "bench.num_requests=6", "bench.rate=inf",
+            "bench.input_len=16", "bench.output_len=6", "bench.range_ratio=0.5",
+            "bench.max_concurrency=4", "slo.ttft_ms=60000", "bench.seed=2"]
+    rc = cli.main(["bench", "serve", str(live["model"]), *args, f"bench.output_dir={tmp_path}",
+                   "bench.result_name=live", "bench.progress=false"])
+    assert rc == 0, capsys.readouterr().err
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "live.json").read_text())
+    assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
+    check_result_consistency(doc, expected_requests=6)
+    assert doc["summary"]["completed"] == 6
+    # the same workload, rebuilt: the server saw these exact prompt ids and lengths
+    tok_cfg = compose_config([f"model.path={live['model']}", *args]).bench
+    from transformers import AutoTokenizer
+    workload = build_workload(tok_cfg, AutoTokenizer.from_pretrained(str(live["model"])))
+    recs = {r["request_id"]: r for r in doc["requests"]}
+    for w in workload:
+        r = recs[w.request_id]
+        assert r["prompt_tokens"] == w.prompt_len
+        assert r["output_tokens"] == w.max_tokens  # ignore_eos: exactly max_tokens
+    # no SLO is violated at 60 s: goodput equals request throughput
+    assert doc["summary"]["goodput"] == pytest.approx(doc["summary"]["request_throughput"])
+
+
+def test_server_engine_writes_step_trace_on_shutdown(live):
+    proc = live["proc"]
+    # make sure the engine ran some steps (the previous test may have been deselected)
+    body = {"model": str(live["model"]), "prompt": [5, 6, 7], "max_tokens": 3,
+            "ignore_eos": True}
+    assert httpx.post(f"{live['url']}/v1/completions", json=body, timeout=60,
+                      trust_env=False).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    deadline = time.monotonic() + 30
+    while not live["trace"].exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    doc = json.loads(live["trace"].read_text())
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
+    assert steps and doc["otherData"]["steps"] == len(steps)
+    assert sum(e["args"]["decode_tokens"] for e in steps) >= 2
