@@ -4,5 +4,7 @@ from llmkit.registry import Registry
 
 EXECUTORS: Registry[Executor] = Registry("executor")
 EXECUTORS.register_lazy("uniproc", "llmkit.executor.uniproc.UniprocExecutor")
+# No model: steps priced by a hardware cost model (`llmkit sim`, llmkit/sim/).
+EXECUTORS.register_lazy("sim", "llmkit.executor.sim.SimExecutor")
 
 __all__ = ["EXECUTORS", "Executor", "ModelFacts"]

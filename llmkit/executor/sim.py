@@ -1,0 +1,200 @@
+"""``executor=sim``: no weights, no forward — each step costs what the cost model says.
+
+The engine core, its scheduler and its KV cache manager are the real ones; only the data plane
+is replaced. For every ``SchedulerOutput`` the executor
+
+1. works out each scheduled request's share of the step: new tokens ``q``, context after the
+   step ``c``, and whether the step reaches the end of what the request holds (then it samples);
+2. prices the step with ``llmkit.sim.cost_model.CostModel`` for the ``hardware`` profile and
+   advances the virtual clock (if it was given one) by that time;
+3. returns one sampled token per sampling request, drawn from a seeded RNG over the vocabulary
+   without the EOS ids and the request's ``stop_token_ids``. So a request never stops early: it
+   ends at its ``max_tokens`` (or ``max_model_len``), i.e. output lengths follow the workload,
+   as ``bench serve`` with ``ignore_eos`` (its default) makes a real server do.
+
+The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
+activations`` per rank, in blocks (``num_kv_blocks()``). ``llmkit sim`` sets
+``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
+``executor=sim`` by hand uses ``kv_cache.num_blocks`` / ``kv_cache.memory_gib`` as usual.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Callable
+
+from llmkit.config.schema import EngineConfig
+from llmkit.executor.base import Executor, ModelFacts
+from llmkit.outputs import ModelRunnerOutput
+from llmkit.scheduler.base import SchedulerOutput
+from llmkit.sim.cost_model import CostModel, StepCost
+from llmkit.sim.hardware import HardwareProfile, resolve_hardware
+from llmkit.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
+
+__all__ = ["SimExecutor", "SimStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class SimStats:
+    """Totals over the steps the executor priced (virtual seconds, per rank)."""
+
+    __slots__ = ("steps", "busy_s", "compute_s", "memory_s", "comm_s", "overhead_s", "flops",
+                 "bytes", "tokens", "compute_bound_steps", "max_step_s")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.busy_s = self.compute_s = self.memory_s = self.comm_s = self.overhead_s = 0.0
+        self.flops = self.bytes = 0.0
+        self.tokens = 0
+        self.compute_bound_steps = 0
+        self.max_step_s = 0.0
+
+    def add(self, c: StepCost) -> None:
+        t = c.total_s
+        self.steps += 1
+        self.busy_s += t
+        self.compute_s += c.compute_s
+        self.memory_s += c.memory_s
+        self.comm_s += c.comm_s
+        self.overhead_s += c.overhead_s
+        self.flops += c.flops
+        self.bytes += c.bytes
+        self.tokens += c.num_tokens
+        self.compute_bound_steps += c.compute_s >= c.memory_s
+        self.max_step_s = max(self.max_step_s, t)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class SimExecutor(Executor):
+    def __init__(self, config: EngineConfig, platform: Any, *,
+                 clock: Callable[[], float] | None = None, model: SimModel | None = None,
+                 hardware: HardwareProfile | None = None) -> None:
+        super().__init__(config, platform)
+        self.model = model or resolve_sim_model(config)
+        self.hardware = hardware or resolve_hardware(config)
+        shape = self.model.shape
+        self.dtype = resolve_sim_dtype(config, shape, self.hardware)
+        tp = config.sim.tensor_parallel_size
+        try:
+            self.cost_model = CostModel(shape, self.hardware, self.dtype, tp)
+        except (KeyError, ValueError) as e:
+            from llmkit.config.errors import ConfigError
+            raise ConfigError("hardware", self.hardware.name, "", message=str(e).strip("'\"")
+                              ) from None
+        # Anything with advance(seconds) (a VirtualClock); None: price steps, move no clock.
+        self.clock = clock
+        eos = self.model.eos_token_ids
+        self._facts = ModelFacts(max_model_len=self.model.max_model_len,
+                                 vocab_size=shape.vocab_size,
+                                 eos_token_id=eos[0] if eos else None)
+        self._banned = frozenset(eos)
+        self._rng = random.Random(f"llmkit-sim-{config.seed}")
+        self._num_tokens: dict[str, int] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}
+        self.num_blocks: int | None = None
+        self.stats = SimStats()
+        self.last_step: StepCost | None = None
+
+    # -- Executor ---------------------------------------------------------------------------
+    @property
+    def model_facts(self) -> ModelFacts:
+        return self._facts
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """One block of every layer on every rank (KV heads replicate when fewer than ranks)."""
+        return (self.config.kv_cache.block_size * self.cost_model.kv_bytes_per_token
+                * self.cost_model.tp)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        block = self.config.kv_cache.block_size
+        fits = int(self.kv_budget_bytes() // (block * self.cost_model.kv_bytes_per_token))
+        if num_blocks > fits:
+            logger.warning("kv_cache.num_blocks=%d is more than %s holds for this model (%d "
+                           "blocks): the simulation assumes memory the device does not have",
+                           num_blocks, self.hardware.name, fits)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        for rid in so.finished_req_ids:
+            self._num_tokens.pop(rid, None)
+            self._stop_ids.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self._num_tokens.pop(rid, None)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        before: dict[str, int] = {}
+        for nr in so.scheduled_new_reqs:
+            self._num_tokens[nr.req_id] = len(nr.token_ids)
+            stop = nr.sampling_params.stop_token_ids
+            if stop:
+                self._stop_ids[nr.req_id] = frozenset(stop)
+            before[nr.req_id] = nr.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for rid, n in zip(cached.req_ids, cached.num_computed_tokens):
+            before[rid] = n
+        work = []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for rid, q in so.num_scheduled_tokens.items():
+            c = before[rid] + q
+            held = self._num_tokens[rid]
+            samples = c >= held
+            work.append((q, c, samples))
+            req_ids.append(rid)
+            if samples:
+                self._num_tokens[rid] = held + 1
+                sampled.append([self._draw(rid)])
+            else:
+                sampled.append([])
+        cost = self.cost_model.step(work)
+        self.last_step = cost
+        self.stats.add(cost)
+        if self.clock is not None:
+            self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def shutdown(self) -> None:
+        self._num_tokens.clear()
+        self._stop_ids.clear()
+
+    # -- the simulation's own -----------------------------------------------------------------
+    def _draw(self, req_id: str) -> int:
+        vocab = self._facts.vocab_size
+        stop = self._stop_ids.get(req_id)
+        rand = self._rng.random
+        while True:
+            tok = int(rand() * vocab)
+            if tok not in self._banned and (stop is None or tok not in stop):
+                return tok
+
+    def activation_bytes(self) -> int:
+        """Peak activations of one forward of ``max_num_batched_tokens`` tokens on one rank:
+        one layer's live tensors (q, k, v, the MLP's intermediate, two residual-sized buffers)
+        plus float32 logits of up to ``max_num_seqs`` rows."""
+        s, cm = self.model.shape, self.cost_model
+        sched = self.config.scheduler
+        t = sched.max_num_batched_tokens
+        per_token = (s.q_size + 2 * s.kv_size) // cm.tp + \
+            (2 if s.gated_mlp else 1) * s.intermediate_size // cm.tp + 2 * s.hidden_size
+        rows = min(t, sched.max_num_seqs)
+        return t * per_token * cm.b_act + rows * s.vocab_size * 4
+
+    def kv_budget_bytes(self) -> float:
+        """Per rank: usable memory minus this rank's weights and activations."""
+        cm = self.cost_model
+        usable = self.hardware.memory_bytes * self.config.sim.gpu_memory_utilization
+        return usable - cm.weight_bytes / cm.tp - self.activation_bytes()
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks the device's memory holds after the weights (0 if the weights alone do
+        not fit), capped as the engine core caps its own budget: never more than
+        ``max_num_seqs`` sequences at ``max_model_len`` need (the rest would be idle)."""
+        block = self.config.kv_cache.block_size
+        per_block = block * self.cost_model.kv_bytes_per_token
+        fits = max(0, int(self.kv_budget_bytes() // per_block))
+        cap = -(-self.model.max_model_len // block) * self.config.scheduler.max_num_seqs
+        return min(fits, cap)

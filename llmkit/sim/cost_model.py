@@ -1,0 +1,171 @@
+"""What one engine step costs on modelled hardware: a roofline with per-step overheads.
+
+A step is what the scheduler hands the runner: for each scheduled request ``i``, ``q_i`` new
+tokens whose K/V it computes, ``c_i`` the request's context after the step (cached + new), and
+whether it samples a token (its computed tokens reach the end of what it holds). With the model
+shape (``L`` layers, hidden ``h``, ``n_h`` query heads of ``d`` dims, vocabulary ``V``, ``P``
+parameters a token multiplies by per layer, ``κ`` KV bytes per token per rank) and the device
+(peak FLOP/s ``F`` for the dtype, bandwidth ``B``, efficiencies ``η_c``, ``η_m``, ``η_l``), on each
+of ``p`` tensor-parallel ranks::
+
+    T = Σ q_i                                   tokens in the step
+    S = #{i samples}                            rows of logits
+    A = Σ [ q_i (c_i − q_i) + q_i (q_i + 1) / 2 ]   causal query–key pairs
+    FLOPs   = [ 2·T·L·P  +  2·S·V·h  +  4·L·n_h·d·A ] / p        matmuls, LM head, QKᵀ and PV
+    bytes   = [ L·P_read(T) + V·h·[S>0] + T·h ]·b_w / p           weights streamed once a step
+            + Σ (c_i + q_i) · κ                                   KV read (whole context) + written
+    compute = FLOPs / (F · η_c)
+    memory  = bytes / (B · η_m)
+    comm    = 2·L · [ α + 2(p−1)/p · T·h·b_a / (B_link · η_l) ]     p > 1: two ring all-reduces
+                                                                  per layer (attention, MLP)
+    step    = max(compute, memory) + comm + t_step + L·t_layer
+
+``P_read(T)`` is every parameter of a layer for a dense model; for a mixture of experts only
+the experts some token routes to (``E·(1 − (1 − k/E)^T)`` in expectation). The embedding is a
+gather (``T·h`` elements), not a stream. Activations' own traffic and the sampler are left out
+(small next to weights and KV at serving batch sizes). ``t_step`` (CPU: schedule, prepare
+inputs, sample) and ``t_layer`` (short kernels per layer) come from the hardware profile, as do
+all efficiencies: they are fixed per profile and never fitted to a workload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from llmkit.sim.hardware import HardwareProfile
+from llmkit.sim.model_shape import ModelShape, dtype_bytes
+
+__all__ = ["CostModel", "SeqWork", "StepCost"]
+
+
+@dataclass(slots=True, frozen=True)
+class SeqWork:
+    """One request's share of a step."""
+
+    num_new_tokens: int  # q: tokens whose K/V this step computes
+    context_len: int  # c: tokens in the request's KV after the step (cached + new)
+    samples: bool = True  # the step reaches the end of what the request holds: one logit row
+
+
+@dataclass(slots=True, frozen=True)
+class StepCost:
+    """One step's modelled time (seconds) and work (per rank)."""
+
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+    flops: float
+    bytes: float
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+_EMPTY = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+class CostModel:
+    def __init__(self, shape: ModelShape, hardware: HardwareProfile, dtype: str,
+                 tensor_parallel_size: int = 1, kv_dtype: str | None = None) -> None:
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1 and hardware.link_bandwidth <= 0:
+            raise ValueError(f"hardware {hardware.name!r} has no link (link_bandwidth_gbs=0): "
+                             "tensor parallelism cannot be modelled on it")
+        self.shape = shape
+        self.hw = hardware
+        self.dtype = dtype
+        self.tp = tensor_parallel_size
+        # Quantized weights still compute and keep K/V in 16 bits unless told otherwise.
+        self.kv_dtype = kv_dtype or ("bfloat16" if dtype in ("fp8", "int8") else dtype)
+        self.b_w = dtype_bytes(dtype)
+        self.b_act = dtype_bytes("bfloat16") if dtype in ("fp8", "int8") else self.b_w
+        self.peak_flops = hardware.peak(dtype)
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(self.kv_dtype, self.tp)  # per rank
+        s = shape
+        self._flops_per_token = 2.0 * s.num_layers * s.active_layer_params()
+        self._flops_per_logit_row = 2.0 * s.vocab_size * s.hidden_size
+        self._flops_per_attn_pair = 4.0 * s.num_layers * s.num_heads * s.head_dim
+        self._compute_rate = self.peak_flops * hardware.compute_efficiency
+        self._memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
+        self._overhead_s = hardware.step_overhead_s + s.num_layers * hardware.layer_overhead_s
+
+    # -- figures of the model on the device -----------------------------------------------
+    @property
+    def weight_bytes(self) -> int:
+        """Every parameter of the checkpoint in ``dtype`` (all ranks together)."""
+        return self.shape.weight_bytes(self.dtype)
+
+    def weight_read_time_s(self, at_peak: bool = True) -> float:
+        """Time to stream all weights once (each rank its 1/p share) at the peak bandwidth, or
+        at the achieved one (``at_peak=False``)."""
+        rate = self.hw.memory_bandwidth * (1.0 if at_peak else self.hw.memory_efficiency)
+        return self.weight_bytes / self.tp / rate
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, work: Iterable[SeqWork | tuple[int, int, bool]]) -> StepCost:
+        T = S = n = 0
+        pairs = 0.0
+        ctx = 0
+        for w in work:
+            q, c, samples = (w.num_new_tokens, w.context_len, w.samples) \
+                if isinstance(w, SeqWork) else w
+            if q <= 0:
+                continue
+            n += 1
+            T += q
+            S += 1 if samples else 0
+            pairs += q * (c - q) + q * (q + 1) / 2.0
+            ctx += c + q  # the whole context is read, the new tokens' K/V written
+        if T == 0:
+            return _EMPTY
+        s, p = self.shape, self.tp
+        flops = (self._flops_per_token * T + self._flops_per_logit_row * S
+                 + self._flops_per_attn_pair * pairs) / p
+        weights = (s.num_layers * s.layer_params_read(T)
+                   + (s.lm_head_params if S else 0) + T * s.hidden_size) * self.b_w / p
+        nbytes = weights + ctx * self.kv_bytes_per_token
+        comm = 0.0
+        if p > 1:
+            msg = T * s.hidden_size * self.b_act
+            one = self.hw.link_latency_s + 2.0 * (p - 1) / p * msg / (
+                self.hw.link_bandwidth * self.hw.link_efficiency)
+            comm = 2 * s.num_layers * one
+        return StepCost(compute_s=flops / self._compute_rate, memory_s=nbytes / self._memory_rate,
+                        comm_s=comm, overhead_s=self._overhead_s, flops=flops, bytes=nbytes,
+                        num_tokens=T, num_seqs=n)
+
+    def decode_step(self, batch_size: int, context_len: int) -> StepCost:
+        """``batch_size`` requests each decoding one token with ``context_len`` tokens of
+        context (including the new one)."""
+        return self.step([SeqWork(1, context_len, True)] * batch_size)
+
+    def prefill_step(self, prompt_lens: Sequence[int]) -> StepCost:
+        """Whole prompts in one step (each samples its first token)."""
+        return self.step([SeqWork(n, n, True) for n in prompt_lens])
+
+    def describe(self) -> dict:
+        """The constants the equations use (for the result file)."""
+        s, hw = self.shape, self.hw
+        return {
+            "dtype": self.dtype, "kv_dtype": self.kv_dtype, "tensor_parallel_size": self.tp,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token_per_rank": self.kv_bytes_per_token,
+            "flops_per_token": self._flops_per_token,
+            "peak_flops": self.peak_flops, "compute_efficiency": hw.compute_efficiency,
+            "memory_bandwidth": hw.memory_bandwidth, "memory_efficiency": hw.memory_efficiency,
+            "link_bandwidth": hw.link_bandwidth, "link_latency_s": hw.link_latency_s,
+            "link_efficiency": hw.link_efficiency,
+            "step_overhead_s": hw.step_overhead_s, "layer_overhead_s": hw.layer_overhead_s,
+            "overhead_per_step_s": self._overhead_s,
+            "weight_read_time_at_peak_s": self.weight_read_time_s(True),
+            "num_layers": s.num_layers,
+        }

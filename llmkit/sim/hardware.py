@@ -1,0 +1,142 @@
+"""Hardware profiles: the figures the cost model needs about one accelerator.
+
+Profiles live in ``conf/hardware/NAME.yaml`` (Hydra group ``hardware``; validated as
+``llmkit.config.schema.HardwareConfig``), each value with its public source in a comment.
+``HardwareProfile`` is the plain, SI-unit form the cost model computes with (no pydantic, so the
+cost model also runs where only the standard library and PyYAML are installed).
+
+``hardware=cpu-local`` reads the profile that ``llmkit sim calibrate`` measured on this machine
+when it exists (``sim.calibrate_output``, default ``<llmkit cache>/hardware/cpu-local.yaml``),
+else the shipped, uncalibrated placeholder (with a warning).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["CALIBRATED_NAME", "HardwareProfile", "default_calibration_path", "hardware_names",
+           "load_profile_yaml", "resolve_hardware"]
+
+logger = logging.getLogger(__name__)
+
+CALIBRATED_NAME = "cpu-local"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device, SI units (FLOP/s, bytes, bytes/s, seconds)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    compute_efficiency: float
+    memory_efficiency: float
+    link_bandwidth: float = 0.0
+    link_latency_s: float = 0.0
+    link_efficiency: float = 1.0
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    default_dtype: str = "bfloat16"
+    description: str = ""
+    calibrated_at: str | None = None
+    source_path: str | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_config(cls, cfg: Any, source_path: str | None = None) -> "HardwareProfile":
+        """From a ``HardwareConfig`` or the same fields as a mapping (a profile YAML)."""
+        d = cfg.model_dump() if hasattr(cfg, "model_dump") else dict(cfg)
+        eff = d["efficiency"]
+        return cls(
+            name=d["name"],
+            peak_flops={k: float(v) * 1e12 for k, v in d["peak_tflops"].items()},
+            memory_bytes=float(d["memory_gb"]) * 1e9,
+            memory_bandwidth=float(d["memory_bandwidth_gbs"]) * 1e9,
+            compute_efficiency=float(eff["compute"]),
+            memory_efficiency=float(eff["memory"]),
+            link_bandwidth=float(d.get("link_bandwidth_gbs", 0.0)) * 1e9,
+            link_latency_s=float(d.get("link_latency_us", 0.0)) * 1e-6,
+            link_efficiency=float(eff.get("link", 1.0)),
+            step_overhead_s=float(d.get("step_overhead_ms", 0.0)) * 1e-3,
+            layer_overhead_s=float(d.get("layer_overhead_us", 0.0)) * 1e-6,
+            default_dtype=d.get("default_dtype", "bfloat16"),
+            description=d.get("description", ""),
+            calibrated_at=d.get("calibrated_at"),
+            source_path=source_path,
+        )
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``; fp8 falls back to the 16-bit rate where the device has no
+        fp8 units (weights are then upcast: bytes shrink, FLOP/s do not grow)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype in ("fp8", "int8"):
+            for alt in ("bfloat16", "float16"):
+                if alt in self.peak_flops:
+                    return self.peak_flops[alt]
+        raise KeyError(f"hardware {self.name!r} lists no peak for dtype {dtype!r} (it has: "
+                       f"{', '.join(self.peak_flops)})")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("source_path")
+        return d
+
+
+def hardware_names() -> list[str]:
+    from llmkit.config.compose import group_options
+    return group_options("hardware")
+
+
+def default_calibration_path() -> Path:
+    from llmkit.models.default_model import cache_dir
+    return cache_dir() / "hardware" / f"{CALIBRATED_NAME}.yaml"
+
+
+def load_profile_yaml(path: str | Path) -> dict[str, Any]:
+    """A profile YAML as a plain mapping (comments dropped)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a hardware profile (expected a mapping)")
+    return data
+
+
+def _validated(data: Mapping[str, Any], where: str):
+    from pydantic import ValidationError
+
+    from llmkit.config.errors import ConfigError
+    from llmkit.config.schema import HardwareConfig
+
+    try:
+        return HardwareConfig.model_validate(dict(data))
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"hardware.{key}", err.get("input"),
+                          f"{err['msg']} (in {where})") from None
+
+
+def resolve_hardware(cfg: Any) -> HardwareProfile:
+    """The profile ``cfg`` (an ``EngineConfig``) simulates: ``cfg.hardware``, or for
+    ``cpu-local`` the calibrated file when there is one."""
+    from llmkit.config.errors import ConfigError
+
+    hw = cfg.hardware
+    if hw is None:
+        raise ConfigError("hardware", None, "a profile: " + ", ".join(hardware_names()))
+    if hw.name == CALIBRATED_NAME:
+        sim = getattr(cfg, "sim", None)
+        path = Path(sim.calibrate_output).expanduser() if sim is not None and \
+            sim.calibrate_output else default_calibration_path()
+        if path.is_file():
+            logger.info("hardware=cpu-local: using the calibrated profile %s", path)
+            data = load_profile_yaml(path)
+            return HardwareProfile.from_config(_validated(data, str(path)), str(path))
+        logger.warning("hardware=cpu-local is not calibrated (no %s): using the shipped "
+                       "placeholder figures; run `llmkit sim calibrate` to measure this machine",
+                       path)
+    return HardwareProfile.from_config(hw)
