@@ -183,7 +183,7 @@ def unified_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
         k = kv_cache[0, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)  # [n, H, D]
         v = kv_cache[1, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
         s = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
-        q_pos = torch.arange(n - (b - a), n)
-        s = s.masked_fill(torch.arange(n)[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = torch.arange(n - (b - a), n, device=s.device)
+        s = s.masked_fill(torch.arange(n, device=s.device)[None, :] > q_pos[:, None], float("-inf"))
         out[a:b] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), v).to(q.dtype)
     return out

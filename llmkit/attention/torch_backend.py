@@ -39,6 +39,10 @@ class DecodePlan:
     mask: torch.Tensor  # bool [B, 1, 1, L]
     max_len: int
 
+    def to(self, device: torch.device) -> "DecodePlan":
+        return DecodePlan(self.token_rows.to(device), self.slots.to(device),
+                          self.mask.to(device), self.max_len)
+
 
 @dataclass(slots=True)
 class PrefillPlan:
@@ -46,6 +50,10 @@ class PrefillPlan:
     end: int
     slots: torch.Tensor  # int64 [seq_len]
     mask: torch.Tensor | None  # bool [q_len, seq_len]; None = plain causal
+
+    def to(self, device: torch.device) -> "PrefillPlan":
+        return PrefillPlan(self.start, self.end, self.slots.to(device),
+                           None if self.mask is None else self.mask.to(device))
 
 
 @dataclass(slots=True)
@@ -101,6 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, TorchAttentionMetadata):
             metadata = self.build_metadata(metadata)
+        if metadata.slot_mapping.device != kv_cache.device:
+            self._move_plans(metadata, kv_cache.device)  # once per step, by the first layer
         n = metadata.num_actual_tokens
         write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
@@ -126,3 +136,12 @@ class TorchAttentionBackend(AttentionBackend):
                                                enable_gqa=gqa)
             out[p.start:p.end] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _move_plans(m: TorchAttentionMetadata, device: torch.device) -> None:
+        """The runner builds metadata on the host; plans follow the cache to its device."""
+        m.slot_mapping = m.slot_mapping.to(device)
+        if m.decode is not None:
+            m.decode = m.decode.to(device)
+        if m.prefills:
+            m.prefills = [p.to(device) for p in m.prefills]

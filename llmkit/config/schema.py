@@ -77,7 +77,8 @@ class KVCacheConfig(_Component):
 
 
 class AttentionConfig(_Component):
-    name: str = "torch"
+    # auto = the platform's default backend (triton on CUDA, torch on the CPU)
+    name: str = "auto"
 
 
 class SamplerConfig(_Component):
@@ -110,6 +111,172 @@ class ServerConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = None
     max_waiting_requests: int = Field(default=1024, ge=1)
+    # On SIGINT/SIGTERM: seconds that requests in flight may take to finish before they are
+    # aborted and the engine process is stopped.
+    shutdown_timeout: float = Field(default=10.0, ge=0)
+
+
+class BenchConfig(_Strict):
+    """``llmkit bench serve|throughput|latency|plot`` (definitions: ``llmkit/bench/metrics.py``).
+
+    The workload (dataset + arrival times) is built from these fields alone, with ``seed``,
+    so the same config replays the same requests (also in the simulator)."""
+
+    # JSON keeps ``rate: inf`` as "Infinity" (which validates back), not null.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+    # -- where to send requests (bench serve) ------------------------------------------------
+    # null = http://{server.host}:{server.port}
+    base_url: str | None = None
+    # completions: /v1/completions (token-id prompts allowed); chat: /v1/chat/completions
+    endpoint: Literal["completions", "chat"] = "completions"
+    # The served model name; null = the first entry of GET /v1/models.
+    model: str | None = None
+    # Bearer token; null = the LLMKIT_API_KEY / OPENAI_API_KEY environment variables.
+    api_key: str | None = None
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    # -- the workload ----------------------------------------------------------------------
+    dataset: Literal["random", "shared_prefix", "jsonl"] = "random"
+    # jsonl: one {"prompt": str | [ids], "max_tokens": int} per line
+    dataset_path: str | None = None
+    num_requests: int = Field(default=100, ge=1)
+    # Mean prompt / output lengths in tokens; each is drawn uniformly from
+    # [mean * (1 - range_ratio), mean * (1 + range_ratio)]. shared_prefix: input_len is the
+    # length of each request's distinct suffix.
+    input_len: int = Field(default=128, ge=1)
+    output_len: int = Field(default=64, ge=1)
+    range_ratio: float = Field(default=0.0, ge=0, lt=1)
+    # shared_prefix: num_prefixes prefixes of prefix_len tokens, request i uses prefix i % k
+    num_prefixes: int = Field(default=4, ge=1)
+    prefix_len: int = Field(default=256, ge=1)
+    # ids: send token ids (exact lengths); text: decode them and send text (for servers that
+    # do not accept token-id prompts; lengths then change on re-tokenization)
+    prompt_format: Literal["ids", "text"] = "ids"
+    # The tokenizer for random / shared_prefix prompts; null = the model's (MODEL / model.path).
+    tokenizer: str | None = None
+    # -- arrivals ------------------------------------------------------------------------
+    # requests/s; inf = all at once
+    rate: float = Field(default=float("inf"), gt=0)
+    # poisson: exponential gaps of mean 1/rate; constant: exactly 1/rate apart; burst: all at 0
+    arrival: Literal["poisson", "constant", "burst"] = "poisson"
+    # at most this many requests in flight (null = no cap)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    # stop after this many seconds: unsent requests are dropped, those in flight cancelled
+    max_duration_s: float | None = Field(default=None, gt=0)
+    seed: int = 0
+    # -- sampling of every request --------------------------------------------------------
+    ignore_eos: bool = True
+    temperature: float = Field(default=0.0, ge=0)
+    # -- offline benchmarks (throughput / latency) ------------------------------------------
+    # throughput: also run this baseline on the same model and prompts and print the ratio
+    baseline: Literal["none", "hf"] = "none"
+    # hf baseline: prompts sorted by length, in batches of at most this many (padded left)
+    hf_batch_size: int = Field(default=32, ge=1)
+    # latency: one batch of this many requests, timed num_iters times after the warm-up
+    batch_size: int = Field(default=8, ge=1)
+    num_iters: int = Field(default=3, ge=1)
+    num_iters_warmup: int = Field(default=1, ge=0)
+    # -- output ---------------------------------------------------------------------------
+    output_dir: str = "bench_results"
+    # the result's file stem; null = "<kind>-<swept values>" in a sweep, else "<kind>-<time>"
+    result_name: str | None = None
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _dataset_needs(self) -> "BenchConfig":
+        if self.dataset == "jsonl" and not self.dataset_path:
+            raise ValueError("bench.dataset_path (a JSONL file) is required when bench.dataset "
+                             "is jsonl")
+        return self
+
+
+class SloConfig(_Strict):
+    """Service-level objectives for goodput (ms; null = no objective on that metric). A
+    request counts toward goodput only if it succeeded and meets every objective that is set."""
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2el_ms: float | None = Field(default=None, gt=0)
+
+
+class ObservabilityConfig(_Strict):
+    # Write the engine's per-step stats (scheduled tokens, batch size, prefill/decode split,
+    # step time) as a Chrome-trace JSON (open in https://ui.perfetto.dev) when the engine
+    # shuts down. null = off (no cost).
+    trace_file: str | None = None
+    # keep at most this many steps (the first ones) in the trace
+    trace_max_steps: int = Field(default=100_000, ge=1)
+
+
+class HardwareEfficiency(_Strict):
+    """Fractions of a device's peaks that real kernels reach (the simulator's cost model). Fixed
+    per hardware profile, each with its public source in the profile's YAML."""
+
+    compute: float = Field(gt=0, le=1)  # of peak_tflops, for the step's matmuls + attention
+    memory: float = Field(gt=0, le=1)  # of memory_bandwidth_gbs, for weights + KV traffic
+    link: float = Field(default=1.0, gt=0, le=1)  # of link_bandwidth_gbs, for all-reduce
+
+
+class HardwareConfig(_Strict):
+    """One accelerator as ``llmkit sim`` models it (group ``hardware``: ``conf/hardware/``).
+
+    Decimal units, as vendors print them: GB = 1e9 bytes, TFLOP/s = 1e12."""
+
+    name: str
+    description: str = ""
+    # Dense peak per dtype (float32, bfloat16, float16, fp8, int8), TFLOP/s.
+    peak_tflops: dict[str, float]
+    memory_gb: float = Field(gt=0)
+    memory_bandwidth_gbs: float = Field(gt=0)
+    # Per device, per direction, for tensor-parallel all-reduce; 0 = no fast link.
+    link_bandwidth_gbs: float = Field(default=0.0, ge=0)
+    # Fixed cost of one all-reduce (launch + synchronisation), microseconds.
+    link_latency_us: float = Field(default=0.0, ge=0)
+    efficiency: HardwareEfficiency
+    # Per-step costs that neither FLOPs nor bytes explain: once per step (CPU: scheduling,
+    # input preparation, sampling) and once per layer (short kernels: norms, rotary, ...).
+    step_overhead_ms: float = Field(default=0.0, ge=0)
+    layer_overhead_us: float = Field(default=0.0, ge=0)
+    # model.dtype=auto with a checkpoint that names no dtype
+    default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Set by `llmkit sim calibrate` (measured on this machine); informational.
+    calibrated_at: str | None = None
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _known_dtypes(cls, v: dict[str, float]) -> dict[str, float]:
+        known = ("float32", "bfloat16", "float16", "fp8", "int8")
+        for k, x in v.items():
+            if k not in known:
+                raise ValueError(f"dtype {k!r} is not one of: {', '.join(known)}")
+            if not x > 0:
+                raise ValueError(f"peak_tflops.{k} must be > 0, got {x}")
+        return v
+
+
+class SimConfig(_Strict):
+    """``llmkit sim``: replay a ``bench`` workload on modelled hardware (``hardware=NAME``)."""
+
+    # The model to simulate: a named shape (llmkit/sim/shapes/NAME.json, e.g. llama-2-7b), a
+    # config.json, an HF folder or a .gguf (no weights are read). null = MODEL / model.path.
+    model: str | None = None
+    # With sim.model: the context limit (null = the shape's max_position_embeddings). Without
+    # it, model.max_model_len applies as for a real engine.
+    max_model_len: int | None = Field(default=None, ge=1)
+    # auto = model.dtype if set, else the checkpoint's torch_dtype, else hardware.default_dtype
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # vLLM's name: the fraction of device memory the engine may use (weights + activations +
+    # KV pool); the KV pool gets what is left after the weights and activations.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # Stop after this many engine steps (a guard; null = run the workload to the end).
+    max_steps: int | None = Field(default=None, ge=1)
+    # `llmkit sim calibrate` writes the cpu-local profile here, and `hardware=cpu-local` reads
+    # it from here when it exists. null = <llmkit cache>/hardware/cpu-local.yaml
+    calibrate_output: str | None = None
+    # calibrate: the square GEMM size and the buffer (MiB) of the bandwidth test
+    calibrate_gemm_size: int = Field(default=1024, ge=64)
+    calibrate_buffer_mib: int = Field(default=256, ge=8)
 
 
 class EngineConfig(_Strict):
@@ -122,6 +289,12 @@ class EngineConfig(_Strict):
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None

@@ -21,6 +21,7 @@ from llmkit.config.errors import ConfigError
 
 COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim")
 BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
+SIM_SUBCOMMANDS = ("calibrate",)
 EXIT_USAGE = 2
 
 USAGE = """\
@@ -32,7 +33,8 @@ commands:
   serve      OpenAI-compatible HTTP server
   config     print the composed, validated config
   bench      benchmarks: bench serve|throughput|latency|plot
-  sim        simulate serving on modelled hardware
+  sim        simulate bench serve on modelled hardware: sim [MODEL] hardware=NAME;
+             sim calibrate measures this CPU (hardware=cpu-local)
 
 MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
              model folder or a .gguf file
@@ -45,6 +47,12 @@ examples:
   llmkit config recipe=cpu-default scheduler.max_num_seqs=32
   llmkit generate --prompt "Hello, world" sampling.max_tokens=32
   llmkit chat /path/to/model.gguf recipe=cpu-chat
+  llmkit serve ./my-model recipe=cpu-chat server.port=8000
+  llmkit bench serve ./my-model bench.rate=4 bench.num_requests=200 slo.ttft_ms=500
+  llmkit bench serve ./my-model -m bench.rate=1,2,4,8 bench.output_dir=sweep
+  llmkit bench plot sweep
+  llmkit bench throughput ./my-model baseline=hf
+  llmkit sim llama-2-7b hardware=h100-sxm bench.rate=8 bench.num_requests=2000 slo.ttft_ms=500
 """
 
 
@@ -79,6 +87,8 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
         raise UsageError(f"unknown command {command!r}; allowed: {', '.join(COMMANDS)}")
     args = CliArgs(command=command)
     if command == "bench" and rest and rest[0] in BENCH_SUBCOMMANDS:
+        args.subcommand, rest = rest[0], rest[1:]
+    elif command == "sim" and rest and rest[0] in SIM_SUBCOMMANDS:
         args.subcommand, rest = rest[0], rest[1:]
     i = 0
     while i < len(rest):
@@ -171,6 +181,45 @@ def _cmd_chat(args: CliArgs) -> int:
     return int(_offline("run_chat")(cfg) or 0)
 
 
+def _cmd_serve(args: CliArgs) -> int:
+    _no_multirun(args)
+    cfg = load_config(args)
+    from llmkit.engine.core_client import EngineStartupError
+    from llmkit.entrypoints.serve import run_server
+
+    try:
+        return int(run_server(cfg) or 0)
+    except EngineStartupError as e:
+        if os.environ.get("LLMKIT_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"llmkit: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _cmd_bench(args: CliArgs) -> int:
+    from llmkit.bench.cli import BenchError, run_bench
+
+    try:
+        return run_bench(args, load_config)
+    except BenchError as e:
+        if os.environ.get("LLMKIT_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"llmkit: error: {e}", file=sys.stderr)
+        return e.code
+
+
+def _cmd_sim(args: CliArgs) -> int:
+    from llmkit.sim.cli import SimError, run_sim_command
+
+    try:
+        return run_sim_command(args, load_config)
+    except SimError as e:
+        if os.environ.get("LLMKIT_DEBUG") == "1":
+            traceback.print_exc()
+        print(f"llmkit: error: {e}", file=sys.stderr)
+        return e.code
+
+
 def _not_implemented(args: CliArgs) -> int:
     print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
     return EXIT_USAGE
@@ -180,9 +229,9 @@ HANDLERS = {
     "config": _cmd_config,
     "generate": _cmd_generate,
     "chat": _cmd_chat,
-    "serve": _not_implemented,
-    "bench": _not_implemented,
-    "sim": _not_implemented,
+    "serve": _cmd_serve,
+    "bench": _cmd_bench,
+    "sim": _cmd_sim,
 }
 
 
