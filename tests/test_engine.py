@@ -149,3 +149,33 @@ def test_seeded_sampling_is_reproducible_across_batches(references):
                                                            seed=99, max_tokens=16),
                               use_tqdm=False)[0].outputs[0].token_ids
     assert other_seed != alone
+
+
+def test_cache_salt_isolates_prefix_cache(references):
+    model_dir, prompts, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32")
+    p = SamplingParams(temperature=0, max_tokens=4)
+    prompt = prompts[5]  # 64 tokens: 3 shareable full blocks of 16
+    base = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], p,
+                        use_tqdm=False)[0]
+    other = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-b"}], p,
+                         use_tqdm=False)[0]
+    same = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], p,
+                        use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 48
+    assert base.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_reset_prefix_cache(references):
+    model_dir, prompts, _ = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32")
+    p = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate([prompts[5]], p, use_tqdm=False)
+    stream = llm.stream(prompts[3], SamplingParams(temperature=0, max_tokens=8))
+    next(stream)
+    assert llm.engine.reset_prefix_cache() is False  # a request holds blocks
+    stream.close()
+    assert llm.engine.reset_prefix_cache() is True
+    assert llm.generate([prompts[5]], p, use_tqdm=False)[0].num_cached_tokens == 0

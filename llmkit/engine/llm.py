@@ -17,7 +17,8 @@ from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
 
-PromptType = str | list[int]
+# A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
+PromptType = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
@@ -63,6 +64,9 @@ class LLM:
     # -- requests --------------------------------------------------------------------------
     def _add(self, prompt: PromptType, params: SamplingParams,
              kind: RequestOutputKind) -> str:
+        cache_salt = None
+        if isinstance(prompt, Mapping):
+            prompt, cache_salt = _unpack_prompt_dict(prompt)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -77,7 +81,8 @@ class LLM:
         for child_id, child_params in self._processor.add_request(rid, text, ids, params, kind):
             self.engine.add_request(Request(child_id, ids, child_params,
                                             eos_token_id=self.engine.eos_token_id,
-                                            arrival_time=self.engine.clock()))
+                                            arrival_time=self.engine.clock(),
+                                            cache_salt=cache_salt))
         return rid
 
     def _prepare_params(self, params: SamplingParams) -> SamplingParams:
@@ -186,10 +191,26 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt
     for i, p in enumerate(prompts):
-        if not isinstance(p, (str, list, tuple)):
-            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, "
+        if not isinstance(p, (str, list, tuple, Mapping)):
+            raise TypeError(f"prompts[{i}] must be a str, a list of token ids or a dict, "
                             f"got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [p if isinstance(p, (str, Mapping)) else list(p) for p in prompts]
+
+
+def _unpack_prompt_dict(prompt: Mapping[str, Any]) -> tuple[str | list[int], str | None]:
+    """vLLM's TextPrompt / TokensPrompt: the prompt and its ``cache_salt`` (requests with
+    different salts share no KV blocks, e.g. to isolate tenants)."""
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown:
+        raise ValueError(f"prompt dict: unknown keys {sorted(unknown)}; allowed: prompt, "
+                         "prompt_token_ids, cache_salt")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt dict: give exactly one of 'prompt' and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"prompt dict: cache_salt must be a string, got {type(salt).__name__}")
+    body = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return body, salt
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
