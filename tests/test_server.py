@@ -575,3 +575,19 @@ def test_sigterm_finishes_in_flight_then_exits(env):
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url("/health"), timeout=2)
     assert "Traceback" not in server.log()
+
+
+def test_cache_salt_isolates_prefix_cache(env, client):
+    prompt = [(7 * i + 3) % 300 + 20 for i in range(40)]  # 40 ids: 2 full blocks of 16 shareable
+
+    def hits_after(salt: str) -> float:
+        client.completions.create(model=env.model, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"cache_salt": salt})
+        return env.server.metrics()["llmkit:prefix_cache_hits_total"]
+
+    start = env.server.metrics()["llmkit:prefix_cache_hits_total"]
+    first = hits_after("tenant-a")
+    other = hits_after("tenant-b")
+    same = hits_after("tenant-a")
+    assert first == start and other == first  # a new salt finds nothing cached
+    assert same - other == 32  # the same salt hits both full blocks

@@ -274,7 +274,8 @@ class AsyncLLM:
                           sampling_params: SamplingParams | None = None, *,
                           n: int | None = None, priority: int = 0,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                          prompt_text: str | None = None) -> RequestStream:
+                          prompt_text: str | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Validate, admit and send a request; return its stream. Raises ``ValueError`` (bad
         input: empty or too long a prompt, token ids outside the vocabulary, duplicate id),
         ``EngineOverloadedError`` (queue full) or ``EngineDeadError``, before anything is
@@ -309,7 +310,7 @@ class AsyncLLM:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
             messages = [self.engine_core.encode(EngineCoreRequest(
-                cid, ids, encode_sampling_params(cp), priority=priority))
+                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt))
                 for cid, cp in children]
         except Exception:
             self._drop_processor_state([cid for cid, _ in children])
@@ -327,6 +328,7 @@ class AsyncLLM:
                        request_id: str | None = None, *, n: int | None = None,
                        priority: int = 0,
                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                       cache_salt: str | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes (cumulative by default; ``DELTA``
         yields only what is new). Leaving the loop early (break, cancellation, an error)
@@ -334,7 +336,8 @@ class AsyncLLM:
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = await self.add_request(request_id, prompt, sampling_params, n=n,
-                                        priority=priority, output_kind=output_kind)
+                                        priority=priority, output_kind=output_kind,
+                                        cache_salt=cache_salt)
         try:
             async for out in stream:
                 yield out

@@ -66,6 +66,8 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0
+    # vLLM's: requests with different salts share no prefix-cache blocks (tenant isolation)
+    cache_salt: str | None = Field(None, min_length=1)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -241,7 +241,8 @@ class OpenAIServing:
 
     async def _start(self, request_id: str, prompts: list[list[int]],
                      prompt_texts: list[str | None], params: SamplingParams, n: int,
-                     priority: int, stream: bool) -> list[RequestStream]:
+                     priority: int, stream: bool,
+                     cache_salt: str | None = None) -> list[RequestStream]:
         """Admit one engine request (of ``n`` samples) per prompt; all or none."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
@@ -250,7 +251,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
                 streams.append(await self.engine.add_request(
                     rid, ids, params, n=n, priority=priority, output_kind=kind,
-                    prompt_text=text))
+                    prompt_text=text, cache_salt=cache_salt))
         except EngineOverloadedError as e:
             _abort_all(streams)
             raise overloaded(e) from None
@@ -309,7 +310,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, prompts, texts, params, req.n, req.priority,
-                                    req.stream)
+                                    req.stream, req.cache_salt)
         if req.stream:
             return EngineStreamingResponse(
                 self._completion_events(req, request_id, created, streams, prompts),
@@ -448,7 +449,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, [ids], [None], params, req.n, req.priority,
-                                    req.stream)
+                                    req.stream, req.cache_salt)
         if req.stream:
             return EngineStreamingResponse(
                 self._chat_events(req, request_id, created, streams, len(ids), k),
