@@ -553,6 +553,22 @@ def test_32_concurrent_streams_match_offline(env):
     assert max_running > 1
 
 
+def test_cache_salt_isolates_prefix_cache(env, client):
+    prompt = [(7 * i + 3) % 300 + 20 for i in range(40)]  # 40 ids: 2 full blocks of 16 shareable
+
+    def hits_after(salt: str) -> float:
+        client.completions.create(model=env.model, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"cache_salt": salt})
+        return env.server.metrics()["llmkit:prefix_cache_hits_total"]
+
+    start = env.server.metrics()["llmkit:prefix_cache_hits_total"]
+    first = hits_after("tenant-a")
+    other = hits_after("tenant-b")
+    same = hits_after("tenant-a")
+    assert first == start and other == first  # a new salt finds nothing cached
+    assert same - other == 32  # the same salt hits both full blocks
+
+
 # --------------------------------------------------------------------------- shutdown (last)
 
 def test_sigterm_finishes_in_flight_then_exits(env):
@@ -576,18 +592,3 @@ def test_sigterm_finishes_in_flight_then_exits(env):
         httpx.get(server.url("/health"), timeout=2)
     assert "Traceback" not in server.log()
 
-
-def test_cache_salt_isolates_prefix_cache(env, client):
-    prompt = [(7 * i + 3) % 300 + 20 for i in range(40)]  # 40 ids: 2 full blocks of 16 shareable
-
-    def hits_after(salt: str) -> float:
-        client.completions.create(model=env.model, prompt=prompt, max_tokens=2, temperature=0,
-                                  extra_body={"cache_salt": salt})
-        return env.server.metrics()["llmkit:prefix_cache_hits_total"]
-
-    start = env.server.metrics()["llmkit:prefix_cache_hits_total"]
-    first = hits_after("tenant-a")
-    other = hits_after("tenant-b")
-    same = hits_after("tenant-a")
-    assert first == start and other == first  # a new salt finds nothing cached
-    assert same - other == 32  # the same salt hits both full blocks
