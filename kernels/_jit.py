@@ -57,7 +57,7 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 class KernelLaunchError(RuntimeError):
-    pass
+    """A kernel launched where it cannot run (e.g. CPU tensors without TRITON_INTERPRET)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 
 
 class IllegalTransition(RuntimeError):
-    pass
+    """A status change the request state machine does not allow."""
 
 
 @dataclass(slots=True)

@@ -57,7 +57,7 @@ class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
 
 
 class ShutdownEngine(msgspec.Struct, array_like=True, tag="shutdown"):
-    pass
+    """Ask the engine process to stop after the current step."""
 
 
 EngineInput = Union[EngineCoreRequest, AbortRequests, ShutdownEngine]

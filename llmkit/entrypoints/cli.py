@@ -124,14 +124,10 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
     component name is registered (``llmkit.engine.components.validate_components``)."""
     from llmkit.config.compose import build_config
 
+    from llmkit.engine.components import validate_components
+
     cfg = build_config(args.model, overrides=args.overrides if overrides is None else overrides)
-    try:
-        from llmkit.engine.components import validate_components
-    except ModuleNotFoundError as e:
-        if e.name not in ("llmkit.engine", "llmkit.engine.components"):
-            raise
-    else:
-        validate_components(cfg)
+    validate_components(cfg)
     return cfg
 
 
@@ -151,14 +147,8 @@ def _cmd_config(args: CliArgs) -> int:
 
 
 def _offline(name: str):
-    try:
-        offline = importlib.import_module("llmkit.entrypoints.offline")
-    except ModuleNotFoundError as e:
-        if e.name not in ("llmkit.entrypoints.offline",):
-            raise
-        raise UsageError(f"{name} is not available yet (llmkit.entrypoints.offline is missing)"
-                         ) from None
-    return getattr(offline, name)
+    # Looked up at call time so that tests can put a fake offline module in its place.
+    return getattr(importlib.import_module("llmkit.entrypoints.offline"), name)
 
 
 def _no_multirun(args: CliArgs) -> None:
@@ -239,21 +229,14 @@ def _config_failure(e: BaseException) -> ConfigError | None:
     """A configuration failure (pydantic, Hydra, OmegaConf) as a ConfigError, else None."""
     if isinstance(e, ConfigError):
         return e
-    try:
-        from pydantic import ValidationError
-    except ImportError:  # pragma: no cover
-        ValidationError = ()  # type: ignore[assignment]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from pydantic import ValidationError
+
     if isinstance(e, ValidationError):
         from llmkit.config.compose import validation_error_to_config_error
         return validation_error_to_config_error(e)
-    hydra_errors: tuple[type[BaseException], ...] = ()
-    try:
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-        hydra_errors = (HydraException, OmegaConfBaseException)
-    except ImportError:  # pragma: no cover
-        pass
-    if hydra_errors and isinstance(e, hydra_errors):
+    if isinstance(e, (HydraException, OmegaConfBaseException)):
         from llmkit.config.compose import _hydra_error
         return _hydra_error(e, ())
     return None
