@@ -16,6 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from process_helpers import pid_alive, wait_for  # noqa: E402
+
 from llmkit import LLM, SamplingParams
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                      RequestOutputKind)
@@ -28,24 +30,6 @@ from llmkit.outputs import EngineCoreOutput
 from llmkit.scheduler.base import SchedulerStats
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def pid_alive(pid: int) -> bool:
-    """Running (a zombie counts as gone: it only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def wait_for(cond, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
 
 
 # --------------------------------------------------------------------------- messages

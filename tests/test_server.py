@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,35 +20,14 @@ import httpx
 import openai
 import pytest
 
+from process_helpers import free_port, pid_alive, wait_for
+
 from llmkit import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- harness
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    """Running (a zombie counts as gone: it only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def wait_for(cond, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
 
 
 class ServerProcess:

@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from test_server import PROMPT, SERVER_THREADS, ServerProcess, error_body, pid_alive, wait_for
+from process_helpers import pid_alive, wait_for
+from test_server import PROMPT, SERVER_THREADS, ServerProcess, error_body
 
 API_KEY = "sekret-123"
 
