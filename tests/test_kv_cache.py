@@ -464,14 +464,60 @@ def test_prefix_cache_stats_exact():
     admit(m, c)
     d = make_req("d", [5] * 3)                 # 3 queried, 0 hit
     admit(m, d)
-    m.get_computed_blocks(make_req("e", p[:8]))  # 8 queried, 4 hit ((8-1)//4 = 1 block)
+    e = make_req("e", p[:8])                   # 8 queried, 4 hit ((8-1)//4 = 1 block)
+    admit(m, e)
     s = m.prefix_cache_stats
     assert (s.requests, s.queries, s.hits) == (5, 60, 28)
     assert s.hit_rate == pytest.approx(28 / 60)
-    # Cumulative and a snapshot: later lookups do not change an earlier object.
-    m.get_computed_blocks(make_req("f", p))
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (0, 0, 0)
+    # Cumulative and a snapshot: later admissions do not change an earlier object.
+    admit(m, make_req("f", p))
     assert (s.queries, s.hits) == (60, 28)
     assert (m.prefix_cache_stats.queries, m.prefix_cache_stats.hits) == (78, 44)
+
+
+def test_prefix_cache_stats_count_admissions_not_lookups():
+    """As vLLM counts: a lookup enters the stats when its request is admitted (allocate_slots
+    succeeds); a waiting head looked up again and again while blocks are short counts once."""
+    m = KVCacheManager(num_blocks=6, block_size=4)
+    p = list(range(9))
+    a = make_req("a", p)
+    admit(m, a)                                # 9 queried, 0 hit; holds 3 blocks
+    c = make_req("c", list(range(50, 58)))
+    admit(m, c)                                # 8 queried, 0 hit; holds 2 blocks, 1 free
+    big = make_req("big", p[:8] + list(range(100, 112)))  # 20 tokens: 2 blocks hit, 3 new
+    for _ in range(3):                         # the waiting head, tried at 3 steps: no room
+        assert admit(m, big)[2] is None
+    s = m.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (2, 17, 0)
+    m.free(c)
+    hits, n_hit, new = admit(m, big)           # now it fits: counted once
+    assert new is not None and n_hit == 8
+    s = m.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (3, 37, 8)
+    m.free(big)
+    m.free(a)
+    # A lookup followed by a failed allocation is not counted ...
+    huge = make_req("huge", list(range(200, 240)))  # 10 blocks > 6
+    hits, n_hit, new = admit(m, huge)
+    assert new is None
+    assert m.prefix_cache_stats.requests == 3
+    # ... nor is an allocation without a lookup (a running request's next tokens).
+    m.get_computed_blocks(make_req("probe", p))
+    r = make_req("r", [7] * 5)
+    assert m.allocate_slots(r, 5) is not None
+    assert m.prefix_cache_stats.requests == 3
+    m.free(r)
+    # A re-admission after preemption counts again, and in the preempted_* share.
+    a2 = make_req("a2", p)
+    a2.num_preemptions = 1
+    hits, n_hit, new = admit(m, a2)
+    assert n_hit == 8
+    s = m.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (4, 46, 16)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 9, 8)
+    m.free(a2)
+    m.check_integrity()
 
 
 def test_preempted_request_readmitted_hits_its_own_blocks():

@@ -22,10 +22,19 @@ class PrefixCacheStats(msgspec.Struct):
     """Prefix-cache counters: cumulative from ``prefix_cache_stats``, since the previous call
     from ``take_step_stats()``.
 
-    - ``requests``: number of prefix-cache lookups (``get_computed_blocks`` calls). A waiting
-      request that cannot be admitted yet is looked up again at each step, and counts each time.
-    - ``queries``: tokens looked up, i.e. the sum of ``request.num_tokens`` over lookups.
-    - ``hits``: tokens served from the cache, i.e. the sum of the computed tokens returned.
+    Counted at every admission (as vLLM's v1 scheduler counts): a lookup
+    (``get_computed_blocks``) counts once the request it was for is admitted, i.e. its
+    ``allocate_slots`` succeeds; a waiting request that is looked up but gets no blocks this
+    step is not counted (it is looked up again, and counted, when it is admitted). A request
+    re-admitted after preemption counts again; the ``preempted_*`` fields are that share.
+    Requests that skip the lookup (prompt logprobs) are not counted.
+
+    - ``requests``: admissions that looked up the cache.
+    - ``queries``: tokens looked up, i.e. the sum of ``request.num_tokens`` over them.
+    - ``hits``: tokens served from the cache, i.e. the sum of the computed tokens admitted with.
+    - ``preempted_requests`` / ``preempted_queries`` / ``preempted_hits``: the part of the
+      three above from re-admissions after preemption (vLLM keeps these apart; its logged hit
+      rate is ``(hits - preempted_hits) / (queries - preempted_queries)``).
     - ``evictions``: cached blocks whose content was dropped to reuse the block for new
       tokens (``reset_prefix_cache()`` is not counted).
     - ``hit_rate``: ``hits / queries`` (0.0 before any query). At most
@@ -36,6 +45,9 @@ class PrefixCacheStats(msgspec.Struct):
     queries: int = 0
     hits: int = 0
     evictions: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -46,10 +58,11 @@ class KVCacheManagerBase(ABC):
     """Hands out KV cache blocks to requests and finds reusable (prefix-cached) ones.
 
     The scheduler's protocol, per request and step:
-    1. once, when a request holding no blocks is admitted:
+    1. each time a request holding no blocks is tried for admission:
        ``blocks, n = get_computed_blocks(req)``;
-    2. ``allocate_slots(req, num_new_tokens, num_lookahead_tokens, new_computed_blocks=blocks,
-       num_new_computed_tokens=n)``; ``None`` means "not enough free blocks, nothing changed";
+    2. right after, ``allocate_slots(req, num_new_tokens, num_lookahead_tokens,
+       new_computed_blocks=blocks, num_new_computed_tokens=n)``; ``None`` means "not enough
+       free blocks, nothing changed" (and the lookup is not counted in the stats);
     3. ``free(req)`` when it finishes, is aborted or is preempted.
     """
 
@@ -108,9 +121,12 @@ class KVCacheManagerBase(ABC):
         now = self.prefix_cache_stats
         last: PrefixCacheStats = getattr(self, "_last_step_stats", None) or PrefixCacheStats()
         self._last_step_stats = now
-        return PrefixCacheStats(requests=now.requests - last.requests,
-                                queries=now.queries - last.queries, hits=now.hits - last.hits,
-                                evictions=now.evictions - last.evictions)
+        return PrefixCacheStats(
+            requests=now.requests - last.requests, queries=now.queries - last.queries,
+            hits=now.hits - last.hits, evictions=now.evictions - last.evictions,
+            preempted_requests=now.preempted_requests - last.preempted_requests,
+            preempted_queries=now.preempted_queries - last.preempted_queries,
+            preempted_hits=now.preempted_hits - last.preempted_hits)
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool:

@@ -65,9 +65,15 @@ class KVCacheManager(KVCacheManagerBase):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> number of its leading blocks already registered (or found) in the cache
         self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache stats, counted at admission (see PrefixCacheStats): the request whose
+        # lookup is not yet counted (get_computed_blocks -> its successful allocate_slots).
+        self._lookup_pending: Request | None = None
         self._num_lookups = 0
         self._num_queries = 0
         self._num_hits = 0
+        self._num_preempted_lookups = 0
+        self._num_preempted_queries = 0
+        self._num_preempted_hits = 0
         # The useless-block-size detector: on while it has not decided.
         self._probe_len = min(block_size - 1, self.PROBE_TOKENS)
         self._probe_on = enable_prefix_caching and self._probe_len >= 4
@@ -145,7 +151,8 @@ class KVCacheManager(KVCacheManagerBase):
         For a request holding no blocks (new, or re-admitted after preemption). At most
         ``(num_tokens - 1) // block_size`` blocks: the last token is always recomputed since
         its logits are needed. The blocks are not yet referenced: pass them to
-        ``allocate_slots`` right away, before anything else allocates.
+        ``allocate_slots`` right away, before anything else allocates. The lookup enters the
+        prefix-cache stats when that ``allocate_slots`` succeeds (an admission), not here.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -165,9 +172,7 @@ class KVCacheManager(KVCacheManagerBase):
                     break
                 computed.append(block)
         num_computed_tokens = len(computed) * self.block_size
-        self._num_lookups += 1
-        self._num_queries += request.num_tokens
-        self._num_hits += num_computed_tokens
+        self._lookup_pending = request
         if self._probe_on:
             self._probe_prompt(request, num_computed_tokens)
         return computed, num_computed_tokens
@@ -230,7 +235,9 @@ class KVCacheManager(KVCacheManagerBase):
         and retry). Otherwise the computed blocks (cache hits) are referenced and prepended,
         new blocks appended, and blocks that the computed + new tokens fill completely are
         registered in the prefix cache. Lookahead slots (speculative tokens) are reserved but
-        never cached: their tokens are not known yet.
+        never cached: their tokens are not known yet. If the request was just looked up
+        (``get_computed_blocks``), this admission enters the prefix-cache stats with
+        ``num_new_computed_tokens`` hit tokens.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"request {request.request_id!r}: negative token count "
@@ -270,6 +277,8 @@ class KVCacheManager(KVCacheManagerBase):
                                         + pool.evictor.num_free_blocks):
             return None
 
+        if self._lookup_pending is request:
+            self._count_admission(request, num_new_computed_tokens)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
         if num_hit_blocks:
@@ -294,8 +303,21 @@ class KVCacheManager(KVCacheManagerBase):
             self.num_cached_blocks[rid] = num_cached
         return new_blocks
 
+    def _count_admission(self, request: Request, num_hit: int) -> None:
+        self._lookup_pending = None
+        n = request.num_tokens
+        self._num_lookups += 1
+        self._num_queries += n
+        self._num_hits += num_hit
+        if request.num_preemptions:
+            self._num_preempted_lookups += 1
+            self._num_preempted_queries += n
+            self._num_preempted_hits += num_hit
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix is evicted last."""
+        if self._lookup_pending is request:
+            self._lookup_pending = None
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
@@ -331,7 +353,10 @@ class KVCacheManager(KVCacheManagerBase):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(requests=self._num_lookups, queries=self._num_queries,
-                                hits=self._num_hits, evictions=self.block_pool.num_evictions)
+                                hits=self._num_hits, evictions=self.block_pool.num_evictions,
+                                preempted_requests=self._num_preempted_lookups,
+                                preempted_queries=self._num_preempted_queries,
+                                preempted_hits=self._num_preempted_hits)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes but the pinned ones (e.g. after swapping weights); False
