@@ -127,6 +127,24 @@ def test_step_cost_equations(llama7b_a100):
     assert cm.step([]).total_s == 0
 
 
+def test_cpu_terms_per_request_token_and_context_add_to_the_overhead():
+    """seq/token/context overheads (fitted on a CPU by `sim calibrate engine`) add n·t_seq +
+    T·t_token + Σc·t_context; every GPU profile leaves them at 0."""
+    shape = load_shape("llama-2-7b")
+    hw = profile("cpu-local")
+    terms = HardwareProfile(**{**hw.as_dict(), "seq_overhead_s": 1e-3, "token_overhead_s": 2e-5,
+                               "context_overhead_s": 3e-8})
+    plain, cpu = CostModel(shape, hw, "float32"), CostModel(shape, terms, "float32")
+    work = [SeqWork(100, 300, True), SeqWork(1, 50, True), SeqWork(20, 20, False)]
+    a, b = plain.step(work), cpu.step(work)
+    assert b.overhead_s - a.overhead_s == pytest.approx(3 * 1e-3 + 121 * 2e-5 + 370 * 3e-8)
+    assert (b.compute_s, b.memory_s) == (a.compute_s, a.memory_s)
+    assert cpu.describe()["seq_overhead_s"] == 1e-3
+    for name in PROFILES:
+        p = profile(name)
+        assert p.seq_overhead_s == p.token_overhead_s == p.context_overhead_s == 0
+
+
 def test_tensor_parallel_adds_all_reduce_and_does_not_halve_latency():
     shape, hw = load_shape("llama-2-70b"), profile("h100-sxm")
     tp2, tp4 = CostModel(shape, hw, "bfloat16", 2), CostModel(shape, hw, "bfloat16", 4)
@@ -163,7 +181,8 @@ def test_faster_memory_is_faster_decode_in_profile_order():
 # --------------------------------------------------------------------------- the profiles
 
 SOURCED_KEYS = ("memory_gb", "memory_bandwidth_gbs", "link_bandwidth_gbs", "link_latency_us",
-                "compute", "memory", "link", "step_overhead_ms", "layer_overhead_us")
+                "compute", "memory", "link", "step_overhead_ms", "layer_overhead_us",
+                "seq_overhead_us", "token_overhead_us", "context_overhead_ns")
 
 
 @pytest.mark.parametrize("name", PROFILES)

@@ -16,6 +16,11 @@ a CPU (gloo over shared memory) are estimates, not measurements. The file goes t
 ``sim.calibrate_output`` (default ``<llmkit cache>/hardware/cpu-local.yaml``), which
 ``hardware=cpu-local`` then reads. ``measure(device="cuda")`` measures a GPU the same way (for
 checking a shipped profile's peaks × efficiencies against a real device).
+
+``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
+above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
+of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_fit``),
+writing the fitted terms, with the model, date and fit error in comments, into the same file.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["format_calibration", "measure", "profile_yaml", "run_calibrate"]
+__all__ = ["format_calibration", "measure", "profile_yaml", "run_calibrate",
+           "run_engine_calibrate"]
 
 # eager torch ops in one llmkit Llama decoder layer (2 RMSNorms, 4 projections + SiLU-mul,
 # rotary, KV write, attention, 2 residual adds): an estimate of the count, not a measurement
@@ -141,11 +147,14 @@ def _memory_bytes(device: str) -> float:
 
 
 def measure(device: str = "cpu", gemm_size: int = 1024, buffer_mib: int = 256,
-            dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
-    """Every figure of a profile, measured on ``device`` (SI units)."""
+            dtypes: tuple[str, ...] = DTYPES, gemm_sizes: dict[str, int] | None = None
+            ) -> dict[str, Any]:
+    """Every figure of a profile, measured on ``device`` (SI units). ``gemm_sizes``: a GEMM size
+    per dtype where it differs from ``gemm_size``."""
     import torch
 
-    flops = {dt: measure_gemm(gemm_size, dt, device) for dt in dtypes}
+    sizes = {dt: (gemm_sizes or {}).get(dt, gemm_size) for dt in dtypes}
+    flops = {dt: measure_gemm(sizes[dt], dt, device) for dt in dtypes}
     bw = measure_bandwidth(buffer_mib, device)
     op_s = measure_op_overhead(device)
     step_s = measure_step_overhead()
@@ -160,61 +169,114 @@ def measure(device: str = "cpu", gemm_size: int = 1024, buffer_mib: int = 256,
     return {"device": device, "device_name": name, "threads": torch.get_num_threads(),
             "flops": flops, "bandwidth": bw, "op_overhead_s": op_s,
             "step_overhead_s": step_s, "memory_bytes": _memory_bytes(device),
-            "default_dtype": default_dtype, "gemm_size": gemm_size, "buffer_mib": buffer_mib}
+            "default_dtype": default_dtype, "gemm_size": gemm_size, "gemm_sizes": sizes,
+            "buffer_mib": buffer_mib}
 
 
-def profile_yaml(m: dict[str, Any], when: str | None = None) -> str:
-    """A ``conf/hardware``-shaped YAML of measurement ``m``, each value with its source."""
+def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None) -> str:
+    """A ``conf/hardware``-shaped YAML of measurement ``m``, each value with its source.
+    ``engine``: ``(EngineMeasurement, EngineFit)`` of ``llmkit sim calibrate engine``, whose
+    fitted efficiencies and overheads then replace the microbenchmark's."""
     when = when or datetime.datetime.now().isoformat(timespec="seconds")
     bw = m["bandwidth"]
     best_bw = max(bw["read"], bw["copy"])
-    src = f"measured by `llmkit sim calibrate` on {when}"
-    lines = [
-        f"# This machine ({m['device_name']}, {m['threads']} torch threads), {src}.",
-        "# Peaks are achieved rates, so the efficiencies are 1.0.",
-        "name: cpu-local",
-        f"description: calibrated {m['device']} ({m['device_name']})",
-        "peak_tflops:",
-    ]
+    sizes = m.get("gemm_sizes") or {}
+    command = "llmkit sim calibrate engine" if engine is not None else "llmkit sim calibrate"
+    src = f"measured by `{command}` on {when}"
+    lines = [f"# This machine ({m['device_name']}, {m['threads']} torch threads), {src}."]
+    if engine is None:
+        lines.append("# Peaks are achieved rates, so the efficiencies are 1.0.")
+        description = f"calibrated {m['device']} ({m['device_name']})"
+    else:
+        meas, fit = engine
+        lines += [
+            "# Peaks and bandwidth: torch microbenchmarks (achieved rates). Efficiencies and "
+            "overheads:",
+            f"# fitted to {len(meas.samples)} timed steps ({len(fit.groups)} shapes) of the "
+            f"real engine running {meas.model_name}",
+            f"# ({meas.dtype}, {meas.attention}, {meas.threads} threads): fit error RMS "
+            f"{100 * fit.rms_rel_error:.1f}%, max {100 * fit.max_rel_error:.1f}%"
+            + (f" ({fit.num_outliers} outlier shapes left out)" if fit.num_outliers else "")
+            + "; table at the end.",
+            f"# They describe this engine build on this machine: re-run `{command}` after "
+            "either changes.",
+        ]
+        description = (f"calibrated {m['device']} ({m['device_name']}) from engine steps of "
+                       f"{meas.model_name} ({meas.dtype})")
+    lines += ["name: cpu-local", f"description: {description}", "peak_tflops:"]
+    fit = engine[1] if engine is not None else None
     for dt, f in m["flops"].items():
-        lines.append(f"  {dt}: {f / 1e12:.6g}   # {m['gemm_size']}^3 GEMM in {dt}")
+        gemm = f"{sizes.get(dt, m['gemm_size'])}^3 GEMM in {dt}"
+        if fit is not None and dt == fit.dtype and fit.profile.peak(dt) > f * (1 + 1e-4):
+            lines.append(f"  {dt}: {fit.profile.peak(dt) / 1e12:.6g}   # the rate the engine's "
+                         f"steps imply, above the {gemm} ({f / 1e12:.4g})")
+        else:
+            lines.append(f"  {dt}: {f / 1e12:.6g}   # {gemm}")
+    bw_src = (f"{m['buffer_mib']} MiB float32: sum {bw['read'] / 1e9:.4g} GB/s, copy "
+              f"{bw['copy'] / 1e9:.4g} GB/s")
+    if fit is not None and fit.profile.memory_bandwidth > best_bw * (1 + 1e-4):
+        bw_line = (f"memory_bandwidth_gbs: {fit.profile.memory_bandwidth / 1e9:.6g}   # the "
+                   f"rate the engine's steps imply, above the microbenchmark ({bw_src})")
+    else:
+        bw_line = f"memory_bandwidth_gbs: {best_bw / 1e9:.5g}   # {bw_src} (best)"
     lines += [
         f"memory_gb: {m['memory_bytes'] / 1e9:.4g}   # physical memory",
-        f"memory_bandwidth_gbs: {best_bw / 1e9:.5g}   # {m['buffer_mib']} MiB float32: sum "
-        f"{bw['read'] / 1e9:.4g} GB/s, copy {bw['copy'] / 1e9:.4g} GB/s (best)",
+        bw_line,
         f"link_bandwidth_gbs: {bw['copy'] / 2e9:.5g}   # estimate: all-reduce through shared "
         "memory at half the copy rate (not measured)",
         "link_latency_us: 50   # estimate: gloo's per-collective cost (not measured)",
         "efficiency:",
-        "  compute: 1.0   # peaks above are achieved rates",
-        "  memory: 1.0   # (measured: achieved rates)",
-        "  link: 1.0   # the link figures above are estimates",
-        f"step_overhead_ms: {m['step_overhead_s'] * 1e3:.4g}   # llmkit's scheduler + KV "
-        "manager, one step of 8 decoding requests",
-        f"layer_overhead_us: {m['op_overhead_s'] * 1e6 * OPS_PER_LAYER:.4g}   # "
-        f"{OPS_PER_LAYER} eager ops x {m['op_overhead_s'] * 1e6:.3g} us per tiny torch op",
-        f"default_dtype: {m['default_dtype']}",
-        f"calibrated_at: '{when}'",
     ]
+    if engine is None:
+        lines += [
+            "  compute: 1.0   # peaks above are achieved rates",
+            "  memory: 1.0   # (measured: achieved rates)",
+            "  link: 1.0   # the link figures above are estimates",
+            f"step_overhead_ms: {m['step_overhead_s'] * 1e3:.4g}   # llmkit's scheduler + KV "
+            "manager, one step of 8 decoding requests",
+            f"layer_overhead_us: {m['op_overhead_s'] * 1e6 * OPS_PER_LAYER:.4g}   # "
+            f"{OPS_PER_LAYER} eager ops x {m['op_overhead_s'] * 1e6:.3g} us per tiny torch op",
+        ]
+    else:
+        meas, fit = engine
+        lines += [
+            f"  compute: {fit.compute_efficiency:.6g}   # fitted: engine steps vs their FLOPs at "
+            f"the {meas.dtype} peak above",
+            f"  memory: {fit.memory_efficiency:.6g}   # fitted: engine steps vs their weight + "
+            "KV bytes at the bandwidth above",
+            "  link: 1.0   # the link figures above are estimates",
+            f"step_overhead_ms: {fit.step_overhead_s * 1e3:.6g}   # fitted per-step constant, "
+            f"up to the measured control plane ({m['step_overhead_s'] * 1e3:.3g} ms: "
+            "scheduler + KV manager)",
+            f"layer_overhead_us: {fit.layer_overhead_s * 1e6:.6g}   # fitted: the rest of the "
+            f"per-step constant, over {meas.shape.num_layers} layers",
+            f"seq_overhead_us: {fit.seq_s * 1e6:.6g}   # fitted: per request in a step",
+            f"token_overhead_us: {fit.token_s * 1e6:.6g}   # fitted: per token computed in a "
+            "step",
+            f"context_overhead_ns: {fit.context_s * 1e9:.6g}   # fitted: per token of context "
+            "attended in a step",
+        ]
+    lines += [f"default_dtype: {m['default_dtype']}", f"calibrated_at: '{when}'"]
+    if engine is not None:
+        meas, fit = engine
+        lines.append(f"# Engine steps, each shape's lower-median time vs this profile "
+                     f"(n requests, T tokens, C context; {meas.measure_s:.0f} s):")
+        lines += [f"#   {row}" for row in fit.table()]
+        if meas.skipped:
+            lines.append(f"# skipped (time budget): {', '.join(meas.skipped)}")
     return "\n".join(lines) + "\n"
 
 
-def run_calibrate(cfg: Any, device: str = "cpu") -> tuple[Path, dict[str, Any]]:
-    """Measure, validate (``HardwareConfig``) and write the profile; returns its path and the
-    profile as a mapping."""
+def _write_profile(cfg: Any, text: str) -> tuple[Path, dict[str, Any]]:
+    """Validate ``text`` and write it to ``sim.calibrate_output`` (atomically)."""
     import yaml
 
-    from llmkit.config.schema import HardwareConfig
-    from llmkit.platforms import resolve_platform
-    from llmkit.sim.hardware import default_calibration_path
+    from llmkit.sim.hardware import default_calibration_path, validate_profile
 
-    resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
     sim = cfg.sim
-    m = measure(device, sim.calibrate_gemm_size, sim.calibrate_buffer_mib)
-    text = profile_yaml(m)
-    profile = HardwareConfig.model_validate(yaml.safe_load(text)).model_dump()
     path = Path(sim.calibrate_output).expanduser() if sim.calibrate_output else \
         default_calibration_path()
+    profile = validate_profile(yaml.safe_load(text), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
@@ -222,10 +284,66 @@ def run_calibrate(cfg: Any, device: str = "cpu") -> tuple[Path, dict[str, Any]]:
     return path, profile
 
 
+def run_calibrate(cfg: Any, device: str = "cpu") -> tuple[Path, dict[str, Any]]:
+    """Measure, validate (``HardwareConfig``) and write the profile; returns its path and the
+    profile as a mapping."""
+    from llmkit.platforms import resolve_platform
+
+    resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
+    sim = cfg.sim
+    m = measure(device, sim.calibrate_gemm_size, sim.calibrate_buffer_mib)
+    return _write_profile(cfg, profile_yaml(m))
+
+
+def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
+                         **measure_kw: Any) -> tuple[Path, dict[str, Any], Any, Any]:
+    """``llmkit sim calibrate engine``: the microbenchmarks, then the real engine of ``cfg``
+    timed and fitted (``llmkit.sim.engine_fit``); writes the profile. Returns its path, the
+    profile as a mapping, the ``EngineFit`` and the ``EngineMeasurement`` (``measure_kw`` go to
+    ``measure_engine``)."""
+    import yaml
+
+    from llmkit.platforms import resolve_platform
+    from llmkit.sim.engine_fit import engine_dtype, fit_engine, group_samples, measure_engine
+    from llmkit.sim.hardware import HardwareProfile
+
+    log = log or (lambda s: None)
+    resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
+    sim = cfg.sim
+    dtype = engine_dtype(cfg)
+    # the engine's dtype at the configured size; the others smaller (a CPU without native
+    # bf16 runs a 1024^3 bf16 GEMM for seconds, and the engine fit does not use them)
+    small = min(sim.calibrate_gemm_size, 512)
+    t0 = time.perf_counter()
+    m = measure("cpu", sim.calibrate_gemm_size, sim.calibrate_buffer_mib,
+                gemm_sizes={dt: small for dt in DTYPES if dt != dtype})
+    log(f"microbenchmarks: {dtype} GEMM {m['flops'].get(dtype, 0) / 1e9:.1f} GFLOP/s, "
+        f"memory {max(m['bandwidth'].values()) / 1e9:.1f} GB/s "
+        f"({time.perf_counter() - t0:.1f} s)")
+    base = HardwareProfile.from_config(yaml.safe_load(profile_yaml(m)))
+    meas = measure_engine(cfg, log=log, **measure_kw)
+    if meas.dtype not in base.peak_flops:
+        raise ValueError(f"the engine ran {meas.dtype}, which the microbenchmarks did not "
+                         f"measure ({', '.join(base.peak_flops)})")
+    groups = group_samples(meas.samples)
+    fit = fit_engine(meas.shape, meas.dtype, base, groups,
+                     control_plane_s=m["step_overhead_s"])
+    path, profile = _write_profile(cfg, profile_yaml(m, engine=(meas, fit)))
+    return path, profile, fit, meas
+
+
 def format_calibration(profile: dict[str, Any]) -> str:
     peaks = ", ".join(f"{k} {v * 1e3:.1f} GFLOP/s" for k, v in profile["peak_tflops"].items())
-    return (f"{profile['description']}\n"
+    eff = profile["efficiency"]
+    text = (f"{profile['description']}\n"
             f"  GEMM: {peaks}\n"
             f"  memory: {profile['memory_bandwidth_gbs']:.1f} GB/s, {profile['memory_gb']:.1f} GB\n"
+            f"  efficiencies: compute {eff['compute']:.3g}, memory {eff['memory']:.3g}\n"
             f"  overheads: {profile['step_overhead_ms']:.3f} ms per step, "
             f"{profile['layer_overhead_us']:.1f} us per layer")
+    extra = [(profile.get("seq_overhead_us"), "us per request"),
+             (profile.get("token_overhead_us"), "us per token"),
+             (profile.get("context_overhead_ns"), "ns per context token")]
+    if any(v for v, _ in extra):
+        text += ", " + ", ".join(f"{v or 0:.4g} {unit}" for v, unit in extra)
+    return text

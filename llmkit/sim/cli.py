@@ -2,12 +2,18 @@
 
     llmkit sim [MODEL] [hardware=NAME] [key=value ...] [-m]   simulate `bench serve`
     llmkit sim calibrate [sim.calibrate_output=PATH]          measure this CPU -> cpu-local
+    llmkit sim calibrate engine [key=value ...]               ... and fit the cost model to
+    llmkit sim calibrate MODEL [key=value ...]                timed steps of the real engine
 
 ``MODEL`` is what ``bench serve`` takes (a preset, an HF folder or a ``.gguf``; only its config
 is read) or a named model shape (``llama-2-7b``, ...: ``sim.model=NAME``) or a ``config.json``.
 Every ``bench.*`` and ``slo.*`` key means what it means for ``bench serve``; results go to
 ``<bench.output_dir>/sim-<time>.json`` (or ``sim-<key>=<value>.json`` per sweep point with
 ``-m``, or ``bench.result_name``) with a PNG beside it; ``llmkit bench plot DIR`` draws a sweep.
+
+``sim calibrate engine`` runs the real engine of the configured model (the default preset, or
+``model=NAME`` / ``model.path=PATH`` / ``model.dtype=...`` and any other engine key);
+``sim calibrate MODEL`` names the model as ``serve`` and ``bench`` take it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from typing import Any, Callable
 __all__ = ["SUBCOMMANDS", "SimError", "format_sim_block", "run_sim_command"]
 
 SUBCOMMANDS = ("calibrate",)
+# `sim calibrate engine`: calibrate from the real engine of the configured model
+ENGINE_WORD = "engine"
 
 
 class SimError(Exception):
@@ -73,16 +81,31 @@ def format_sim_block(result: dict) -> str:
 
 
 def _calibrate(args: Any, load_config: Callable[..., Any], out: Any) -> int:
-    from llmkit.sim.calibrate import format_calibration, run_calibrate
+    from llmkit.sim.calibrate import format_calibration, run_calibrate, run_engine_calibrate
 
     if args.multirun:
         raise SimError("-m (multirun) does not apply to sim calibrate")
-    if args.model is not None:
-        raise SimError(f"sim calibrate takes no MODEL (got {args.model!r})")
+    if args.model is None:
+        cfg = load_config(args, args.overrides)
+        path, profile = run_calibrate(cfg)
+        print(format_calibration(profile), file=out)
+        print(f"wrote {path} (used by hardware=cpu-local)", file=out)
+        return 0
+    if args.model == ENGINE_WORD:
+        args.model = None  # the configured model
     cfg = load_config(args, args.overrides)
-    path, profile = run_calibrate(cfg)
+
+    def log(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    path, profile, fit, meas = run_engine_calibrate(cfg, log=log)
+    print(f"fit over {len(fit.groups)} step shapes ({len(meas.samples)} steps): RMS error "
+          f"{100 * fit.rms_rel_error:.1f}%, max {100 * fit.max_rel_error:.1f}%", file=out)
+    for row in fit.table():
+        print(f"  {row}", file=out)
     print(format_calibration(profile), file=out)
-    print(f"wrote {path} (used by hardware=cpu-local)", file=out)
+    print(f"wrote {path} (used by hardware=cpu-local; simulate this engine with sim.dtype="
+          f"{meas.dtype})", file=out)
     return 0
 
 

@@ -19,6 +19,7 @@ of ``p`` tensor-parallel ranks::
     comm    = 2·L · [ α + 2(p−1)/p · T·h·b_a / (B_link · η_l) ]     p > 1: two ring all-reduces
                                                                   per layer (attention, MLP)
     step    = max(compute, memory) + comm + t_step + L·t_layer
+              + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
 
 ``P_read(T)`` is every parameter of a layer for a dense model; for a mixture of experts only
 the experts some token routes to (``E·(1 − (1 − k/E)^T)`` in expectation). The embedding is a
@@ -26,6 +27,13 @@ gather (``T·h`` elements), not a stream. Activations' own traffic and the sampl
 (small next to weights and KV at serving batch sizes). ``t_step`` (CPU: schedule, prepare
 inputs, sample) and ``t_layer`` (short kernels per layer) come from the hardware profile, as do
 all efficiencies: they are fixed per profile and never fitted to a workload.
+
+``t_seq`` (per request in the step: its input rows, sampling, output handling), ``t_token`` (per
+token computed: the part of small-M GEMMs and per-token ops that runs below the roofline and
+does not overlap it) and ``t_context`` (per token of context attended: a CPU's paged decode
+attention costs more per KV token than its bytes at the bandwidth) are 0 on GPU profiles; ``llmkit
+sim calibrate engine`` fits them, with ``η_c``, ``η_m``, ``t_step`` and ``t_layer``, from timed
+steps of the real engine on this machine (``llmkit.sim.engine_fit``).
 """
 from __future__ import annotations
 
@@ -97,6 +105,9 @@ class CostModel:
         self._compute_rate = self.peak_flops * hardware.compute_efficiency
         self._memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
         self._overhead_s = hardware.step_overhead_s + s.num_layers * hardware.layer_overhead_s
+        self._seq_s = hardware.seq_overhead_s
+        self._token_s = hardware.token_overhead_s
+        self._context_s = hardware.context_overhead_s
 
     # -- figures of the model on the device -----------------------------------------------
     @property
@@ -114,7 +125,7 @@ class CostModel:
     def step(self, work: Iterable[SeqWork | tuple[int, int, bool]]) -> StepCost:
         T = S = n = 0
         pairs = 0.0
-        ctx = 0
+        ctx = attended = 0
         for w in work:
             q, c, samples = (w.num_new_tokens, w.context_len, w.samples) \
                 if isinstance(w, SeqWork) else w
@@ -125,6 +136,7 @@ class CostModel:
             S += 1 if samples else 0
             pairs += q * (c - q) + q * (q + 1) / 2.0
             ctx += c + q  # the whole context is read, the new tokens' K/V written
+            attended += c
         if T == 0:
             return _EMPTY
         s, p = self.shape, self.tp
@@ -139,8 +151,10 @@ class CostModel:
             one = self.hw.link_latency_s + 2.0 * (p - 1) / p * msg / (
                 self.hw.link_bandwidth * self.hw.link_efficiency)
             comm = 2 * s.num_layers * one
+        overhead = self._overhead_s + n * self._seq_s + T * self._token_s + \
+            attended * self._context_s
         return StepCost(compute_s=flops / self._compute_rate, memory_s=nbytes / self._memory_rate,
-                        comm_s=comm, overhead_s=self._overhead_s, flops=flops, bytes=nbytes,
+                        comm_s=comm, overhead_s=overhead, flops=flops, bytes=nbytes,
                         num_tokens=T, num_seqs=n)
 
     def decode_step(self, batch_size: int, context_len: int) -> StepCost:
@@ -166,6 +180,8 @@ class CostModel:
             "link_efficiency": hw.link_efficiency,
             "step_overhead_s": hw.step_overhead_s, "layer_overhead_s": hw.layer_overhead_s,
             "overhead_per_step_s": self._overhead_s,
+            "seq_overhead_s": hw.seq_overhead_s, "token_overhead_s": hw.token_overhead_s,
+            "context_overhead_s": hw.context_overhead_s,
             "weight_read_time_at_peak_s": self.weight_read_time_s(True),
             "num_layers": s.num_layers,
         }

@@ -8,6 +8,14 @@ cost model also runs where only the standard library and PyYAML are installed).
 ``hardware=cpu-local`` reads the profile that ``llmkit sim calibrate`` measured on this machine
 when it exists (``sim.calibrate_output``, default ``<llmkit cache>/hardware/cpu-local.yaml``),
 else the shipped, uncalibrated placeholder (with a warning).
+
+Three per-step terms that a CPU engine needs and a GPU profile leaves at 0 (see
+``llmkit.sim.cost_model``): ``seq_overhead_us`` (per request in the step), ``token_overhead_us``
+(per token the step computes) and ``context_overhead_ns`` (per token of context the step's
+requests attend over). ``llmkit sim calibrate engine`` fits them from timed steps of the real
+engine. They are read from a profile file (``resolve_hardware``, ``load_profile``) beside the
+``HardwareConfig`` fields; when ``HardwareConfig`` has no field of that name they are validated
+here (numbers >= 0) and kept out of its strict validation.
 """
 from __future__ import annotations
 
@@ -16,12 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["CALIBRATED_NAME", "HardwareProfile", "default_calibration_path", "hardware_names",
-           "load_profile_yaml", "resolve_hardware"]
+__all__ = ["CALIBRATED_NAME", "EXTRA_TERMS", "HardwareProfile", "default_calibration_path",
+           "hardware_names", "load_profile", "load_profile_yaml", "resolve_hardware",
+           "validate_profile"]
 
 logger = logging.getLogger(__name__)
 
 CALIBRATED_NAME = "cpu-local"
+
+# Profile keys beyond the roofline and the per-step/per-layer overheads: key -> seconds per unit.
+EXTRA_TERMS = {"seq_overhead_us": 1e-6, "token_overhead_us": 1e-6, "context_overhead_ns": 1e-9}
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,11 @@ class HardwareProfile:
     link_efficiency: float = 1.0
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
+    # per request scheduled in a step, per token computed in a step, and per token of context
+    # (Σ c_i) the step's requests attend over; 0 on every GPU profile
+    seq_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    context_overhead_s: float = 0.0
     default_dtype: str = "bfloat16"
     description: str = ""
     calibrated_at: str | None = None
@@ -61,6 +78,9 @@ class HardwareProfile:
             link_efficiency=float(eff.get("link", 1.0)),
             step_overhead_s=float(d.get("step_overhead_ms", 0.0)) * 1e-3,
             layer_overhead_s=float(d.get("layer_overhead_us", 0.0)) * 1e-6,
+            seq_overhead_s=float(d.get("seq_overhead_us") or 0.0) * 1e-6,
+            token_overhead_s=float(d.get("token_overhead_us") or 0.0) * 1e-6,
+            context_overhead_s=float(d.get("context_overhead_ns") or 0.0) * 1e-9,
             default_dtype=d.get("default_dtype", "bfloat16"),
             description=d.get("description", ""),
             calibrated_at=d.get("calibrated_at"),
@@ -105,19 +125,40 @@ def load_profile_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _validated(data: Mapping[str, Any], where: str):
+def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``data`` (a profile YAML as a mapping) checked: the ``HardwareConfig`` fields by the
+    schema, the ``EXTRA_TERMS`` it lacks as numbers >= 0; returns the validated mapping (what
+    ``HardwareProfile.from_config`` takes). Raises ``ConfigError`` naming the key."""
     from pydantic import ValidationError
 
     from llmkit.config.errors import ConfigError
     from llmkit.config.schema import HardwareConfig
 
+    data = dict(data)
+    extra: dict[str, float] = {}
+    for key in EXTRA_TERMS:
+        if key in data and key not in HardwareConfig.model_fields:
+            value = data.pop(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not value >= 0:
+                raise ConfigError(f"hardware.{key}", value, f"a number >= 0 (in {where})")
+            extra[key] = float(value)
     try:
-        return HardwareConfig.model_validate(dict(data))
+        cfg = HardwareConfig.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         key = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"hardware.{key}", err.get("input"),
                           f"{err['msg']} (in {where})") from None
+    return {**cfg.model_dump(), **extra}
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile file (``conf/hardware/NAME.yaml`` or a calibrated one), validated."""
+    return HardwareProfile.from_config(validate_profile(load_profile_yaml(path), str(path)),
+                                       str(path))
 
 
 def resolve_hardware(cfg: Any) -> HardwareProfile:
@@ -134,8 +175,7 @@ def resolve_hardware(cfg: Any) -> HardwareProfile:
             sim.calibrate_output else default_calibration_path()
         if path.is_file():
             logger.info("hardware=cpu-local: using the calibrated profile %s", path)
-            data = load_profile_yaml(path)
-            return HardwareProfile.from_config(_validated(data, str(path)), str(path))
+            return load_profile(path)
         logger.warning("hardware=cpu-local is not calibrated (no %s): using the shipped "
                        "placeholder figures; run `llmkit sim calibrate` to measure this machine",
                        path)
