@@ -175,7 +175,7 @@ def test_build_config_model_path(tmp_path, monkeypatch):
      "kv_cache.block_size: got 12; allowed: a power of two (1, 2, 4, ..., 16, 32, ...)"),
     (["scheduler.policy=bogus"],
      "scheduler.policy: got 'bogus'; allowed: one of: fcfs, priority"),
-    (["attention=foo"], "attention: got 'foo'; allowed: auto, torch, triton"),
+    (["attention=foo"], "attention: got 'foo'; allowed: auto, cpu, torch, triton"),
     (["recipe=nope"], "recipe: got 'nope'; allowed: cpu-chat, cpu-default"),
     (["model=nope"], "model: got 'nope'; allowed: custom, smollm2-135m-instruct (or "
      "model.path=PATH for an HF model folder or a .gguf file)"),
@@ -243,7 +243,7 @@ def test_other_errors_are_one_line(overrides, key, fragment):
 @pytest.mark.parametrize("kwargs,line", [
     (dict(groups={"scheduler": {"max_num_seqs": "abc"}}),
      "scheduler.max_num_seqs: got 'abc'; allowed: an integer >= 1"),
-    (dict(groups={"attention": "foo"}), "attention: got 'foo'; allowed: auto, torch, triton"),
+    (dict(groups={"attention": "foo"}), "attention: got 'foo'; allowed: auto, cpu, torch, triton"),
     (dict(dtype="int4"),
      "model.dtype: got 'int4'; allowed: one of: float32, bfloat16, float16, auto"),
     (dict(overrides=["kv_cache.block_size=12"]),
@@ -318,7 +318,7 @@ def test_cli_multirun_config(capsys):
 @pytest.mark.parametrize("argv,fragment", [
     (["config", "scheduler.max_num_seqs=abc"],
      "scheduler.max_num_seqs: got 'abc'; allowed: an integer >= 1"),
-    (["config", "attention=foo"], "attention: got 'foo'; allowed: auto, torch, triton"),
+    (["config", "attention=foo"], "attention: got 'foo'; allowed: auto, cpu, torch, triton"),
     (["config", "scheduler.policy=bogus"], "allowed: one of: fcfs, priority"),
     (["generate"], "generate needs --prompt TEXT"),
     (["generate", "--prompt"], "--prompt needs a value"),

@@ -1,5 +1,5 @@
 """Attention backends, picked by ``attention=NAME``; ``auto`` lets the platform choose
-(``triton`` on CUDA, ``torch`` on the CPU)."""
+(``triton`` on CUDA, ``cpu`` on the CPU)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention")
 ATTENTION_BACKENDS.register_lazy("torch", "llmkit.attention.torch_backend.TorchAttentionBackend")
+ATTENTION_BACKENDS.register_lazy("cpu", "llmkit.attention.cpu_backend.CpuAttentionBackend")
 ATTENTION_BACKENDS.register_lazy("triton",
                                  "llmkit.attention.triton_backend.TritonAttentionBackend")
 AUTO = "auto"

@@ -59,6 +59,10 @@ class AttentionBackend(ABC):
         """Backends that need more per-step data (split plans, tile maps) extend it here."""
         return metadata
 
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        """Called once the KV cache exists: compile or load kernels here, not in the first
+        steps (the default has nothing to prepare)."""
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...

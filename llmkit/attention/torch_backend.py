@@ -67,6 +67,20 @@ def _context_slots(block_ids: torch.Tensor, length: int, block_size: int) -> tor
     return block_ids[pos // block_size].long() * block_size + pos % block_size
 
 
+def gathered_decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, d: DecodePlan,
+                              scale: float) -> torch.Tensor:
+    """Decode rows' attention over their context gathered from ``flat_cache [2, slots, Hkv, D]``
+    into a padded ``[B, L]`` batch: ``[B, H, D]``."""
+    b, (num_kv_heads, head_dim) = d.token_rows.shape[0], flat_cache.shape[-2:]
+    keys = flat_cache[0].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
+    vals = flat_cache[1].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        q[d.token_rows].unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
+        vals.transpose(1, 2).to(q.dtype), attn_mask=d.mask, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads)
+    return o.squeeze(2)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -119,14 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         d = metadata.decode
         if d is not None:
-            b = d.token_rows.shape[0]
-            keys = flat[0].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
-            vals = flat[1].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(
-                q[d.token_rows].unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
-                vals.transpose(1, 2).to(q.dtype), attn_mask=d.mask, scale=scale,
-                enable_gqa=gqa)
-            out[d.token_rows] = o.squeeze(2)
+            out[d.token_rows] = gathered_decode_attention(q, flat, d, scale)
         for p in metadata.prefills or ():
             kc = flat[0].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
             vc = flat[1].index_select(0, p.slots).transpose(0, 1).to(q.dtype)

@@ -30,6 +30,8 @@ class UniprocExecutor(Executor):
         attn = attn_cls()
         torch.manual_seed(config.seed)
         model = build_model(source, attn, dtype, platform.device)
+        if platform.packs_linear_weights(dtype):
+            model.pack_linear_weights()
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,

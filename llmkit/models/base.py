@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.models.layers.linear import Linear
 
 
 class CausalLM(nn.Module, ABC):
@@ -25,6 +26,7 @@ class CausalLM(nn.Module, ABC):
 
     # KV layout facts the engine needs to size the cache.
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     hidden_size: int
@@ -44,6 +46,13 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
+
+    def pack_linear_weights(self) -> None:
+        """After loading: repack every linear layer's weight for the CPU's oneDNN GEMMs (asked
+        for by the platform, see ``Platform.packs_linear_weights``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

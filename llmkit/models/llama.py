@@ -155,7 +155,9 @@ class LlamaForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.packed_tied_head: Linear | None = None
         self.num_layers = config.num_hidden_layers
+        self.num_heads = self.model.layers[0].self_attn.num_heads
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.head_dim = _head_dim(config)
         self.hidden_size = config.hidden_size
@@ -166,8 +168,19 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight).float()
+        head = self.lm_head or self.packed_tied_head
+        if head is not None:
+            return head(hidden_states).float()
+        return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight).float()
+
+    def pack_linear_weights(self) -> None:
+        super().pack_linear_weights()
+        if self.lm_head is None:
+            # The output layer shares the embedding matrix and gets its own packed copy.
+            head = Linear(self.hidden_size, self.vocab_size, bias=False, dtype=self.dtype)
+            head.weight = self.model.embed_tokens.weight
+            head.pack_weight()
+            self.packed_tied_head = head
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -35,5 +35,10 @@ class Platform(ABC):
     def apply_runtime_settings(self) -> None:
         """Process-wide settings (threads, allocator) made once at engine start."""
 
+    def packs_linear_weights(self, dtype: torch.dtype) -> bool:
+        """Whether the model's linear weights should be repacked for this device after
+        loading (``CausalLM.pack_linear_weights``)."""
+        return False
+
     def kv_cache_budget_bytes(self, memory_gib: float) -> int:
         return int(memory_gib * (1 << 30))

@@ -31,7 +31,7 @@ def has_native_bf16() -> bool:
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
-    default_attention = "torch"
+    default_attention = "cpu"
     dist_backend = "gloo"
 
     @property
@@ -48,6 +48,11 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def packs_linear_weights(self, dtype: torch.dtype) -> bool:
+        # oneDNN packs float32 on any x86 CPU; its bf16 packing needs AVX-512 or AVX-NE-CONVERT.
+        return (self.config.packed_linear and dtype == torch.float32
+                and torch.backends.mkldnn.is_available())
 
     def apply_runtime_settings(self) -> None:
         threads = self.config.num_threads or len(os.sched_getaffinity(0))

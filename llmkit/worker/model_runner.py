@@ -78,6 +78,7 @@ class ModelRunner:
                                                  m.head_dim)
         self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device)
                           for _ in range(m.num_layers)]
+        self.attn_backend.warm_up(self.kv_caches[0], m.num_heads, self.kv_cache_dtype)
 
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -25,7 +25,18 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> No
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b``."""
+    """``y = x W^T + b``.
+
+    After loading, ``pack_weight()`` may add oneDNN's blocked copy of the weight (CPUs,
+    float32): its GEMMs read that layout faster than MKL reads the plain one for the small and
+    mid-sized batches of decoding (measured on this project's 2-core AVX2 machine: +20% over a
+    whole step's linears at 64 rows, 2x for the 49k-row output layer at one row), while MKL on
+    the plain weight stays ~10% faster for prefill-sized batches (2,048 rows). Both are kept, at
+    the cost of a second copy of the weights, and each call takes the faster one.
+    """
+
+    # Rows up to which the packed weight is used (the measured crossover).
+    packed_max_rows = 512
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype) -> None:
@@ -33,12 +44,26 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                      [], "")
         return F.linear(x, self.weight, self.bias)
 
+    @torch.no_grad()
+    def pack_weight(self, batch_hint: int = 64) -> None:
+        """Repack the loaded weight for oneDNN (float32 on the CPU only)."""
+        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+            raise ValueError(f"packed linear weights need float32 on the CPU, not "
+                             f"{self.weight.dtype} on {self.weight.device}")
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                     batch_hint)
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+                f"{', packed' if self.packed_weight is not None else ''}")
 
 
 class MergedLinear(Linear):

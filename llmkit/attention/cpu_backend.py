@@ -1,0 +1,203 @@
+"""Attention over the paged cache for CPUs: decode rows read K/V in place through the block
+table, in one compiled kernel; prefill rows use the CPU flash SDPA kernel.
+
+The portable ``torch`` backend gathers every decode row's whole context into a padded tensor per
+layer and step before SDPA reads it again: at batch 64 and 256 tokens of context that copy is
+as large as the attention itself. Here inductor (``torch.compile``, C++ on the CPU) fuses the
+block-table lookup into the score and value reductions, so each K/V byte is read once and
+nothing is materialised. The kernel is compiled with dynamic batch and context sizes, warmed up
+when the KV cache is allocated (compile time is logged; inductor caches it on disk, so later
+start-ups load it), and shared by every layer.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental import _config as fx_config
+
+from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
+                                            gathered_decode_attention, write_kv)
+
+logger = logging.getLogger(__name__)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per row over its paged context.
+
+    ``q [B, H, D]``, ``kv_cache [2, num_blocks, block_size, Hkv, D]``, ``block_table [B, nb]``
+    (int64, entries past a row's length may be any valid block), ``seq_lens [B]``. Grouped-query
+    heads share their K/V head. Math in float32, like SDPA's CPU kernel, result in q's dtype.
+    """
+    b, h, d = q.shape
+    hkv = kv_cache.shape[3]
+    nb, bs = block_table.shape[1], kv_cache.shape[2]
+    qg = q.float().view(b, 1, 1, hkv, h // hkv, d)
+    k = kv_cache[0][block_table]  # [B, nb, bs, Hkv, D]: an indirect load inside the kernel
+    s = (qg * k.float()[..., None, :]).sum(-1) * scale  # [B, nb, bs, Hkv, G]
+    pos = torch.arange(nb * bs, device=q.device).view(1, nb, bs)
+    valid = pos < seq_lens.view(b, 1, 1)
+    s = s.masked_fill(~valid[..., None, None], float("-inf"))
+    e = torch.exp(s - s.amax((1, 2), keepdim=True))
+    p = e / e.sum((1, 2), keepdim=True)
+    v = kv_cache[1][block_table]
+    o = (p[..., None] * v.float()[..., None, :]).sum((1, 2))  # [B, Hkv, G, D]
+    return o.reshape(b, h, d).to(q.dtype)
+
+
+class CompiledPagedDecode:
+    """``paged_decode_attention`` compiled per head layout, dynamic in the batch, the context
+    length and the pool size, so one kernel serves every step and layer of a model.
+
+    Those sizes are unbacked (no 0/1 specialisation: one compile covers a single row too); head
+    counts, head size and block size stay constants the C++ kernel is specialised for. Each
+    layout compiles a copy of the function with its own code object, because dynamo keeps its
+    compiled variants, and a limit on their number, per code object: several models in one
+    process (tests, a router) would otherwise exhaust that limit. Duck sizing is off while
+    compiling, or a step where the batch equals the number of context blocks would tie them.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[tuple, object] = {}
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        q = q.contiguous()  # a strided slice of the fused QKV output: one layout, one kernel
+        key = (q.shape[1], *kv_cache.shape[2:], q.dtype, kv_cache.dtype, q.device.type)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = torch.compile(_function_copy(paged_decode_attention, key),
+                                                fullgraph=True)
+        mark = torch._dynamo.decorators.mark_unbacked
+        mark(q, 0)
+        mark(kv_cache, 1)
+        mark(block_table, 0)
+        mark(block_table, 1)
+        mark(seq_lens, 0)
+        with fx_config.patch(use_duck_shape=False):
+            return fn(q, kv_cache, block_table, seq_lens, scale)
+
+
+def _function_copy(fn: Callable, key: tuple) -> Callable:
+    """``fn`` with a code object of its own (see ``CompiledPagedDecode``)."""
+    tag = "_".join(str(k).replace("torch.", "") for k in key)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}__{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+
+
+@dataclass(slots=True)
+class PagedDecodePlan:
+    token_rows: torch.Tensor  # int64 [B]: the decode rows' query rows
+    block_table: torch.Tensor  # int64 [B, nb]
+    seq_lens: torch.Tensor  # int64 [B]
+
+    def to(self, device: torch.device) -> "PagedDecodePlan":
+        return PagedDecodePlan(self.token_rows.to(device), self.block_table.to(device),
+                               self.seq_lens.to(device))
+
+
+@dataclass(slots=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    # Paged (compiled kernel) for larger decode batches, gathered (torch path) for small ones.
+    decode: PagedDecodePlan | DecodePlan | None = None
+    prefills: list[PrefillPlan] | None = None
+    all_decode: bool = False  # every row decodes and rows are in query order
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+    # Below this many decode rows the compiled kernel has too little to spread over the threads
+    # and the torch path (gather + SDPA, whose gather then fits in cache) is a little faster.
+    min_compiled_decode_rows = 8
+
+    def __init__(self) -> None:
+        self._kernel = CompiledPagedDecode()
+
+    def build_metadata(self, m: AttentionMetadata) -> CpuAttentionMetadata:
+        qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
+        decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
+        if len(decode_rows) < self.min_compiled_decode_rows:
+            base = super().build_metadata(m)
+            return CpuAttentionMetadata(**fields, decode=base.decode, prefills=base.prefills)
+        all_decode = len(decode_rows) == m.num_reqs
+        rows = torch.arange(m.num_reqs) if all_decode else torch.tensor(decode_rows)
+        nblk = -(-max(seq_lens[i] for i in decode_rows) // bs)
+        decode = PagedDecodePlan(
+            token_rows=rows if all_decode else torch.tensor([qsl[i] for i in decode_rows]),
+            block_table=m.block_table[rows, :nblk].long(),
+            seq_lens=m.seq_lens[rows].long())
+        prefills = [] if all_decode else super().build_metadata(m).prefills
+        return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
+                                    all_decode=all_decode)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not isinstance(metadata, CpuAttentionMetadata):
+            metadata = self.build_metadata(metadata)
+        if metadata.slot_mapping.device != kv_cache.device:
+            self._move_plans(metadata, kv_cache.device)
+        n = metadata.num_actual_tokens
+        write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
+        d = metadata.decode
+        if metadata.all_decode:
+            return self._kernel(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
+        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        if isinstance(d, PagedDecodePlan):
+            out[d.token_rows] = self._kernel(q[d.token_rows], kv_cache, d.block_table,
+                                             d.seq_lens, scale)
+        elif d is not None:
+            out[d.token_rows] = gathered_decode_attention(q, flat, d, scale)
+        group = q.shape[1] // num_kv_heads
+        for p in metadata.prefills or ():
+            qt = q[p.start:p.end].transpose(0, 1)
+            if p.mask is None:  # a fresh prompt: its own K/V, no read of the cache
+                kc, vc = k[p.start:p.end], v[p.start:p.end]
+            else:
+                kc, vc = flat[0].index_select(0, p.slots), flat[1].index_select(0, p.slots)
+            # The CPU flash kernel takes no grouped-query heads: expand K/V to q's heads.
+            kc = _expand_heads(kc.to(q.dtype), group).transpose(0, 1)
+            vc = _expand_heads(vc.to(q.dtype), group).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=p.mask,
+                                               is_causal=p.mask is None, scale=scale)
+            out[p.start:p.end] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _move_plans(m: CpuAttentionMetadata, device: torch.device) -> None:
+        m.slot_mapping = m.slot_mapping.to(device)
+        if m.decode is not None:
+            m.decode = m.decode.to(device)
+        if m.prefills:
+            m.prefills = [p.to(device) for p in m.prefills]
+
+    def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+        """Compile the decode kernel now rather than inside the first timed steps: one call
+        with a single row (specialised) and one with several (the dynamic kernel)."""
+        t0 = time.perf_counter()
+        hd = kv_cache.shape[-1]
+        for b, nb in ((1, 1), (2, 2), (3, 1)):
+            q = torch.zeros(b, num_heads, hd, dtype=dtype, device=kv_cache.device)
+            table = torch.zeros(b, nb, dtype=torch.long, device=kv_cache.device)
+            lens = torch.ones(b, dtype=torch.long, device=kv_cache.device)
+            self._kernel(q, kv_cache, table, lens, 1.0)
+        logger.info("CPU paged decode attention ready in %.1f s (compiled, or loaded from "
+                    "inductor's cache)", time.perf_counter() - t0)
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[T, Hkv, D]`` -> ``[T, Hkv * group, D]``, each K/V head repeated for its q heads."""
+    if group == 1:
+        return x
+    t, hkv, d = x.shape
+    return x[:, :, None, :].expand(t, hkv, group, d).reshape(t, hkv * group, d)
