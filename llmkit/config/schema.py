@@ -240,6 +240,11 @@ class HardwareConfig(_Strict):
     # input preparation, sampling) and once per layer (short kernels: norms, rotary, ...).
     step_overhead_ms: float = Field(default=0.0, ge=0)
     layer_overhead_us: float = Field(default=0.0, ge=0)
+    # Fitted by `llmkit sim calibrate engine` on CPUs, 0 on GPU profiles: per request in a step,
+    # per token computed, per token of context attended (see llmkit/sim/cost_model.py).
+    seq_overhead_us: float = Field(default=0.0, ge=0)
+    token_overhead_us: float = Field(default=0.0, ge=0)
+    context_overhead_ns: float = Field(default=0.0, ge=0)
     # model.dtype=auto with a checkpoint that names no dtype
     default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Set by `llmkit sim calibrate` (measured on this machine); informational.
