@@ -124,22 +124,48 @@ def test_packed_linear_refuses_bfloat16():
         Linear(8, 8, bias=False, dtype=torch.bfloat16).pack_weight()
 
 
-def test_engine_packs_linears_on_cpu_float32_only(tiny_model_dir):
-    """The CPU platform packs float32 weights (the greedy-vs-HF tests then run packed), and
-    ``platform.packed_linear=false`` turns it off with identical greedy tokens."""
+def test_bfloat16_linear_in_float32_matches_bfloat16_gemm():
+    """A bf16 layer computed in float32 (CPUs without native bf16): same products, float32
+    accumulation, bf16 output, so it equals torch's bf16 GEMM up to summation order."""
     from llmkit.models.layers.linear import Linear
+
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(96, 80, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=g))
+        layer.bias.copy_(torch.randn(80, generator=g))
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack_weight(compute_in_float32=True)
+    assert layer.weight.dtype == torch.float32 and layer.io_dtype == torch.bfloat16
+    for rows in (1, 64, 600):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x, w, b)
+        exact = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, exact, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+
+
+def test_engine_packs_linears_on_cpu(tiny_model_dir):
+    """The CPU platform packs float32 weights (the greedy-vs-HF tests then run packed) and,
+    without native bf16, runs bf16 linears in float32; ``platform.packed_linear=false`` turns
+    both off, with identical greedy tokens."""
+    from llmkit.models.layers.linear import Linear
+    from llmkit.platforms.cpu import has_native_bf16
 
     model_dir = tiny_model_dir("llama")
     prompts = [[5, 9, 33, 2, 71], [8] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
-    def run(packed, dtype="float32"):
+    def run(packed, dtype):
         llm = LLM(str(model_dir), dtype=dtype, overrides=[f"platform.packed_linear={packed}"])
         model = llm.engine.executor.runner.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert linears and all((m.packed_weight is not None) == (packed and dtype == "float32")
-                               for m in linears)
+        want = packed and (dtype == "float32" or not has_native_bf16())
+        assert linears and all((m.packed_weight is not None) == want for m in linears)
+        assert all((m.io_dtype is not None) == (want and dtype == "bfloat16") for m in linears)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    assert run(True) == run(False)
-    run(True, "bfloat16")
+    assert run(True, "float32") == run(False, "float32")
+    assert run(True, "bfloat16") == run(False, "bfloat16")

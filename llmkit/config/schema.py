@@ -93,8 +93,9 @@ class PlatformConfig(_Component):
     name: str = "auto"
     # CPU threads for torch; 0 = all cores the process may use.
     num_threads: int = Field(default=0, ge=0)
-    # CPU, float32: add a copy of each linear weight in oneDNN's blocked layout after loading
-    # (faster GEMMs at decode batch sizes; costs a second copy of the weights in memory).
+    # CPU: add a copy of each linear weight in oneDNN's blocked layout after loading (faster
+    # GEMMs at decode batch sizes; a second copy of the weights in memory). bf16 models on CPUs
+    # without native bf16 also compute their linears in float32 (bf16 GEMMs are emulated there).
     packed_linear: bool = True
 
 

@@ -30,8 +30,9 @@ class UniprocExecutor(Executor):
         attn = attn_cls()
         torch.manual_seed(config.seed)
         model = build_model(source, attn, dtype, platform.device)
-        if platform.packs_linear_weights(dtype):
-            model.pack_linear_weights()
+        packing = platform.linear_weight_packing(dtype)
+        if packing is not None:
+            model.pack_linear_weights(compute_in_float32=packing == "packed_float32")
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,

@@ -47,12 +47,13 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
 
-    def pack_linear_weights(self) -> None:
-        """After loading: repack every linear layer's weight for the CPU's oneDNN GEMMs (asked
-        for by the platform, see ``Platform.packs_linear_weights``)."""
+    def pack_linear_weights(self, compute_in_float32: bool = False) -> None:
+        """After loading: add oneDNN-packed copies of every linear layer's weight, computing
+        bf16 layers in float32 if asked (the platform decides, see
+        ``Platform.linear_weight_packing``)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight()
+                module.pack_weight(compute_in_float32=compute_in_float32)
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

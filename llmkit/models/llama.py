@@ -173,13 +173,13 @@ class LlamaForCausalLM(CausalLM):
             return head(hidden_states).float()
         return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight).float()
 
-    def pack_linear_weights(self) -> None:
-        super().pack_linear_weights()
+    def pack_linear_weights(self, compute_in_float32: bool = False) -> None:
+        super().pack_linear_weights(compute_in_float32)
         if self.lm_head is None:
             # The output layer shares the embedding matrix and gets its own packed copy.
             head = Linear(self.hidden_size, self.vocab_size, bias=False, dtype=self.dtype)
             head.weight = self.model.embed_tokens.weight
-            head.pack_weight()
+            head.pack_weight(compute_in_float32=compute_in_float32)
             self.packed_tied_head = head
 
     @torch.no_grad()

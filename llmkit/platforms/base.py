@@ -35,10 +35,11 @@ class Platform(ABC):
     def apply_runtime_settings(self) -> None:
         """Process-wide settings (threads, allocator) made once at engine start."""
 
-    def packs_linear_weights(self, dtype: torch.dtype) -> bool:
-        """Whether the model's linear weights should be repacked for this device after
-        loading (``CausalLM.pack_linear_weights``)."""
-        return False
+    def linear_weight_packing(self, dtype: torch.dtype) -> str | None:
+        """How a model of ``dtype`` should prepare its linear weights after loading
+        (``CausalLM.pack_linear_weights``): ``None`` (leave them), ``"packed"`` (add packed
+        copies) or ``"packed_float32"`` (bf16 layers computed in float32, packed)."""
+        return None
 
     def kv_cache_budget_bytes(self, memory_gib: float) -> int:
         return int(memory_gib * (1 << 30))

@@ -49,10 +49,17 @@ class CpuPlatform(Platform):
     def is_available(cls) -> bool:
         return True
 
-    def packs_linear_weights(self, dtype: torch.dtype) -> bool:
-        # oneDNN packs float32 on any x86 CPU; its bf16 packing needs AVX-512 or AVX-NE-CONVERT.
-        return (self.config.packed_linear and dtype == torch.float32
-                and torch.backends.mkldnn.is_available())
+    def linear_weight_packing(self, dtype: torch.dtype) -> str | None:
+        # oneDNN packs float32 on any x86 CPU. bf16 it packs only with AVX-512/AVX-NE-CONVERT,
+        # and without native bf16 math every bf16 GEMM is emulated: there bf16 linears run in
+        # float32 (same products, float32 accumulation, outputs rounded to bf16).
+        if not self.config.packed_linear or not torch.backends.mkldnn.is_available():
+            return None
+        if dtype == torch.float32:
+            return "packed"
+        if dtype == torch.bfloat16 and not has_native_bf16():
+            return "packed_float32"
+        return None
 
     def apply_runtime_settings(self) -> None:
         threads = self.config.num_threads or len(os.sched_getaffinity(0))

@@ -27,12 +27,18 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> No
 class Linear(nn.Module):
     """``y = x W^T + b``.
 
-    After loading, ``pack_weight()`` may add oneDNN's blocked copy of the weight (CPUs,
-    float32): its GEMMs read that layout faster than MKL reads the plain one for the small and
-    mid-sized batches of decoding (measured on this project's 2-core AVX2 machine: +20% over a
-    whole step's linears at 64 rows, 2x for the 49k-row output layer at one row), while MKL on
-    the plain weight stays ~10% faster for prefill-sized batches (2,048 rows). Both are kept, at
-    the cost of a second copy of the weights, and each call takes the faster one.
+    After loading, ``pack_weight()`` may add oneDNN's blocked copy of the weight (CPUs): its
+    GEMMs read that layout faster than MKL reads the plain one for the small and mid-sized
+    batches of decoding (measured on this project's 2-core AVX2 machine: +20% over a whole
+    step's linears at 64 rows, 2x for the 49k-row output layer at one row), while MKL on the
+    plain weight stays ~10% faster for prefill-sized batches (2,048 rows). Both are kept, at the
+    cost of a second copy of the weights, and each call takes the faster one.
+
+    ``pack_weight(compute_in_float32=True)`` is for bfloat16 models on CPUs without native bf16
+    (AVX2 only), where torch emulates bf16 GEMMs 5-8x slower than float32 ones: the weight is
+    held in float32 (exactly: every bf16 value is a float32 value), inputs are widened, and the
+    output is rounded back to bf16. A bf16 GEMM multiplies the same bf16 values and accumulates
+    in float32 too, so only the summation order differs; the rest of the model stays bf16.
     """
 
     # Rows up to which the packed weight is used (the measured crossover).
@@ -45,25 +51,38 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.io_dtype: torch.dtype | None = None  # set when computing wider than the model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.io_dtype is not None:
+            x = x.float()
         if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                      [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                   [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.io_dtype is None else y.to(self.io_dtype)
 
     @torch.no_grad()
-    def pack_weight(self, batch_hint: int = 64) -> None:
-        """Repack the loaded weight for oneDNN (float32 on the CPU only)."""
-        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+    def pack_weight(self, batch_hint: int = 64, compute_in_float32: bool = False) -> None:
+        """Add oneDNN's packed copy of the loaded float32 weight (CPU only); with
+        ``compute_in_float32``, a bf16 layer first moves to float32 weights and math."""
+        w = self.weight.detach()
+        if compute_in_float32 and w.dtype == torch.bfloat16:
+            self.io_dtype = w.dtype
+            w = w.float()
+            self.weight = nn.Parameter(w, requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        if w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(f"packed linear weights need float32 on the CPU, not "
-                             f"{self.weight.dtype} on {self.weight.device}")
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                     batch_hint)
+                             f"{w.dtype} on {w.device}")
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
-                f"{', packed' if self.packed_weight is not None else ''}")
+                f"{', packed' if self.packed_weight is not None else ''}"
+                f"{', float32 math' if self.io_dtype is not None else ''}")
 
 
 class MergedLinear(Linear):
