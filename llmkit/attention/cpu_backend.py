@@ -175,24 +175,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
-    def _move_plans(m: CpuAttentionMetadata, device: torch.device) -> None:
-        m.slot_mapping = m.slot_mapping.to(device)
-        if m.decode is not None:
-            m.decode = m.decode.to(device)
-        if m.prefills:
-            m.prefills = [p.to(device) for p in m.prefills]
-
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-        """Compile the decode kernel now rather than inside the first timed steps: one call
-        with a single row (specialised) and one with several (the dynamic kernel)."""
+        """Compile the decode kernel now rather than inside the first steps (sizes are
+        unbacked, so one call covers every batch and context size)."""
         t0 = time.perf_counter()
-        hd = kv_cache.shape[-1]
-        for b, nb in ((1, 1), (2, 2), (3, 1)):
-            q = torch.zeros(b, num_heads, hd, dtype=dtype, device=kv_cache.device)
-            table = torch.zeros(b, nb, dtype=torch.long, device=kv_cache.device)
-            lens = torch.ones(b, dtype=torch.long, device=kv_cache.device)
-            self._kernel(q, kv_cache, table, lens, 1.0)
+        q = torch.zeros(2, num_heads, kv_cache.shape[-1], dtype=dtype, device=kv_cache.device)
+        table = torch.zeros(2, 2, dtype=torch.long, device=kv_cache.device)
+        lens = torch.ones(2, dtype=torch.long, device=kv_cache.device)
+        self._kernel(q, kv_cache, table, lens, 1.0)
         logger.info("CPU paged decode attention ready in %.1f s (compiled, or loaded from "
                     "inductor's cache)", time.perf_counter() - t0)
 
