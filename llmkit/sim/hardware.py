@@ -24,16 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["CALIBRATED_NAME", "EXTRA_TERMS", "HardwareProfile", "default_calibration_path",
+__all__ = ["CALIBRATED_NAME", "HardwareProfile", "default_calibration_path",
            "hardware_names", "load_profile", "load_profile_yaml", "resolve_hardware",
            "validate_profile"]
 
 logger = logging.getLogger(__name__)
 
 CALIBRATED_NAME = "cpu-local"
-
-# Profile keys beyond the roofline and the per-step/per-layer overheads: key -> seconds per unit.
-EXTRA_TERMS = {"seq_overhead_us": 1e-6, "token_overhead_us": 1e-6, "context_overhead_ns": 1e-9}
 
 
 @dataclass(frozen=True)
@@ -78,9 +75,9 @@ class HardwareProfile:
             link_efficiency=float(eff.get("link", 1.0)),
             step_overhead_s=float(d.get("step_overhead_ms", 0.0)) * 1e-3,
             layer_overhead_s=float(d.get("layer_overhead_us", 0.0)) * 1e-6,
-            seq_overhead_s=float(d.get("seq_overhead_us") or 0.0) * 1e-6,
-            token_overhead_s=float(d.get("token_overhead_us") or 0.0) * 1e-6,
-            context_overhead_s=float(d.get("context_overhead_ns") or 0.0) * 1e-9,
+            seq_overhead_s=float(d.get("seq_overhead_us", 0.0)) * 1e-6,
+            token_overhead_s=float(d.get("token_overhead_us", 0.0)) * 1e-6,
+            context_overhead_s=float(d.get("context_overhead_ns", 0.0)) * 1e-9,
             default_dtype=d.get("default_dtype", "bfloat16"),
             description=d.get("description", ""),
             calibrated_at=d.get("calibrated_at"),
@@ -126,25 +123,14 @@ def load_profile_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``data`` (a profile YAML as a mapping) checked: the ``HardwareConfig`` fields by the
-    schema, the ``EXTRA_TERMS`` it lacks as numbers >= 0; returns the validated mapping (what
-    ``HardwareProfile.from_config`` takes). Raises ``ConfigError`` naming the key."""
+    """``data`` (a profile YAML as a mapping) checked against ``HardwareConfig``; returns the
+    validated mapping (what ``HardwareProfile.from_config`` takes). Raises ``ConfigError``
+    naming the key."""
     from pydantic import ValidationError
 
     from llmkit.config.errors import ConfigError
     from llmkit.config.schema import HardwareConfig
 
-    data = dict(data)
-    extra: dict[str, float] = {}
-    for key in EXTRA_TERMS:
-        if key in data and key not in HardwareConfig.model_fields:
-            value = data.pop(key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not value >= 0:
-                raise ConfigError(f"hardware.{key}", value, f"a number >= 0 (in {where})")
-            extra[key] = float(value)
     try:
         cfg = HardwareConfig.model_validate(data)
     except ValidationError as e:
@@ -152,7 +138,7 @@ def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         key = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"hardware.{key}", err.get("input"),
                           f"{err['msg']} (in {where})") from None
-    return {**cfg.model_dump(), **extra}
+    return cfg.model_dump()
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
