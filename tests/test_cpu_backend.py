@@ -14,7 +14,7 @@ from llmkit.attention.cpu_backend import (CpuAttentionBackend, CpuAttentionMetad
                                           paged_decode_attention)
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.platforms import CpuPlatform
-from test_triton_backend import _metadata
+from attention_cases import attention_case
 
 
 def test_registered_and_cpu_default():
@@ -34,28 +34,20 @@ def decode_path(request, monkeypatch):
 @pytest.mark.parametrize("q_lens,ctx_lens", [
     ([1, 6, 13, 1], [20, 0, 9, 33]),  # mixed: decodes, a fresh prefill, a chunked prefill
     ([1, 1, 1], [40, 3, 70]),  # decodes only
-    ([1], [0]),  # one decode row with one token of context: the specialised kernel
+    ([1], [0]),  # one decode row with one token of context
 ], ids=["mixed", "decode", "single"])
 def test_forward_matches_torch_backend(q_lens, ctx_lens, num_heads, num_kv_heads, decode_path):
-    block_size, head_dim, num_blocks = 16, 32, 24
-    g = torch.Generator().manual_seed(len(q_lens) + num_heads)
-    block_table = torch.randperm(num_blocks, generator=g)[:len(q_lens) * 6] \
-        .view(len(q_lens), 6).to(torch.int32)
-    meta = _metadata(q_lens, ctx_lens, block_size, block_table, pad_tokens=2)
-    n = meta.num_actual_tokens + 2
-    q = torch.randn(n, num_heads, head_dim, generator=g)
-    kv = torch.randn(n, 2 * num_kv_heads, head_dim, generator=g)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, as in the model
-    shape = CpuAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    cache_ref = torch.randn(shape, generator=g)
-    cache = cache_ref.clone()
+    case = attention_case(q_lens, ctx_lens, num_heads, num_kv_heads,
+                          seed=len(q_lens) + num_heads)
+    q, k, v, cache, cache_ref, meta, scale = (
+        case.q, case.k, case.v, case.cache, case.cache_ref, case.meta, case.scale)
 
     backend = CpuAttentionBackend()
     cmeta = backend.build_metadata(meta)
     assert isinstance(cmeta, CpuAttentionMetadata)
     assert cmeta.all_decode == (max(q_lens) == 1 and decode_path == "compiled")
-    out = backend.forward(q, k, v, cache, cmeta, head_dim ** -0.5)
-    expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, head_dim ** -0.5)
+    out = backend.forward(q, k, v, cache, cmeta, scale)
+    expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, scale)
     m = meta.num_actual_tokens
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
     torch.testing.assert_close(out[:m], expected[:m], rtol=1e-5, atol=1e-5)

@@ -10,13 +10,13 @@ import torch
 
 from llmkit import LLM, SamplingParams
 from llmkit.attention import ATTENTION_BACKENDS
-from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
 from llmkit.config.errors import ConfigError
 from llmkit.kernels import count_launches
 from llmkit.kernels.testing import tolerances
 from llmkit.platforms import CudaPlatform
+from attention_cases import attention_case
 
 BACKEND_KERNELS = {"_reshape_and_cache_kernel", "_paged_decode_kernel", "_decode_reduce_kernel",
                    "_unified_attention_kernel"}
@@ -44,53 +44,23 @@ def test_registered_and_cuda_default():
     assert CudaPlatform.default_attention == "triton"
 
 
-def _metadata(q_lens, ctx_lens, block_size, block_table, pad_tokens=0):
-    """Step metadata like ModelRunner.prepare_inputs builds; ``pad_tokens`` extra rows at the
-    end of q/k/v with slot -1 (not written, not attended)."""
-    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    slots = []
-    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
-        for p in range(c, c + q):
-            slots.append(int(block_table[i, p // block_size]) * block_size + p % block_size)
-    slots += [-1] * pad_tokens
-    return AttentionMetadata(
-        num_reqs=len(q_lens), num_actual_tokens=qsl[-1], max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=block_table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens, block_size=block_size)
-
-
 @pytest.mark.parametrize("q_lens,ctx_lens", [
     ([1, 6, 13, 1], [20, 0, 9, 33]),  # mixed: decodes, a prefill, a chunked prefill
     ([1, 1, 1], [40, 3, 70]),  # decodes only: the paged decode kernel (split)
 ], ids=["mixed", "decode"])
 def test_backend_forward_matches_torch_backend(interpret, split_decodes, q_lens, ctx_lens):
-    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 32
-    g = torch.Generator().manual_seed(len(q_lens))
-    num_blocks = 24
-    block_table = torch.randperm(num_blocks, generator=g)[:len(q_lens) * 6] \
-        .view(len(q_lens), 6).to(torch.int32)
-    meta = _metadata(q_lens, ctx_lens, block_size, block_table, pad_tokens=2)
-    n = meta.num_actual_tokens + 2
-    q = torch.randn(n, num_heads, head_dim, generator=g)
-    kv = torch.randn(n, 2 * num_kv_heads, head_dim, generator=g)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided views, as in the model
-    shape = TritonAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    cache_ref = torch.randn(shape, generator=g)
-    cache = cache_ref.clone()
+    case = attention_case(q_lens, ctx_lens, num_heads=8, num_kv_heads=2, seed=len(q_lens))
+    q, k, v, cache, cache_ref, meta, scale = (
+        case.q, case.k, case.v, case.cache, case.cache_ref, case.meta, case.scale)
 
     backend = TritonAttentionBackend()
     tmeta = backend.build_metadata(meta)
     assert isinstance(tmeta, TritonAttentionMetadata)
     assert tmeta.decode_only == (max(q_lens) == 1)
     with count_launches() as launches:
-        out = backend.forward(q, k, v, cache, tmeta, head_dim ** -0.5)
-        out2 = backend.forward(q, k, v, cache, tmeta, head_dim ** -0.5)  # a 2nd layer: reuses
-    expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, head_dim ** -0.5)
+        out = backend.forward(q, k, v, cache, tmeta, scale)
+        out2 = backend.forward(q, k, v, cache, tmeta, scale)  # a 2nd layer: reuses
+    expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, scale)
     m = meta.num_actual_tokens
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)
     torch.testing.assert_close(out[:m], expected[:m], **tolerances(torch.float32))
