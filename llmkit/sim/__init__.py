@@ -10,9 +10,9 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
 - ``cost_model``: the step-time equations;
 - ``source``: which model is simulated (named shape, config.json, HF folder, .gguf) and its
   dtype; ``virtual_clock``, ``replay``: the simulation loop; ``cli``: the command;
-- ``calibrate``: ``llmkit sim calibrate``; ``engine_fit``: ``llmkit sim calibrate engine`` (times
-  the real engine's steps and fits the cost model's terms to them); ``gpu_check``: a device script that sets a GPU
-  profile's predictions beside torch measurements (a validation, never a fit).
+- ``calibrate``: ``llmkit sim calibrate``; ``engine_measure`` + ``engine_fit``: ``llmkit sim
+  calibrate engine`` (times the real engine's steps and fits the cost model's terms to them);
+  ``gpu_check``: a device script that sets a GPU profile's predictions beside torch measurements (a validation, never a fit).
 
 The executor is ``llmkit.executor.sim.SimExecutor``. Modules here import nothing heavy at import
 time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).

@@ -19,7 +19,7 @@ checking a shipped profile's peaks × efficiencies against a real device).
 
 ``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
 above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
-of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_fit``),
+of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_measure``, ``engine_fit``),
 writing the fitted terms, with the model, date and fit error in comments, into the same file.
 """
 from __future__ import annotations
@@ -304,7 +304,8 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
     import yaml
 
     from llmkit.platforms import resolve_platform
-    from llmkit.sim.engine_fit import engine_dtype, fit_engine, group_samples, measure_engine
+    from llmkit.sim.engine_fit import fit_engine, group_samples
+    from llmkit.sim.engine_measure import engine_dtype, measure_engine
     from llmkit.sim.hardware import HardwareProfile
 
     log = log or (lambda s: None)
