@@ -12,7 +12,8 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
   dtype; ``virtual_clock``, ``replay``: the simulation loop; ``cli``: the command;
 - ``calibrate``: ``llmkit sim calibrate``; ``engine_measure`` + ``engine_fit``: ``llmkit sim
   calibrate engine`` (times the real engine's steps and fits the cost model's terms to them);
-  ``gpu_check``: a device script that sets a GPU profile's predictions beside torch measurements (a validation, never a fit).
+  ``gpu_check``: a device script that sets a GPU profile's predictions beside torch
+  measurements (a validation, never a fit).
 
 The executor is ``llmkit.executor.sim.SimExecutor``. Modules here import nothing heavy at import
 time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).
