@@ -19,8 +19,8 @@ checking a shipped profile's peaks × efficiencies against a real device).
 
 ``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
 above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
-of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_measure``, ``engine_fit``),
-writing the fitted terms, with the model, date and fit error in comments, into the same file.
+of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_measure``,
+``engine_fit``), writing the fitted terms, with the model, date and fit error in comments, into the same file.
 """
 from __future__ import annotations
 
