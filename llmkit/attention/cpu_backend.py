@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental import _config as fx_config
 
 from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
@@ -60,8 +59,8 @@ class CompiledPagedDecode:
     counts, head size and block size stay constants the C++ kernel is specialised for. Each
     layout compiles a copy of the function with its own code object, because dynamo keeps its
     compiled variants, and a limit on their number, per code object: several models in one
-    process (tests, a router) would otherwise exhaust that limit. Duck sizing is off while
-    compiling, or a step where the batch equals the number of context blocks would tie them.
+    process (tests, a router) would otherwise exhaust that limit. (Unbacked sizes are never
+    duck-sized either: a batch that equals the number of context blocks ties nothing.)
     """
 
     def __init__(self) -> None:
@@ -81,8 +80,7 @@ class CompiledPagedDecode:
         mark(block_table, 0)
         mark(block_table, 1)
         mark(seq_lens, 0)
-        with fx_config.patch(use_duck_shape=False):
-            return fn(q, kv_cache, block_table, seq_lens, scale)
+        return fn(q, kv_cache, block_table, seq_lens, scale)
 
 
 def _function_copy(fn: Callable, key: tuple) -> Callable:
