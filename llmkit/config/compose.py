@@ -7,6 +7,9 @@ a one-line ``ConfigError`` (dotted key, value, what is allowed).
 
 ``recipes/*.yaml`` form the Hydra group ``recipe`` (default null): they are registered into
 Hydra's ConfigStore under that group with package ``_global_`` before each composition.
+
+Failures are put into words by ``llmkit.config.hydra_errors`` (Hydra, OmegaConf) and
+``llmkit.config.schema_errors`` (pydantic validation).
 """
 from __future__ import annotations
 
@@ -15,16 +18,15 @@ import functools
 import importlib.resources
 import re
 import threading
-import types
-import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ValidationError
+from typing import Any
 
 from llmkit.config.errors import ConfigError
+from llmkit.config.hydra_errors import first_line, hydra_error_to_config_error, parse_override
 from llmkit.config.schema import EngineConfig
+from llmkit.config.schema_errors import (model_at, validate_engine_config,
+                                         validation_error_to_config_error)
 
 __all__ = [
     "build_config",
@@ -42,11 +44,11 @@ __all__ = [
 RECIPE_GROUP = "recipe"
 # Hydra's GlobalHydra and ConfigStore are process-wide: one composition at a time.
 _LOCK = threading.RLock()
-_OVERRIDE_SYNTAX = ("key=value (Hydra override syntax; +key=value adds a key, ~key deletes one; "
-                    "quote values with special characters: key='a,b')")
 
 
 # --------------------------------------------------------------------------- where conf/ lives
+# Whatever reads recipes_dir() stays in this module: tests swap in their own recipes by
+# patching this module's recipes_dir.
 
 def _package_dir(package: str, repo_name: str) -> Path:
     """The directory of ``llmkit.<package>``: the repository's top-level ``<repo_name>/`` when
@@ -139,28 +141,13 @@ def _hydra_context() -> Iterator[None]:
         VersionBase.instance().version_base = saved_base
 
 
-def _parse_override(text: str):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        return OverridesParser.create().parse_override(text)
-    except HydraException:
-        key, sep, value = text.partition("=")
-        if not sep:
-            raise ConfigError(text, None, _OVERRIDE_SYNTAX,
-                              message=f"not an override: {text!r}; expected {_OVERRIDE_SYNTAX}"
-                              ) from None
-        raise ConfigError(key.lstrip("+~"), value, _OVERRIDE_SYNTAX) from None
-
-
 def _check_overrides(overrides: Sequence[str], *, allow_sweeps: bool = False) -> None:
     """Parse each override; check group options ourselves for a clear message."""
     groups = set(_groups())
     for text in overrides:
         if not isinstance(text, str):
             raise ConfigError("overrides", text, "strings like key=value")
-        ov = _parse_override(text)
+        ov = parse_override(text)
         key = ov.key_or_group
         if ov.is_sweep_override() and not allow_sweeps:
             raise ConfigError(key, text.partition("=")[2],
@@ -191,235 +178,17 @@ def expand_overrides(overrides: Sequence[str]) -> list[list[str]]:
 
     overrides = list(overrides)
     _check_overrides(overrides, allow_sweeps=True)
-    parsed = [_parse_override(o) for o in overrides]
+    parsed = [parse_override(o) for o in overrides]
     try:
         return BasicSweeper.split_arguments(parsed, None)[0]
     except Exception as e:  # e.g. an interval sweep, which the basic sweeper cannot expand
         key = parsed[0].key_or_group if parsed else ""
-        raise ConfigError(key, None, "", message=_first_line(str(e))) from None
-
-
-def _first_line(text: str) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()
-    return str(text).strip()
+        raise ConfigError(key, None, "", message=first_line(str(e))) from None
 
 
 def _hydra_error(e: Exception, overrides: Sequence[str]) -> ConfigError:
     """A Hydra/OmegaConf failure as one ConfigError line."""
-    from hydra.errors import MissingConfigException
-
-    msg = str(e)
-    values: dict[str, Any] = {}
-    for o in overrides:
-        try:
-            ov = _parse_override(o)
-            values[ov.key_or_group] = (o.partition("=")[2] if ov.is_sweep_override()
-                                       else ov.value())
-        except Exception:  # noqa: BLE001 - best effort: the raw text
-            k, _, v = o.partition("=")
-            values[k.lstrip("+~")] = v
-
-    if isinstance(e, MissingConfigException):
-        m = re.search(r"Could not find '([^']+)'", msg)
-        if m and "/" in m.group(1):
-            group, _, option = m.group(1).rpartition("/")
-            group = group.lstrip("/")
-            options = list(e.options or []) or group_options(group)
-            return ConfigError(group, option, ", ".join(options))
-    m = re.search(r"Could not override '([^']+)'", msg)
-    if m:
-        key = m.group(1)
-        value = values.get(key)
-        full_key = getattr(e.__cause__, "full_key", None)
-        if isinstance(full_key, str) and full_key.startswith(key + "."):
-            value = _lookup(value, full_key[len(key) + 1:], value)
-            key = full_key
-        return ConfigError(key, value, _known_keys_text(key))
-    m = re.search(r"Could not append to config. An item is already at '([^']+)'", msg)
-    if m:
-        key = m.group(1)
-        return ConfigError(key, values.get(key), f"{key}=... (the key exists; '+' only adds "
-                           "new keys, '++' adds or overrides)")
-    m = re.search(r"Could not delete from config\. '([^']+)' does not exist", msg)
-    if m:
-        key = m.group(1)
-        return ConfigError(key, None, "", message="cannot delete: the key does not exist")
-    full_key = getattr(e, "full_key", None)
-    m = re.search(r"'([A-Za-z_][\w.\-/]*)'", msg)
-    key = full_key or (m.group(1) if m else "config")
-    return ConfigError(key, values.get(key), "", message=_first_line(msg))
-
-
-def _known_keys_text(dotted: str) -> str:
-    """'a key of scheduler: name, _target_, ...' for the section that holds ``dotted``."""
-    parts = dotted.split(".")
-    model: type[BaseModel] = EngineConfig
-    where = "the config"
-    for part in parts[:-1]:
-        fields = _fields_by_alias(model)
-        if part not in fields:
-            break
-        ann = _strip_optional(fields[part].annotation)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            break
-        model, where = ann, (part if where == "the config" else f"{where}.{part}")
-    return f"a key of {where}: {', '.join(_fields_by_alias(model))}"
-
-
-# --------------------------------------------------------------------------- pydantic errors
-
-def _fields_by_alias(model: type[BaseModel]) -> dict[str, Any]:
-    return {(f.alias or name): f for name, f in model.model_fields.items()}
-
-
-def _strip_optional(ann: Any) -> Any:
-    args = typing.get_args(ann)
-    if _is_union(ann) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0]
-    return ann
-
-
-def _is_union(ann: Any) -> bool:
-    return typing.get_origin(ann) in (typing.Union, types.UnionType)
-
-
-_NOUNS = {int: ("an integer", "integers"), float: ("a number", "numbers"),
-          str: ("a string", "strings"), bool: ("true or false", "booleans")}
-
-
-def _describe(ann: Any, metadata: Sequence[Any] = ()) -> str:
-    """Plain words for what a field accepts: 'an integer >= 1', 'one of: fcfs, priority'."""
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is typing.Annotated:
-        return _describe(args[0], list(metadata) + list(ann.__metadata__))
-    if _is_union(ann):
-        parts = [_describe(a, metadata) for a in args if a is not type(None)]
-        text = " or ".join(parts)
-        return text + " or null" if type(None) in args else text
-    if origin is Literal:
-        return "one of: " + ", ".join(str(a) for a in args)
-    if origin in (list, tuple, set, Sequence):
-        if args and args[0] in _NOUNS:
-            return f"a list of {_NOUNS[args[0]][1]}"
-        if args:
-            return f"a list of ({_describe(args[0])})"
-        return "a list"
-    if origin in (dict, Mapping):
-        return "a mapping"
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return "a mapping with keys: " + ", ".join(_fields_by_alias(ann))
-    text = _NOUNS.get(ann, (getattr(ann, "__name__", str(ann)), ""))[0]
-    bounds = []
-    for m in metadata:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            v = getattr(m, attr, None)
-            if v is not None:
-                bounds.append(f"{op} {v}")
-    return text + (" " + " and ".join(bounds) if bounds else "")
-
-
-def _walk_loc(loc: Sequence[Any]) -> tuple[str, Any | None, type[BaseModel] | None, Any]:
-    """(dotted key, FieldInfo of the last field reached or None, the model the key names
-    (None unless the key is a section), the annotation of what the key names)."""
-    key = ""
-    model: type[BaseModel] | None = EngineConfig
-    ann: Any = None
-    field = None
-    for part in loc:
-        if isinstance(part, int):
-            if ann is not None and typing.get_origin(_strip_optional(ann)) in (list, tuple):
-                key += f"[{part}]"
-                item_args = typing.get_args(_strip_optional(ann))
-                ann = item_args[0] if item_args else Any
-                field = None
-                continue
-            break
-        if model is None:
-            break
-        fields = _fields_by_alias(model)
-        if part not in fields:
-            # an unknown key (extra_forbidden) or a union member tag: name it only if it is the
-            # key the user typed, i.e. the parent is a model
-            if not _looks_like_tag(part):
-                key = f"{key}.{part}" if key else str(part)
-                field = None
-                model = None
-            break
-        field = fields[part]
-        key = f"{key}.{part}" if key else part
-        ann = field.annotation
-        inner = _strip_optional(ann)
-        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
-    return key, field, model, ann
-
-
-def _looks_like_tag(part: Any) -> bool:
-    # pydantic names union members in loc: 'str', 'list[int]', 'function-after[...]'
-    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none"}
-                                      or "[" in part or part.startswith(("function-", "lax-")))
-
-
-def validation_error_to_config_error(err: ValidationError, data: Any = None) -> ConfigError:
-    """The first error of a pydantic ValidationError as one ConfigError line."""
-    e = err.errors(include_url=False)[0]
-    loc, etype, value = e["loc"], e["type"], e.get("input")
-    key, field, model, ann = _walk_loc(loc)
-    msg = e["msg"]
-    if etype == "extra_forbidden":
-        parent = key.rpartition(".")[0]
-        where = parent or "the config"
-        holder = _model_at(parent)
-        keys = ", ".join(_fields_by_alias(holder)) if holder else ""
-        return ConfigError(key, value, f"a key of {where}: {keys}" if keys else "a known key")
-    if etype == "missing":
-        allowed = _describe(field.annotation, field.metadata) if field is not None else "a value"
-        return ConfigError(key, ConfigError.MISSING, allowed)
-    if etype in ("value_error", "assertion_error"):
-        text = re.sub(r"^(Value|Assertion) error,\s*", "", msg)
-        if model is not None or not key:
-            # a model-level check: name the first dotted key its message mentions
-            m = re.search(r"\b([a-z_]+\.[a-z_]+)\b", text)
-            if m:
-                k = m.group(1)
-                return ConfigError(k, _lookup(data, k, value), text)
-            return ConfigError(key or "config", None, "", message=text)
-        text = re.sub(r",\s*got .*$", "", text)
-        text = re.sub(r"^must be\s+", "", text)
-        return ConfigError(key, value, text)
-    if field is not None:
-        return ConfigError(key, value, _describe(field.annotation, field.metadata))
-    if model is not None:
-        return ConfigError(key, value, _describe(model))
-    if ann is not None and ann is not Any:
-        return ConfigError(key, value, _describe(ann))
-    return ConfigError(key or "config", value, msg)
-
-
-def _model_at(dotted: str) -> type[BaseModel] | None:
-    if not dotted:
-        return EngineConfig
-    key, _, model, _ = _walk_loc(dotted.split("."))
-    return model if key == dotted else None
-
-
-def _lookup(data: Any, dotted: str, default: Any) -> Any:
-    cur = data
-    for part in dotted.split("."):
-        if not isinstance(cur, Mapping) or part not in cur:
-            return default
-        cur = cur[part]
-    return cur
-
-
-def _validate(data: dict) -> EngineConfig:
-    try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as e:
-        raise validation_error_to_config_error(e, data) from None
+    return hydra_error_to_config_error(e, overrides, group_options)
 
 
 # --------------------------------------------------------------------------- composition
@@ -456,7 +225,7 @@ def compose_config(overrides: Sequence[str] = ()) -> EngineConfig:
     """
     if isinstance(overrides, str):
         overrides = [overrides]
-    return _validate(_compose_dict(overrides))
+    return validate_engine_config(_compose_dict(overrides))
 
 
 def resolve_model_arg(model: str) -> tuple[list[str], dict]:
@@ -515,7 +284,7 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     merges: dict = {}
     group_names = set(_groups())
     for key, value in (groups or {}).items():
-        if isinstance(value, str) and (key in group_names or _model_at(key) is not None):
+        if isinstance(value, str) and (key in group_names or model_at(key) is not None):
             if key not in group_names:
                 raise ConfigError(key, value, f"a mapping of {key}'s fields ({key} is not a "
                                   f"config group; groups: {', '.join(sorted(group_names))})")
@@ -540,7 +309,7 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     if dtype is not None:
         _deep_merge(data, {"model": {"dtype": dtype}})
     _deep_merge(data, model_merges)
-    return _validate(data)
+    return validate_engine_config(data)
 
 
 # --------------------------------------------------------------------------- printing

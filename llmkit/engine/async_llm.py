@@ -26,17 +26,17 @@ Metrics hooks (``StatLogger``) see, per engine request: time to first token (fro
 ``add_request`` here, so it includes tokenization and queueing), inter-token latency, end-to-end
 latency, the engine's queue time (first scheduled − arrival at the core), prompt and generated
 token counts, finish reason; and the engine's stats snapshot after each step.
+
+The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
+routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
-import logging
-import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Mapping, Protocol, Sequence
+from typing import Any, AsyncGenerator, Mapping, Sequence
 
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
@@ -44,14 +44,15 @@ from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPCl
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
-from llmkit.outputs import EngineCoreOutput, RequestOutput
+from llmkit.engine.request_stream import RequestStream
+from llmkit.engine.request_tracker import RequestTracker
+from llmkit.engine.stat_logger import StatLogger
+from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
-
-logger = logging.getLogger(__name__)
 
 PromptType = str | list[int]
 Message = Mapping[str, Any]
@@ -63,81 +64,6 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class StatLogger(Protocol):
-    """What AsyncLLM reports (``llmkit.entrypoints.metrics.ServerMetrics`` implements it)."""
-
-    def on_scheduler_stats(self, stats: SchedulerStats) -> None: ...
-
-    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None: ...
-
-    def on_new_tokens(self, num_tokens: int, inter_token_latency_s: float | None) -> None: ...
-
-    def on_finished(self, finish_reason: str, e2e_s: float, queue_time_s: float | None,
-                    num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """One engine request (a child, when n > 1) as this process follows it."""
-
-    request_id: str
-    stream: "RequestStream"
-    arrival: float
-    num_prompt_tokens: int
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_generation_tokens: int = 0
-
-
-class RequestStream:
-    """The outputs of one request (all its ``n`` samples merged by the output processor:
-    ``outputs[i].index`` is the sample), as an async iterator.
-
-    Ends after the output with ``finished=True``; raises ``EngineDeadError`` if the engine
-    dies, ``ValueError`` if the engine refused the request. ``abort()`` (sync, idempotent)
-    stops the request; the stream then ends with an output whose finish_reason is ``"abort"``.
-    """
-
-    def __init__(self, engine: "AsyncLLM", request_id: str, child_ids: list[str]) -> None:
-        self.request_id = request_id
-        self.child_ids = child_ids
-        self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._live = len(child_ids)  # engine requests not finished yet
-        self._done = False  # the consumer has seen the end
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._live == 0
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def abort(self) -> None:
-        """Stop every unfinished sample of this request (no-op once finished)."""
-        if self._live:
-            self._engine._abort_local(self.child_ids)
-
-    async def aclose(self) -> None:
-        self.abort()
 
 
 class AsyncLLM:
@@ -173,18 +99,11 @@ class AsyncLLM:
             engine_core = start_engine_core(config)
         engine_config = engine_core.config
         self.config = config
-        self.stat_logger = stat_logger
         self.max_waiting_requests = config.server.max_waiting_requests
-        self._tracked: dict[str, _Tracked] = {}
-        self._streams: dict[str, RequestStream] = {}
-        self._num_pending = 0  # engine requests without a first token yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
-        self.last_stats: SchedulerStats | None = None
         self._shutdown = False
         self.engine_core = engine_core
-        engine_core.set_handlers(on_message=self._on_message_threadsafe,
-                                 on_death=self._on_death_threadsafe)
         try:
             source = resolve_model_source(engine_config.model)
             self.model_source = source
@@ -193,6 +112,11 @@ class AsyncLLM:
                                   or len(self.tokenizer))
             self._extra_stop_ids = list(source.eos_token_ids[1:])
             self._processor = OutputProcessor(self.tokenizer)
+            self._tracker = RequestTracker(self._processor, engine_core, stat_logger)
+            # Before wait_ready, which starts the client's reader thread (the engine sends
+            # nothing before its first request, so nothing is missed meanwhile).
+            engine_core.set_handlers(on_message=self._on_message_threadsafe,
+                                     on_death=self._on_death_threadsafe)
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
@@ -215,11 +139,24 @@ class AsyncLLM:
     @property
     def num_pending_requests(self) -> int:
         """Engine requests that wait for their first token."""
-        return self._num_pending
+        return self._tracker.num_pending
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
+        return len(self._tracker.tracked)
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        """The engine's stats after its latest step."""
+        return self._tracker.last_stats
+
+    @property
+    def stat_logger(self) -> StatLogger | None:
+        return self._tracker.stat_logger
+
+    @stat_logger.setter
+    def stat_logger(self, value: StatLogger | None) -> None:
+        self._tracker.stat_logger = value
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -229,7 +166,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
-        if self._loop is not None and not self._loop.is_closed() and self._tracked:
+        if self._loop is not None and not self._loop.is_closed() and self._tracker.tracked:
             raise RuntimeError("AsyncLLM is serving requests from another event loop")
         self._loop = loop
 
@@ -285,7 +222,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine is shutting down")
         if self.engine_core.is_dead:
             raise self.dead_error
-        if request_id in self._streams:
+        if request_id in self._tracker.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
         if n is not None and n != params.n:
@@ -298,9 +235,10 @@ class AsyncLLM:
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's "
                              f"maximum context length ({self.max_model_len} tokens)")
-        if self._num_pending + params.n > self.max_waiting_requests:
+        num_pending = self._tracker.num_pending
+        if num_pending + params.n > self.max_waiting_requests:
             raise EngineOverloadedError(
-                f"the server is overloaded: {self._num_pending} requests wait for their first "
+                f"the server is overloaded: {num_pending} requests wait for their first "
                 f"token (server.max_waiting_requests={self.max_waiting_requests}); retry later")
         params = self._engine_params(params)
         # The output processor fans n > 1 out into children "{i}_{id}" with seeds seed + i.
@@ -313,14 +251,12 @@ class AsyncLLM:
                 cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt))
                 for cid, cp in children]
         except Exception:
-            self._drop_processor_state([cid for cid, _ in children])
+            self._tracker.drop_processor_state([cid for cid, _ in children])
             raise
-        stream = RequestStream(self, request_id, [cid for cid, _ in children])
-        now = stream.arrival_time
-        self._streams[request_id] = stream
+        stream = RequestStream(self._tracker, request_id, [cid for cid, _ in children])
+        self._tracker.open(stream)
         for (cid, _), data in zip(children, messages):
-            self._tracked[cid] = _Tracked(cid, stream, now, len(ids))
-            self._num_pending += 1
+            self._tracker.track(cid, stream, len(ids))
             self.engine_core.send_encoded(data)
         return stream
 
@@ -366,22 +302,22 @@ class AsyncLLM:
         before its next step. Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            stream = self._streams.get(rid)
+            stream = self._tracker.streams.get(rid)
             if stream is not None:
                 stream.abort()
-            elif rid in self._tracked:
-                self._abort_local([rid])
+            elif rid in self._tracker.tracked:
+                self._tracker.abort_local([rid])
 
-    # -- outputs (event loop) ----------------------------------------------------------------
+    # -- the engine's messages (reader thread → event loop) --------------------------------
     def _on_message_threadsafe(self, msg: EngineCoreOutputs) -> None:
         """Called in the client's reader thread."""
         loop = self._loop
         if loop is None or loop.is_closed():
             if msg.stats is not None:
-                self._on_stats(msg.stats)
+                self._tracker.on_stats(msg.stats)
             return
         try:
-            loop.call_soon_threadsafe(self._handle_outputs, msg)
+            loop.call_soon_threadsafe(self._tracker.handle_outputs, msg)
         except RuntimeError:  # the loop closed meanwhile
             pass
 
@@ -390,131 +326,16 @@ class AsyncLLM:
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._fail_all, err)
+            loop.call_soon_threadsafe(self._tracker.fail_all, err)
         except RuntimeError:
             pass
-
-    def _on_stats(self, stats: SchedulerStats) -> None:
-        self.last_stats = stats
-        if self.stat_logger is not None:
-            self.stat_logger.on_scheduler_stats(stats)
-
-    def _handle_outputs(self, msg: EngineCoreOutputs) -> None:
-        if msg.stats is not None:
-            self._on_stats(msg.stats)
-        now = time.monotonic()
-        stat = self.stat_logger
-        for rid, err in msg.errors.items():
-            t = self._tracked.get(rid)
-            if t is not None:
-                self._finish(t, "error", now, None)
-                self._drop_processor_state([rid])
-                self._forget_stream(t.stream)
-                t.stream._put(ValueError(f"the engine refused the request: {err}"))
-                self._abort_local(t.stream.child_ids)  # its siblings, if n > 1
-        for eco in msg.outputs:
-            t = self._tracked.get(eco.request_id)
-            n_new = len(eco.new_token_ids)
-            if t is None or not n_new:
-                continue
-            if t.first_token_time is None:
-                t.first_token_time = now
-                if t.stream.first_token_time is None:
-                    t.stream.first_token_time = now
-                self._num_pending -= 1
-                if stat is not None:
-                    stat.on_first_token(now - t.arrival, t.num_prompt_tokens)
-                    stat.on_new_tokens(1, None)
-                    if n_new > 1:
-                        stat.on_new_tokens(n_new - 1, 0.0)
-            elif stat is not None:
-                stat.on_new_tokens(n_new, now - (t.last_token_time or now))
-            t.last_token_time = now
-            t.num_generation_tokens += n_new
-        # Children finished here by a stop string; the engine core still runs them.
-        stopped: list[str] = []
-        request_outputs = self._processor.process(msg.outputs, stopped)
-        if stopped:
-            self.engine_core.abort_requests(stopped)
-        finished = {eco.request_id: eco.finish_reason for eco in msg.outputs
-                    if eco.finish_reason is not None}
-        finished.update((rid, "stop") for rid in stopped)
-        for rid, reason in finished.items():
-            t = self._tracked.get(rid)
-            if t is not None:
-                timing = msg.timings.get(rid)
-                self._finish(t, reason, now, timing.queue_time if timing else None)
-        for ro in request_outputs:
-            stream = self._streams.get(ro.request_id)
-            if stream is None:
-                continue
-            if ro.finished:
-                self._forget_stream(stream)
-                first = stream.first_token_time
-                ro.metrics.update(arrival_time=stream.arrival_time, first_token_time=first,
-                                  finished_time=now,
-                                  time_to_first_token=None if first is None
-                                  else first - stream.arrival_time)
-            stream._put(ro)
-
-    def _finish(self, t: _Tracked, reason: str, now: float, queue_time: float | None) -> None:
-        self._tracked.pop(t.request_id, None)
-        if t.first_token_time is None:
-            self._num_pending -= 1
-        t.stream._live -= 1
-        if self.stat_logger is not None:
-            self.stat_logger.on_finished(reason, now - t.arrival, queue_time,
-                                         t.num_prompt_tokens, t.num_generation_tokens)
-
-    def _drop_processor_state(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish engine requests in the output processor as the engine does for an abort."""
-        return self._processor.process([EngineCoreOutput(rid, [], finish_reason="abort")
-                                        for rid in request_ids])
-
-    def _abort_local(self, request_ids: list[str]) -> None:
-        """Abort engine requests now: their streams end with a final "abort" output, and the
-        engine core frees their blocks before its next step."""
-        ids = [rid for rid in request_ids if rid in self._tracked]
-        if not ids:
-            return
-        now = time.monotonic()
-        for rid in ids:
-            self._finish(self._tracked[rid], "abort", now, None)
-        for ro in self._drop_processor_state(ids):
-            stream = self._streams.get(ro.request_id)
-            if stream is not None:
-                if ro.finished:
-                    self._forget_stream(stream)
-                stream._put(ro)
-        try:
-            self.engine_core.abort_requests(ids)
-        except Exception:  # noqa: BLE001 - a dead or closed engine frees nothing anyway
-            logger.debug("abort of %s not sent", ids, exc_info=True)
-
-    def _forget_stream(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
-
-    def _fail_all(self, err: BaseException) -> None:
-        tracked = list(self._tracked.values())
-        now = time.monotonic()
-        for t in tracked:
-            self._finish(t, "error", now, None)
-        if tracked:
-            try:
-                self._drop_processor_state([t.request_id for t in tracked])
-            except Exception:  # noqa: BLE001
-                logger.debug("dropping output state failed", exc_info=True)
-        for stream in {id(t.stream): t.stream for t in tracked}.values():
-            self._forget_stream(stream)
-            stream._put(err)
 
     # -- shutdown ---------------------------------------------------------------------------
     def fail_in_flight(self, message: str = "the server is shutting down") -> None:
         """End every stream in flight with ``EngineDeadError`` and abort it in the engine
         (call in the event loop)."""
-        ids = list(self._tracked)
-        self._fail_all(EngineDeadError(message))
+        ids = list(self._tracker.tracked)
+        self._tracker.fail_all(EngineDeadError(message))
         if ids:
             try:
                 self.engine_core.abort_requests(ids)

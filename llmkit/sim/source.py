@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from llmkit.models.max_model_len import cap_max_model_len
 from llmkit.sim.model_shape import ModelShape, ShapeError, load_shape, shape_names
 
 __all__ = ["SimModel", "VocabTokenizer", "resolve_sim_dtype", "resolve_sim_model",
@@ -35,18 +36,9 @@ class SimModel:
     source: Any = None
 
 
-def _cap(limit: int | None, requested: int | None, name: str) -> int:
-    if limit is None:
-        if requested is None:
-            raise ShapeError(f"{name}'s config has no max_position_embeddings; set "
-                             "sim.max_model_len")
-        return requested
-    if requested is None:
-        return int(limit)
-    if requested > limit:
-        raise ShapeError(f"sim.max_model_len={requested} is more than {name} supports "
-                         f"({limit}); use a value <= {limit}")
-    return requested
+def _max_model_len(shape: ModelShape, requested: int | None, name: str) -> int:
+    return cap_max_model_len(shape.max_position_embeddings, requested, key="sim.max_model_len",
+                             model=name, error=ShapeError)
 
 
 def _from_source(source: Any, name: str) -> SimModel:
@@ -77,8 +69,7 @@ def resolve_sim_model(cfg: Any) -> SimModel:
     if spec in shape_names():
         shape = load_shape(spec)
         return SimModel(name=spec, shape=shape,
-                        max_model_len=_cap(shape.max_position_embeddings,
-                                           cfg.sim.max_model_len, spec),
+                        max_model_len=_max_model_len(shape, cfg.sim.max_model_len, spec),
                         eos_token_ids=list(shape.eos_token_ids))
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf" or (path.is_dir() and (path / "config.json").is_file()):
@@ -95,8 +86,7 @@ def resolve_sim_model(cfg: Any) -> SimModel:
             return _from_source(source, path.stem if source.is_gguf else path.name)
     shape = load_shape(spec)  # config.json / folder, or a clear error naming the shapes
     return SimModel(name=shape.name, shape=shape,
-                    max_model_len=_cap(shape.max_position_embeddings, cfg.sim.max_model_len,
-                                       shape.name),
+                    max_model_len=_max_model_len(shape, cfg.sim.max_model_len, shape.name),
                     eos_token_ids=list(shape.eos_token_ids))
 
 

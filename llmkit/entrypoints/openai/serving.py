@@ -1,9 +1,9 @@
 """The OpenAI endpoints' logic: request → ``SamplingParams`` → ``AsyncLLM`` streams → OpenAI
 response bodies (JSON, or server-sent events when ``stream`` is true).
 
-Sampling fields pass to ``SamplingParams`` by their (vLLM = OpenAI) names. A field set to a
-non-neutral value that this build's ``SamplingParams`` lacks is refused with a 400 naming it,
-never silently ignored.
+Beside it: ``sampling`` (request fields → ``SamplingParams``), ``errors`` (OpenAI error bodies),
+``logprobs`` (their two OpenAI shapes), ``streaming`` (server-sent events, client disconnects)
+and ``request_streams`` (a request's engine streams as a group).
 
 ``n > 1`` and a list of prompts both fan out into engine requests (``AsyncLLM`` handles ``n``:
 ``n`` engine requests with seeds ``seed + i``); choice ``index`` = ``prompt_index * n + i``.
@@ -11,145 +11,36 @@ Usage counts the prompt tokens once per prompt and every generated token of ever
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import logging
-import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                      RequestOutputKind, RequestStream)
+from llmkit.entrypoints.openai.errors import (OpenAIError, bad_request, engine_dead, overloaded,
+                                              param_of)
+from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse,
-                                                ChatLogprobs, ChatLogprobToken, ChatLogprobTop,
                                                 ChatResponseMessage, ChatStreamChoice,
-                                                CompletionChoice, CompletionLogprobs,
-                                                CompletionRequest, CompletionResponse,
-                                                DeltaMessage, DetokenizeRequest,
-                                                DetokenizeResponse, ErrorInfo, ErrorResponse,
+                                                CompletionChoice, CompletionRequest,
+                                                CompletionResponse, DeltaMessage,
+                                                DetokenizeRequest, DetokenizeResponse,
                                                 ModelCard, ModelList, PromptTokensDetails,
                                                 SamplingFields, TokenizeRequest,
                                                 TokenizeResponse, Usage)
+from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
+from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
+from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
+                                                 sse)
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Values that ask for nothing: a field that SamplingParams lacks may still be sent with these.
-_NEUTRAL: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
-                            "repetition_penalty": 1.0, "include_stop_str_in_output": False,
-                            "ignore_eos": False, "min_tokens": 0, "skip_special_tokens": True,
-                            "spaces_between_special_tokens": True}
-
-
-class OpenAIError(Exception):
-    """An error answered with OpenAI's body ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
-                                             param=self.param, code=self.code)).model_dump()
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param)
-
-
-def engine_dead(err: BaseException | None = None) -> OpenAIError:
-    return OpenAIError(500, f"the engine is not running: {err}" if err else
-                       "the engine is not running", type="server_error", code="engine_dead")
-
-
-def overloaded(err: EngineOverloadedError) -> OpenAIError:
-    return OpenAIError(503, str(err), type="service_unavailable_error", code="overloaded",
-                       headers={"Retry-After": str(err.retry_after)})
-
-
-def _param_of(message: str) -> str | None:
-    m = re.match(r"(?:SamplingParams\.)?([a-z_]+):", message)
-    return m.group(1) if m else None
-
-
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """A server-sent-event stream that calls ``on_close`` however it ends: finished, client
-    gone (noticed at once, even while no token flows), or cancelled at shutdown."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        body = asyncio.ensure_future(self.stream_response(send))
-
-        async def watch_disconnect() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(watch_disconnect())
-        try:
-            await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (body, watcher):
-                if not task.done():
-                    task.cancel()
-            self._on_close()
-            await asyncio.gather(body, watcher, return_exceptions=True)
-        if body.done() and not body.cancelled() and body.exception() is not None \
-                and not isinstance(body.exception(), OSError):
-            raise body.exception()
-
-
-async def run_until_disconnect(raw_request: Request, work, on_disconnect: Callable[[], None]):
-    """Await ``work``; if the client disconnects first, cancel it and call ``on_disconnect``."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await raw_request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        on_disconnect()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        on_disconnect()
-        return Response(status_code=499)
-    return task.result()
 
 
 class OpenAIServing:
@@ -180,47 +71,13 @@ class OpenAIServing:
             logger.warning("ignored unknown request fields: %s", ", ".join(sorted(extra)))
 
     def _check_ids(self, ids: list[int], param: str) -> None:
-        for t in ids:
-            if t >= self.vocab_size:
-                raise bad_request(f"token id {t} is out of range (the vocabulary has "
-                                  f"{self.vocab_size} tokens)", param)
+        check_token_ids(ids, param, self.vocab_size)
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
-        stop = req.stop
-        wanted: dict[str, Any] = {
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-            "min_p": req.min_p, "seed": req.seed, "max_tokens": max_tokens,
-            "min_tokens": req.min_tokens, "stop": [stop] if isinstance(stop, str) else stop,
-            "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty,
-            "logit_bias": ({int(k): v for k, v in req.logit_bias.items()}
-                           if req.logit_bias else None),
-            "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens,
-            "spaces_between_special_tokens": req.spaces_between_special_tokens,
-            "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
-        }
-        for name, ids in (("logit_bias", list(wanted["logit_bias"] or ())),
-                          ("stop_token_ids", req.stop_token_ids or []),
-                          ("allowed_token_ids", req.allowed_token_ids or [])):
-            self._check_ids(ids, name)
-        kwargs: dict[str, Any] = {}
-        for name, value in wanted.items():
-            neutral = value is None or value == [] or (name in _NEUTRAL
-                                                       and value == _NEUTRAL[name])
-            if name not in _PARAM_FIELDS:
-                if not neutral:
-                    raise bad_request(f"`{name}` is not supported by this server yet", name)
-                continue
-            if value is not None or name == "max_tokens":
-                kwargs[name] = value
-        try:
-            return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), _param_of(str(e))) from None
+        """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
+        return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                  vocab_size=self.vocab_size)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                       prompt_param: str) -> None:
@@ -253,14 +110,14 @@ class OpenAIServing:
                     rid, ids, params, n=n, priority=priority, output_kind=kind,
                     prompt_text=text, cache_salt=cache_salt))
         except EngineOverloadedError as e:
-            _abort_all(streams)
+            abort_all(streams)
             raise overloaded(e) from None
         except EngineDeadError as e:
-            _abort_all(streams)
+            abort_all(streams)
             raise engine_dead(e) from None
         except ValueError as e:
-            _abort_all(streams)
-            raise bad_request(str(e), _param_of(str(e))) from None
+            abort_all(streams)
+            raise bad_request(str(e), param_of(str(e))) from None
         return streams
 
     # -- /v1/models -------------------------------------------------------------------------
@@ -314,9 +171,9 @@ class OpenAIServing:
         if req.stream:
             return EngineStreamingResponse(
                 self._completion_events(req, request_id, created, streams, prompts),
-                on_close=lambda: _abort_all(streams))
-        results = await run_until_disconnect(raw_request, _collect(streams),
-                                             lambda: _abort_all(streams))
+                on_close=lambda: abort_all(streams))
+        results = await run_until_disconnect(raw_request, collect(streams),
+                                             lambda: abort_all(streams))
         if isinstance(results, Response):
             return results
         choices = []
@@ -328,7 +185,7 @@ class OpenAIServing:
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(
                     index=p * req.n + c.index, text=c.text,
-                    logprobs=self._completion_logprobs(c, req.logprobs),
+                    logprobs=completion_logprobs(self.tokenizer, c, req.logprobs),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
@@ -344,68 +201,31 @@ class OpenAIServing:
                 "model": self.model_name}
         cached: dict[int, int] = {}
         try:
-            async for p, ro in _merge(streams):
+            async for p, ro in merge(streams):
                 cached[p] = ro.num_cached_tokens
                 for c in ro.outputs:
                     index = p * req.n + c.index
                     usage.completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue
-                    lp = self._completion_logprobs(c, req.logprobs, offsets.get(index, 0))
+                    lp = completion_logprobs(self.tokenizer, c, req.logprobs,
+                                             offsets.get(index, 0))
                     offsets[index] = offsets.get(index, 0) + len(c.text)
                     choice = {"index": index, "text": c.text,
                               "logprobs": lp.model_dump() if lp else None,
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield _sse({**base, "choices": [choice]})
+                    yield sse({**base, "choices": [choice]})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, sum(cached.values()))
-                yield _sse({**base, "choices": [], "usage": usage.model_dump(exclude_none=True)})
+                yield sse({**base, "choices": [], "usage": usage.model_dump(exclude_none=True)})
         except EngineDeadError as e:
-            yield _sse(engine_dead(e).body())
+            yield sse(engine_dead(e).body())
         except ValueError as e:  # the engine refused the request
-            yield _sse(bad_request(str(e)).body())
-        yield _sse("[DONE]")
-
-    def _token_text(self, token_id: int, decoded: str | None) -> str:
-        if decoded is not None:
-            return decoded
-        return self.tokenizer.decode([token_id])
-
-    def _logprob_rows(self, c, k: int | None):
-        """(token_id, logprob, [(top_id, top_logprob, text)...]) for the new tokens of ``c``."""
-        if k is None or c.logprobs is None:
-            return None
-        ids = list(c.token_ids)
-        lps = list(c.logprobs)
-        if len(lps) > len(ids):
-            lps = lps[len(lps) - len(ids):]
-        rows = []
-        for tok, entry in zip(ids[len(ids) - len(lps):], lps):
-            chosen = entry.get(tok)
-            # The entry holds the top k (ranks 1..k) and the chosen token (any rank): the k
-            # best by rank are OpenAI's top_logprobs, with the chosen one only if among them.
-            tops = sorted(entry.items(), key=lambda x: (
-                x[1].rank if x[1].rank is not None else 1 << 30, -x[1].logprob))[:k]
-            top = [(t, lp.logprob, self._token_text(t, lp.decoded_token)) for t, lp in tops]
-            rows.append((tok, chosen.logprob if chosen else float("nan"),
-                         self._token_text(tok, chosen.decoded_token if chosen else None), top))
-        return rows
-
-    def _completion_logprobs(self, c, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-        rows = self._logprob_rows(c, k)
-        if rows is None:
-            return None
-        out = CompletionLogprobs()
-        for _tok, lp, text, top in rows:
-            out.tokens.append(text)
-            out.token_logprobs.append(lp)
-            out.top_logprobs.append({t: v for _, v, t in top} if k else None)
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
+            yield sse(bad_request(str(e)).body())
+        yield sse("[DONE]")
 
     # -- /v1/chat/completions ---------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
@@ -453,9 +273,9 @@ class OpenAIServing:
         if req.stream:
             return EngineStreamingResponse(
                 self._chat_events(req, request_id, created, streams, len(ids), k),
-                on_close=lambda: _abort_all(streams))
-        results = await run_until_disconnect(raw_request, _collect(streams),
-                                             lambda: _abort_all(streams))
+                on_close=lambda: abort_all(streams))
+        results = await run_until_disconnect(raw_request, collect(streams),
+                                             lambda: abort_all(streams))
         if isinstance(results, Response):
             return results
         ro = results[0]
@@ -466,23 +286,12 @@ class OpenAIServing:
             usage.completion_tokens += len(c.token_ids)
             choices.append(ChatChoice(index=c.index,
                                       message=ChatResponseMessage(content=c.text),
-                                      logprobs=self._chat_logprobs(c, k),
+                                      logprobs=chat_logprobs(self.tokenizer, c, k),
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
                                       choices=choices, usage=usage)
-
-    def _chat_logprobs(self, c, k: int | None) -> ChatLogprobs | None:
-        rows = self._logprob_rows(c, k)
-        if rows is None:
-            return None
-        return ChatLogprobs(content=[
-            ChatLogprobToken(token=text, logprob=lp, bytes=list(text.encode()),
-                             top_logprobs=[ChatLogprobTop(token=t, logprob=v,
-                                                          bytes=list(t.encode()))
-                                           for _, v, t in top])
-            for _tok, lp, text, top in rows])
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, created: int,
                            streams: list[RequestStream], num_prompt_tokens: int,
@@ -492,34 +301,34 @@ class OpenAIServing:
         cached = 0
         try:
             for i in range(req.n):
-                yield _sse(ChatCompletionChunk(**base, choices=[ChatStreamChoice(
+                yield sse(ChatCompletionChunk(**base, choices=[ChatStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""))]
                 ).model_dump(exclude_none=True))
-            async for _p, ro in _merge(streams):
+            async for _p, ro in merge(streams):
                 cached = ro.num_cached_tokens
                 for c in ro.outputs:
                     usage.completion_tokens += len(c.token_ids)
                     if not c.text and c.finish_reason is None and c.logprobs is None:
                         continue
-                    lp = self._chat_logprobs(c, k)
+                    lp = chat_logprobs(self.tokenizer, c, k)
                     choice = {"index": c.index,
                               "delta": {"content": c.text} if c.text else {},
                               "logprobs": lp.model_dump() if lp else None,
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield _sse({**base, "object": "chat.completion.chunk",
+                    yield sse({**base, "object": "chat.completion.chunk",
                                 "choices": [choice]})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, cached)
-                yield _sse({**base, "object": "chat.completion.chunk", "choices": [],
+                yield sse({**base, "object": "chat.completion.chunk", "choices": [],
                             "usage": usage.model_dump(exclude_none=True)})
         except EngineDeadError as e:
-            yield _sse(engine_dead(e).body())
+            yield sse(engine_dead(e).body())
         except ValueError as e:  # the engine refused the request
-            yield _sse(bad_request(str(e)).body())
-        yield _sse("[DONE]")
+            yield sse(bad_request(str(e)).body())
+        yield sse("[DONE]")
 
     # -- /tokenize, /detokenize -------------------------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -539,65 +348,7 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
 
-# --------------------------------------------------------------------------- helpers
-
-def _abort_all(streams: list[RequestStream]) -> None:
-    for s in streams:
-        s.abort()
-
-
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of each stream (FINAL_ONLY streams yield exactly one)."""
-    async def last(s: RequestStream) -> RequestOutput:
-        final = None
-        async for out in s:
-            final = out
-        assert final is not None
-        return final
-
-    try:
-        return list(await asyncio.gather(*(last(s) for s in streams)))
-    except EngineDeadError as e:
-        raise engine_dead(e) from None
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    finally:
-        _abort_all(streams)
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
+# --------------------------------------------------------------------------- usage
 
 def _add_cached(usage: Usage, ro: RequestOutput) -> None:
     _set_cached(usage, (usage.prompt_tokens_details.cached_tokens

@@ -13,6 +13,7 @@ import torch
 
 from llmkit.attention.base import AttentionBackend
 from llmkit.models.base import CausalLM
+from llmkit.models.max_model_len import cap_max_model_len
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -146,6 +147,8 @@ def _eos_token_ids(source: ModelSource, extra: list[int]) -> list[int]:
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:
+    """``max_position_embeddings``, or the sliding window when it is smaller, capping
+    ``model.max_model_len``."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and (limit is None
@@ -155,14 +158,4 @@ def _max_model_len(hf_config, requested: int | None) -> int:
         logger.info("model uses sliding-window attention (window %d): max_model_len is capped "
                     "at the window", window)
         limit = window
-    if limit is None:
-        if requested is None:
-            raise ValueError("the model config has no max_position_embeddings; set "
-                             "model.max_model_len")
-        return requested
-    if requested is None:
-        return int(limit)
-    if requested > limit:
-        raise ValueError(f"model.max_model_len={requested} is more than the model supports "
-                         f"({limit}, from its config); use a value <= {limit}")
-    return requested
+    return cap_max_model_len(limit, requested, key="model.max_model_len")

@@ -1,0 +1,70 @@
+"""An OpenAI request's sampling fields as ``SamplingParams``, by their (vLLM = OpenAI) names.
+
+A field set to a non-neutral value that this build's ``SamplingParams`` lacks is refused with a
+400 naming it, never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from llmkit.entrypoints.openai.errors import bad_request, param_of
+from llmkit.entrypoints.openai.protocol import SamplingFields
+from llmkit.sampling.params import SamplingParams
+
+__all__ = ["check_token_ids", "to_sampling_params"]
+
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Values that ask for nothing: a field that SamplingParams lacks may still be sent with these.
+_NEUTRAL: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                            "repetition_penalty": 1.0, "include_stop_str_in_output": False,
+                            "ignore_eos": False, "min_tokens": 0, "skip_special_tokens": True,
+                            "spaces_between_special_tokens": True}
+
+
+def check_token_ids(ids: list[int], param: str, vocab_size: int) -> None:
+    """A 400 naming ``param`` for the first id outside the vocabulary."""
+    for t in ids:
+        if t >= vocab_size:
+            raise bad_request(f"token id {t} is out of range (the vocabulary has "
+                              f"{vocab_size} tokens)", param)
+
+
+def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                       vocab_size: int) -> SamplingParams:
+    """The request's sampling fields as ``SamplingParams``; a 400 for ids outside the
+    vocabulary, for a field this build lacks, or for a value ``SamplingParams`` refuses."""
+    stop = req.stop
+    wanted: dict[str, Any] = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "seed": req.seed, "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens, "stop": [stop] if isinstance(stop, str) else stop,
+        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": ({int(k): v for k, v in req.logit_bias.items()}
+                       if req.logit_bias else None),
+        "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
+    }
+    for name, ids in (("logit_bias", list(wanted["logit_bias"] or ())),
+                      ("stop_token_ids", req.stop_token_ids or []),
+                      ("allowed_token_ids", req.allowed_token_ids or [])):
+        check_token_ids(ids, name, vocab_size)
+    kwargs: dict[str, Any] = {}
+    for name, value in wanted.items():
+        neutral = value is None or value == [] or (name in _NEUTRAL
+                                                   and value == _NEUTRAL[name])
+        if name not in _PARAM_FIELDS:
+            if not neutral:
+                raise bad_request(f"`{name}` is not supported by this server yet", name)
+            continue
+        if value is not None or name == "max_tokens":
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), param_of(str(e))) from None
