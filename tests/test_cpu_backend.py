@@ -118,7 +118,8 @@ def test_packed_linear_refuses_bfloat16():
 
 def test_bfloat16_linear_in_float32_matches_bfloat16_gemm():
     """A bf16 layer computed in float32 (CPUs without native bf16): same products, float32
-    accumulation, bf16 output, so it equals torch's bf16 GEMM up to summation order."""
+    accumulation, bf16 output, so it equals torch's bf16 GEMM up to summation order. One row
+    goes through torch's bf16 GEMV on the bf16 weight itself: exactly torch's bf16 result."""
     from llmkit.models.layers.linear import Linear
 
     g = torch.Generator().manual_seed(0)
@@ -128,8 +129,9 @@ def test_bfloat16_linear_in_float32_matches_bfloat16_gemm():
         layer.bias.copy_(torch.randn(80, generator=g))
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack_weight(compute_in_float32=True)
-    assert layer.weight.dtype == torch.float32 and layer.io_dtype == torch.bfloat16
-    for rows in (1, 64, 600):
+    assert layer.weight.dtype == torch.bfloat16 and layer.io_dtype == torch.bfloat16
+    assert layer.weight_float32.dtype == torch.float32
+    for rows in (1, 2, 64, 600):
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         want = torch.nn.functional.linear(x, w, b)
         exact = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
@@ -137,6 +139,8 @@ def test_bfloat16_linear_in_float32_matches_bfloat16_gemm():
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, exact, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+        if rows == 1:
+            assert torch.equal(got, want)
 
 
 def test_engine_packs_linears_on_cpu(tiny_model_dir):

@@ -35,10 +35,14 @@ class Linear(nn.Module):
     cost of a second copy of the weights, and each call takes the faster one.
 
     ``pack_weight(compute_in_float32=True)`` is for bfloat16 models on CPUs without native bf16
-    (AVX2 only), where torch emulates bf16 GEMMs 5-8x slower than float32 ones: the weight is
-    held in float32 (exactly: every bf16 value is a float32 value), inputs are widened, and the
-    output is rounded back to bf16. A bf16 GEMM multiplies the same bf16 values and accumulates
-    in float32 too, so only the summation order differs; the rest of the model stays bf16.
+    (AVX2 only), where torch emulates bf16 GEMMs 5-8x slower than float32 ones: a float32 copy
+    of the weight is added (exactly: every bf16 value is a float32 value), inputs are widened,
+    and the output is rounded back to bf16. A bf16 GEMM multiplies the same bf16 values and
+    accumulates in float32 too, so only the summation order differs; the rest of the model
+    stays bf16. One row (batch-1 decoding) still goes through torch's bf16 GEMV on the bf16
+    weight: it accumulates in float32 and reads half the bytes, which is what bounds one row
+    (all of SmolLM2-135M's linears at one row: 18.7 ms vs 27.2 ms packed float32 on the 2-core
+    AVX2 machine; from two rows on it loses).
     """
 
     # Rows up to which the packed weight is used (the measured crossover).
@@ -52,16 +56,25 @@ class Linear(nn.Module):
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.io_dtype: torch.dtype | None = None  # set when computing wider than the model
+        # With io_dtype: float32 copies of weight and bias for the GEMMs past one row.
+        self.weight_float32: torch.Tensor | None = None
+        self.bias_float32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.io_dtype is not None:
-            x = x.float()
-        if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                   [], "")
+        if self.io_dtype is None:
+            if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+                                                          "none", [], "")
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:
+            return F.linear(x, self.weight, self.bias)
+        x = x.float()
+        if x.shape[0] <= self.packed_max_rows:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias_float32,
+                                                   "none", [], "")
         else:
-            y = F.linear(x, self.weight, self.bias)
-        return y if self.io_dtype is None else y.to(self.io_dtype)
+            y = F.linear(x, self.weight_float32, self.bias_float32)
+        return y.to(self.io_dtype)
 
     @torch.no_grad()
     def pack_weight(self, batch_hint: int = 64, compute_in_float32: bool = False) -> None:
@@ -70,10 +83,9 @@ class Linear(nn.Module):
         w = self.weight.detach()
         if compute_in_float32 and w.dtype == torch.bfloat16:
             self.io_dtype = w.dtype
-            w = w.float()
-            self.weight = nn.Parameter(w, requires_grad=False)
+            w = self.weight_float32 = w.float()
             if self.bias is not None:
-                self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+                self.bias_float32 = self.bias.detach().float()
         if w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(f"packed linear weights need float32 on the CPU, not "
                              f"{w.dtype} on {w.device}")
