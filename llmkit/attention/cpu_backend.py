@@ -155,7 +155,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[d.token_rows] = self._kernel(q[d.token_rows], kv_cache, d.block_table,
                                              d.seq_lens, scale)
         elif d is not None:
-            out[d.token_rows] = gathered_decode_attention(q, flat, d, scale)
+            # float32 math: the CPU SDPA kernel is ~3x slower in bf16 where bf16 is emulated,
+            # and it accumulates in float32 either way
+            out[d.token_rows] = gathered_decode_attention(q.float(), flat, d, scale).to(q.dtype)
         group = q.shape[1] // num_kv_heads
         for p in metadata.prefills or ():
             qt = q[p.start:p.end].transpose(0, 1)  # [H, T, D]
