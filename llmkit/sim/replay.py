@@ -16,8 +16,9 @@ engine core.
         finished requests become records (llmkit.bench.metrics.request_record)
 
 A request that arrives while a step runs is added when the step ends (an engine picks new
-requests up between steps). ``bench.max_duration_s``: requests not sent by then are dropped
-(``num_unsent``), those in flight are aborted and recorded as failed, as ``bench serve`` does.
+requests up between steps), but its TTFT counts from its arrival, when the client sent it.
+``bench.max_duration_s``: requests not sent by then are dropped (``num_unsent``), those in
+flight are aborted and recorded as failed, as ``bench serve`` does.
 The result is ``llmkit.bench.results.make_result(..., simulated=True)``: the same JSON and
 figure as ``bench serve``, plus a ``sim`` block (hardware, model, cost-model constants, step
 statistics). Nothing depends on the wall clock except ``sim.wall_s``: the same config and seed
@@ -133,15 +134,27 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
             prompt_tokens=req.num_prompt_tokens, ok=error is None and n_out > 0, error=error,
             request_id=rid, start_s=sent, queue_ms=max(0.0, 1e3 * (sent - w.arrival_s)))
 
+    step_start = 0.0  # when the last step began, and how many requests were in flight then
+    inflight_during_step = 0
     while True:
         now = clock()
         while arrivals and arrivals[0].arrival_s <= now:
             queued.append(arrivals.popleft())
+        sent_during_step = 0
         while queued and (cap is None or len(inflight) < cap):
             w = queued.popleft()
+            # The client sends at arrival unless bench.max_concurrency holds it back; the
+            # engine takes it in between steps, so its TTFT includes the rest of the step it
+            # arrived in (as a real server's does). One held back is sent when a request
+            # finishes, at a step's end: now.
+            sent = now
+            if w.arrival_s > step_start and (
+                    cap is None or inflight_during_step + sent_during_step < cap):
+                sent = w.arrival_s
+                sent_during_step += 1
             req = Request(w.request_id, w.prompt_token_ids, _sampling_params(cfg, w),
-                          arrival_time=now)
-            inflight[w.request_id] = (w, req, now)
+                          arrival_time=sent)
+            inflight[w.request_id] = (w, req, sent)
             core.add_request(req)
         if limit is not None and now >= limit:
             for rid in list(inflight):
@@ -153,7 +166,8 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
                 clock.advance_to(arrivals[0].arrival_s)
                 continue
             break
-        before = clock()
+        before = step_start = clock()
+        inflight_during_step = len(inflight)
         outputs = core.step()
         steps += 1
         for out in outputs:
