@@ -95,6 +95,10 @@ def test_step_trace_file(model, tmp_path):
     assert steps[0].prefill_tokens == 16 and steps[0].prefill_reqs == 3
     assert (steps[1].prefill_reqs, steps[1].decode_reqs) == (1, 2)
     assert (steps[1].prefill_tokens, steps[1].decode_tokens) == (14, 2)
+    # context after the step: step 0 computed 3 + 7 + 6 prompt tokens; in step 1 the long
+    # prompt reaches 6 + 14, the short ones 3 + 1 and 7 + 1
+    assert (steps[0].prefill_context, steps[0].decode_context) == (16, 0)
+    assert (steps[1].prefill_context, steps[1].decode_context) == (20, 12)
     llm.shutdown()
     doc = json.loads(trace_path.read_text())
     events = doc["traceEvents"]
@@ -105,7 +109,7 @@ def test_step_trace_file(model, tmp_path):
         "scheduled tokens", "batch size", "queue", "kv usage"}
     first = step_events[0]["args"]
     assert {"scheduled_tokens", "num_reqs", "prefill_tokens", "decode_tokens",
-            "step_ms"} <= set(first)
+            "prefill_context", "decode_context", "step_ms"} <= set(first)
 
 
 def test_no_trace_by_default(model):

@@ -66,6 +66,23 @@ def test_client_timestamps_match_known_delays(fake):
     assert isinstance(body["prompt"], list) and body["max_tokens"] == 5
 
 
+def test_warmup_requests_are_sent_first_untimed_and_share_no_prefix(fake):
+    """bench.warmup_requests: sent one by one before the run and left out of the records;
+    their prompts are the first one's reversed, so no timed request finds them cached."""
+    before = len(fake.state.requests)
+    reqs = workload(3, max_tokens=4)
+    reqs[0].prompt_token_ids = [5, 6, 7]
+    res = run_load_sync(reqs, opts(fake, warmup_requests=2))
+    assert len(res.records) == 3 and all(r.ok for r in res.records)
+    assert [r.request_id for r in res.records] == ["r0", "r1", "r2"]
+    sent = fake.state.requests[before:]
+    assert len(sent) == 5
+    assert [b["prompt"] for b in sent[:2]] == [[7, 6, 5], [6, 5, 7]]
+    assert all(b["max_tokens"] == 2 for b in sent[:2])
+    assert sorted(map(tuple, (b["prompt"] for b in sent[2:]))) == [(5, 6, 7), (11, 11, 11),
+                                                                   (12, 12, 12)]
+
+
 def test_tokens_without_text_still_count(fake):
     """Tokens whose text is empty (skipped special tokens) arrive with the final chunk, which
     has no text but a finish_reason: the request is ok, its token count is the server's, and

@@ -91,6 +91,58 @@ def _cpu(**kw):
     return HardwareProfile(**{**base, **kw})
 
 
+def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
+    """A served run whose steps took 1 / (1 - c·R) of what the engine-alone profile prices
+    them at, R the tokens/s streamed lately, gives back c."""
+    from llmkit.engine.step_trace import StepRecord, StepTrace
+    from llmkit.sim.cost_model import CostModel, SeqWork
+    from llmkit.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
+    from llmkit.sim.hardware import HardwareProfile
+
+    c = 1.5e-3
+    shape, hw = _smol_shape(), _cpu(seq_overhead_s=1e-3, token_overhead_s=1e-3)
+    served = CostModel(shape, HardwareProfile(**{**hw.as_dict(), "frontend_token_s": c}),
+                       "float32")
+    trace = StepTrace(tmp_path / "served.json")
+    shapes = [(0, 0, 0, 8, 8, 8 * 200), (1, 128, 128, 3, 3, 3 * 150), (0, 0, 0, 1, 1, 131),
+              (2, 64, 600, 0, 0, 0), (0, 0, 0, 24, 24, 24 * 170)] * 6
+    stream, t = StreamRate(), 0.0
+    for i, (pr, pt, pc, dr, dt, dc) in enumerate(shapes):
+        rec = StepRecord(step=i, start_s=t, schedule_ms=0.0, execute_ms=0.0,
+                         update_ms=0.0, num_reqs=pr + dr, scheduled_tokens=pt + dt,
+                         prefill_reqs=pr, prefill_tokens=pt, decode_reqs=dr, decode_tokens=dt,
+                         num_preempted=0, num_running=pr + dr, num_waiting=0, kv_usage=0.1,
+                         prefill_context=pc, decode_context=dc)
+        work = step_work(rec.to_dict())
+        rec.execute_ms = 1e3 * served.step(work, stream_rate=stream.at(t)).total_s
+        t += rec.execute_ms / 1e3
+        stream.add(t, len(work))
+        trace.steps.append(rec)
+    trace.write()
+    fit = frontend_cost_from_trace(trace.path, shape, hw, "float32")
+    assert fit.num_steps == len(shapes) and fit.mean_rate > 10
+    assert fit.token_s == pytest.approx(c, rel=1e-6) and fit.excess > 0.05
+    # a decode step's work is exact: each request its share of the context
+    assert step_work(trace.steps[0].to_dict()) == [SeqWork(1, 200, True)] * 8
+    # steps no slower than the engine alone: no front-end cost
+    for rec in trace.steps:
+        rec.execute_ms = 1e3 * CostModel(shape, hw, "float32").step(
+            step_work(rec.to_dict())).total_s
+    trace.write()
+    assert frontend_cost_from_trace(trace.path, shape, hw, "float32").token_s == 0
+
+
+def test_frontend_cost_refuses_a_file_without_steps(tmp_path):
+    from llmkit.sim.frontend_cost import trace_steps
+
+    bad = tmp_path / "x.json"
+    bad.write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match="sim.calibrate_trace=.*no engine steps"):
+        trace_steps(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        trace_steps(tmp_path / "missing.json")
+
+
 def test_engine_fit_recovers_the_terms_of_a_known_profile():
     from llmkit.sim.cost_model import CostModel
     from llmkit.sim.engine_fit import fit_engine

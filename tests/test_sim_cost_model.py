@@ -145,6 +145,38 @@ def test_cpu_terms_per_request_token_and_context_add_to_the_overhead():
         assert p.seq_overhead_s == p.token_overhead_s == p.context_overhead_s == 0
 
 
+def test_frontend_token_cost_stretches_steps_with_the_streaming_rate():
+    """A front end taking c seconds of the engine's CPU per token streamed, at R tokens/s,
+    makes each step 1 / (1 - c·R) as long (added to the overhead); every GPU profile has c 0."""
+    shape = load_shape("llama-2-7b")
+    hw = profile("cpu-local")
+    shared = HardwareProfile(**{**hw.as_dict(), "frontend_token_s": 2e-3})
+    plain, cpu = CostModel(shape, hw, "float32"), CostModel(shape, shared, "float32")
+    for work in ([SeqWork(1, 300, True)] * 8, [SeqWork(512, 512, True), SeqWork(1, 40, True)]):
+        a = plain.step(work, stream_rate=100.0)
+        assert cpu.step(work).total_s == pytest.approx(a.total_s)  # nothing streamed
+        b = cpu.step(work, stream_rate=100.0)  # a share of 0.2
+        assert b.total_s == pytest.approx(a.total_s / 0.8)
+        assert (b.compute_s, b.memory_s) == (a.compute_s, a.memory_s)
+        assert cpu.step(work, stream_rate=1e6).total_s == pytest.approx(a.total_s / 0.1)
+    assert cpu.describe()["frontend_token_s"] == 2e-3
+    for name in PROFILES:
+        assert profile(name).frontend_token_s == 0
+
+
+def test_stream_rate_is_a_decayed_token_count():
+    import math
+
+    from llmkit.sim.frontend_cost import StreamRate
+
+    r = StreamRate(tau_s=1.0)
+    assert r.at(5.0) == 0.0
+    for i in range(200):  # 50 tokens/s for 4 s: the rate converges to 50
+        r.add(i * 0.02, 1)
+    assert r.at(3.98) == pytest.approx(50, rel=0.03)
+    assert r.at(4.98) == pytest.approx(r.at(3.98) * math.exp(-1))  # then it decays
+
+
 def test_tensor_parallel_adds_all_reduce_and_does_not_halve_latency():
     shape, hw = load_shape("llama-2-70b"), profile("h100-sxm")
     tp2, tp4 = CostModel(shape, hw, "bfloat16", 2), CostModel(shape, hw, "bfloat16", 4)

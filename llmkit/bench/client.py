@@ -39,6 +39,7 @@ class ClientOptions:
     max_concurrency: int | None = None
     max_duration_s: float | None = None
     progress: bool = True
+    warmup_requests: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ClientOptions":
@@ -50,7 +51,8 @@ class ClientOptions:
         return cls(base_url=base, endpoint=b.endpoint, model=b.model, api_key=key,
                    timeout_s=b.request_timeout_s, ignore_eos=b.ignore_eos,
                    temperature=b.temperature, max_concurrency=b.max_concurrency,
-                   max_duration_s=b.max_duration_s, progress=b.progress)
+                   max_duration_s=b.max_duration_s, progress=b.progress,
+                   warmup_requests=b.warmup_requests)
 
     @property
     def root(self) -> str:
@@ -178,6 +180,20 @@ async def _one(client: Any, req: WorkloadRequest, opts: ClientOptions, model: st
         start_s=sent - t0, queue_ms=max(0.0, 1e3 * (sent - scheduled)))
 
 
+def warmup_request(first: WorkloadRequest, i: int) -> WorkloadRequest:
+    """An untimed request shaped like ``first`` whose prompt is ``first``'s reversed (and
+    rotated by ``i``): the same length, no prefix shared with the workload's, so the timed
+    requests find nothing of it in the prefix cache."""
+    ids = text = None
+    if first.prompt_token_ids is not None:
+        ids = list(reversed(first.prompt_token_ids))
+        ids = ids[i % len(ids):] + ids[:i % len(ids)] if ids else ids
+    if first.prompt is not None:
+        text = first.prompt[::-1]
+    return WorkloadRequest(f"warmup-{i}", min(first.max_tokens, 2), 0.0, ids, text,
+                           first.prompt_len)
+
+
 async def run_load(workload: Sequence[WorkloadRequest], opts: ClientOptions, *,
                    clock: Callable[[], float] = time.perf_counter,
                    client: Any = None) -> LoadResult:
@@ -193,6 +209,10 @@ async def run_load(workload: Sequence[WorkloadRequest], opts: ClientOptions, *,
                                    limits=limits, trust_env=False)
     try:
         model = await fetch_model_name(client, opts)
+        if workload:
+            for i in range(opts.warmup_requests):
+                warm = warmup_request(workload[0], i)
+                await _one(client, warm, opts, model, clock(), None, clock)
         limit = opts.max_duration_s
         todo = [r for r in workload if limit is None or r.arrival_s < limit]
         sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None

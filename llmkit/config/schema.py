@@ -167,6 +167,9 @@ class BenchConfig(_Strict):
     max_concurrency: int | None = Field(default=None, ge=1)
     # stop after this many seconds: unsent requests are dropped, those in flight cancelled
     max_duration_s: float | None = Field(default=None, gt=0)
+    # bench serve: untimed requests sent one by one before the run (a fresh server's first
+    # request pays one-off start-up costs); their prompts share no prefix with the workload's
+    warmup_requests: int = Field(default=1, ge=0)
     seed: int = 0
     # -- sampling of every request --------------------------------------------------------
     ignore_eos: bool = True
@@ -246,6 +249,11 @@ class HardwareConfig(_Strict):
     seq_overhead_us: float = Field(default=0.0, ge=0)
     token_overhead_us: float = Field(default=0.0, ge=0)
     context_overhead_ns: float = Field(default=0.0, ge=0)
+    # Where the serving front end (API server, detokenisation, and when benchmarking, the
+    # client) shares the engine's CPU cores: the engine time it takes per token it streams; at
+    # R tokens/s streamed a step takes 1 / (1 - R * frontend_token_us * 1e-6) as long. 0 on GPU
+    # profiles. `llmkit sim calibrate engine sim.calibrate_trace=PATH` fits it to a served run.
+    frontend_token_us: float = Field(default=0.0, ge=0)
     # model.dtype=auto with a checkpoint that names no dtype
     default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Set by `llmkit sim calibrate` (measured on this machine); informational.
@@ -286,6 +294,9 @@ class SimConfig(_Strict):
     # calibrate: the square GEMM size and the buffer (MiB) of the bandwidth test
     calibrate_gemm_size: int = Field(default=1024, ge=64)
     calibrate_buffer_mib: int = Field(default=256, ge=8)
+    # calibrate engine: a step trace (observability.trace_file) of `llmkit serve` running the
+    # same model under load; its steps, priced by the fitted profile, give frontend_token_us.
+    calibrate_trace: str | None = None
 
 
 class EngineConfig(_Strict):

@@ -41,6 +41,10 @@ class StepRecord:
     num_running: int  # after the step
     num_waiting: int
     kv_usage: float
+    # Σ context after the step (tokens cached + computed) over the prefill / decode requests:
+    # with the counts above, enough for `llmkit sim calibrate` to price the step.
+    prefill_context: int = 0
+    decode_context: int = 0
 
     @property
     def step_ms(self) -> float:
@@ -53,16 +57,17 @@ class StepRecord:
 
 
 def split_prefill_decode(scheduler_output: Any, get_request: Callable[[str], Any] | None
-                         ) -> tuple[int, int, int, int]:
-    """``(prefill_reqs, prefill_tokens, decode_reqs, decode_tokens)`` of one step. A request
-    the runner (re)builds this step is prefill; a running one is prefill while the tokens it
-    had computed before this step are fewer than its prompt, else decode."""
+                         ) -> tuple[int, int, int, int, int, int]:
+    """``(prefill_reqs, prefill_tokens, decode_reqs, decode_tokens, prefill_context,
+    decode_context)`` of one step. A request the runner (re)builds this step is prefill; a
+    running one is prefill while the tokens it had computed before this step are fewer than its
+    prompt, else decode. A request's context is its tokens computed after the step."""
     counts = scheduler_output.num_scheduled_tokens
-    pr = pt = dr = dt = 0
+    pr = pt = dr = dt = pc = dc = 0
     for new in scheduler_output.scheduled_new_reqs:
         n = counts.get(new.req_id, 0)
         if n:
-            pr, pt = pr + 1, pt + n
+            pr, pt, pc = pr + 1, pt + n, pc + new.num_computed_tokens + n
     cached = scheduler_output.scheduled_cached_reqs
     for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
         n = counts.get(rid, 0)
@@ -71,10 +76,10 @@ def split_prefill_decode(scheduler_output: Any, get_request: Callable[[str], Any
         req = get_request(rid) if get_request is not None else None
         prompt_len = req.num_prompt_tokens if req is not None else 0
         if computed < prompt_len:
-            pr, pt = pr + 1, pt + n
+            pr, pt, pc = pr + 1, pt + n, pc + computed + n
         else:
-            dr, dt = dr + 1, dt + n
-    return pr, pt, dr, dt
+            dr, dt, dc = dr + 1, dt + n, dc + computed + n
+    return pr, pt, dr, dt, pc, dc
 
 
 class StepTrace:
@@ -88,7 +93,7 @@ class StepTrace:
         self.steps: list[StepRecord] = []
         self.dropped = 0
         self._marks: list[float] = []
-        self._split = (0, 0, 0, 0)
+        self._split = (0, 0, 0, 0, 0, 0)
         self._num_reqs = self._tokens = self._preempted = 0
         self._lock = threading.Lock()
         self._written = False
@@ -127,7 +132,7 @@ class StepTrace:
             self.dropped += 1
             return
         stats = scheduler.stats()
-        pr, pt, dr, dt = self._split
+        pr, pt, dr, dt, pc, dc = self._split
         with self._lock:
             self.steps.append(StepRecord(
                 step=len(self.steps) + self.dropped, start_s=t0,
@@ -136,7 +141,7 @@ class StepTrace:
                 scheduled_tokens=self._tokens, prefill_reqs=pr, prefill_tokens=pt,
                 decode_reqs=dr, decode_tokens=dt, num_preempted=self._preempted,
                 num_running=stats.num_running, num_waiting=stats.num_waiting,
-                kv_usage=float(stats.kv_usage)))
+                kv_usage=float(stats.kv_usage), prefill_context=pc, decode_context=dc))
 
     def clear(self) -> None:
         with self._lock:

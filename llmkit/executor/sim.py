@@ -5,8 +5,9 @@ is replaced. For every ``SchedulerOutput`` the executor
 
 1. works out each scheduled request's share of the step: new tokens ``q``, context after the
    step ``c``, and whether the step reaches the end of what the request holds (then it samples);
-2. prices the step with ``llmkit.sim.cost_model.CostModel`` for the ``hardware`` profile and
-   advances the virtual clock (if it was given one) by that time;
+2. prices the step with ``llmkit.sim.cost_model.CostModel`` for the ``hardware`` profile (with
+   the tokens/s streamed lately, which a CPU profile's front-end term charges for) and advances
+   the virtual clock (if it was given one) by that time;
 3. returns one sampled token per sampling request, drawn from a seeded RNG over the vocabulary
    without the EOS ids and the request's ``stop_token_ids``. So a request never stops early: it
    ends at its ``max_tokens`` (or ``max_model_len``), i.e. output lengths follow the workload,
@@ -28,6 +29,7 @@ from llmkit.executor.base import Executor, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.sim.cost_model import CostModel, StepCost
+from llmkit.sim.frontend_cost import StreamRate
 from llmkit.sim.hardware import HardwareProfile, resolve_hardware
 from llmkit.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
 
@@ -97,6 +99,8 @@ class SimExecutor(Executor):
         self.num_blocks: int | None = None
         self.stats = SimStats()
         self.last_step: StepCost | None = None
+        # tokens/s streamed lately, for the profile's front-end term (needs the clock's time)
+        self._stream = StreamRate()
 
     # -- Executor ---------------------------------------------------------------------------
     @property
@@ -150,11 +154,15 @@ class SimExecutor(Executor):
                 sampled.append([self._draw(rid)])
             else:
                 sampled.append([])
-        cost = self.cost_model.step(work)
+        now = self.clock() if callable(self.clock) else None
+        rate = self._stream.at(now) if now is not None else 0.0
+        cost = self.cost_model.step(work, stream_rate=rate)
         self.last_step = cost
         self.stats.add(cost)
         if self.clock is not None:
             self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+            if now is not None:
+                self._stream.add(now + cost.total_s, sum(1 for t in sampled if t))
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     def shutdown(self) -> None:

@@ -20,7 +20,10 @@ checking a shipped profile's peaks × efficiencies against a real device).
 ``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
 above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
 of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_measure``,
-``engine_fit``), writing the fitted terms, with the model, date and fit error in comments, into the same file.
+``engine_fit``), writing the fitted terms, with the model, date and fit error in comments, into
+the same file. With ``sim.calibrate_trace=PATH`` (the step trace of ``llmkit serve`` running the
+same model under load) it also fits what the serving front end costs the engine per token it
+streams (``llmkit.sim.frontend_cost``).
 """
 from __future__ import annotations
 
@@ -173,10 +176,12 @@ def measure(device: str = "cpu", gemm_size: int = 1024, buffer_mib: int = 256,
             "buffer_mib": buffer_mib}
 
 
-def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None) -> str:
+def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None,
+                 frontend: Any = None) -> str:
     """A ``conf/hardware``-shaped YAML of measurement ``m``, each value with its source.
     ``engine``: ``(EngineMeasurement, EngineFit)`` of ``llmkit sim calibrate engine``, whose
-    fitted efficiencies and overheads then replace the microbenchmark's."""
+    fitted efficiencies and overheads then replace the microbenchmark's; ``frontend``: its
+    ``FrontendFit`` from a served run's trace."""
     when = when or datetime.datetime.now().isoformat(timespec="seconds")
     bw = m["bandwidth"]
     best_bw = max(bw["read"], bw["copy"])
@@ -256,6 +261,14 @@ def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None)
             f"context_overhead_ns: {fit.context_s * 1e9:.6g}   # fitted: per token of context "
             "attended in a step",
         ]
+        if frontend is not None:
+            lines.append(
+                f"frontend_token_us: {frontend.token_s * 1e6:.6g}   # fitted: {frontend.num_steps} "
+                f"served steps ({frontend.trace}, {frontend.mean_rate:.1f} tokens/s streamed) "
+                f"took {100 * frontend.excess:+.1f}% over the engine alone")
+        else:
+            lines.append("frontend_token_us: 0   # not measured: pass sim.calibrate_trace=PATH "
+                         "(a served run's step trace)")
     lines += [f"default_dtype: {m['default_dtype']}", f"calibrated_at: '{when}'"]
     if engine is not None:
         meas, fit = engine
@@ -329,7 +342,18 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
     groups = group_samples(meas.samples)
     fit = fit_engine(meas.shape, meas.dtype, base, groups,
                      control_plane_s=m["step_overhead_s"])
-    path, profile = _write_profile(cfg, profile_yaml(m, engine=(meas, fit)))
+    frontend = None
+    if sim.calibrate_trace:
+        from llmkit.sim.frontend_cost import frontend_cost_from_trace
+
+        frontend = frontend_cost_from_trace(sim.calibrate_trace, meas.shape, fit.profile,
+                                            meas.dtype)
+        log(f"served steps ({frontend.num_steps} in {frontend.trace}, {frontend.mean_rate:.1f} "
+            f"tokens/s streamed) took {100 * frontend.excess:+.1f}% over the engine-alone "
+            f"model: the front end costs {frontend.token_s * 1e6:.0f} us of engine time per "
+            "token streamed")
+    path, profile = _write_profile(cfg, profile_yaml(m, engine=(meas, fit),
+                                                     frontend=frontend))
     return path, profile, fit, meas
 
 
@@ -347,4 +371,7 @@ def format_calibration(profile: dict[str, Any]) -> str:
              (profile.get("context_overhead_ns"), "ns per context token")]
     if any(v for v, _ in extra):
         text += ", " + ", ".join(f"{v or 0:.4g} {unit}" for v, unit in extra)
+    if profile.get("frontend_token_us"):
+        text += (f"\n  serving front end: {profile['frontend_token_us']:.4g} us of engine time "
+                 "per token streamed")
     return text

@@ -18,8 +18,9 @@ of ``p`` tensor-parallel ranks::
     memory  = bytes / (B · η_m)
     comm    = 2·L · [ α + 2(p−1)/p · T·h·b_a / (B_link · η_l) ]     p > 1: two ring all-reduces
                                                                   per layer (attention, MLP)
-    step    = max(compute, memory) + comm + t_step + L·t_layer
+    base    = max(compute, memory) + comm + t_step + L·t_layer
               + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
+    step    = base / (1 − min(0.9, c_fe · R))              R: tokens/s the front end streams
 
 ``P_read(T)`` is every parameter of a layer for a dense model; for a mixture of experts only
 the experts some token routes to (``E·(1 − (1 − k/E)^T)`` in expectation). The embedding is a
@@ -33,7 +34,12 @@ token computed: the part of small-M GEMMs and per-token ops that runs below the 
 does not overlap it) and ``t_context`` (per token of context attended: a CPU's paged decode
 attention costs more per KV token than its bytes at the bandwidth) are 0 on GPU profiles; ``llmkit
 sim calibrate engine`` fits them, with ``η_c``, ``η_m``, ``t_step`` and ``t_layer``, from timed
-steps of the real engine on this machine (``llmkit.sim.engine_fit``).
+steps of the real engine on this machine (``llmkit.sim.engine_fit``). ``c_fe``
+(``frontend_token_us``, 0 on GPU profiles) is the engine CPU time that a front end sharing its
+cores (API server, detokenisation, a benchmark client) takes per token it streams, so at ``R``
+tokens/s it holds a share ``c_fe·R`` of the CPU; ``sim calibrate engine
+sim.calibrate_trace=PATH`` fits it to a served run (``llmkit.sim.frontend_cost``, which also
+keeps ``R`` for the simulator). It is added to ``overhead_s``.
 """
 from __future__ import annotations
 
@@ -44,6 +50,10 @@ from llmkit.sim.hardware import HardwareProfile
 from llmkit.sim.model_shape import ModelShape, dtype_bytes
 
 __all__ = ["CostModel", "SeqWork", "StepCost"]
+
+# the front end's share of the CPU is capped here: past it the model no longer describes a
+# working server
+MAX_FRONTEND_SHARE = 0.9
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,6 +118,7 @@ class CostModel:
         self._seq_s = hardware.seq_overhead_s
         self._token_s = hardware.token_overhead_s
         self._context_s = hardware.context_overhead_s
+        self._frontend_token_s = hardware.frontend_token_s
 
     # -- figures of the model on the device -----------------------------------------------
     @property
@@ -122,7 +133,10 @@ class CostModel:
         return self.weight_bytes / self.tp / rate
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, work: Iterable[SeqWork | tuple[int, int, bool]]) -> StepCost:
+    def step(self, work: Iterable[SeqWork | tuple[int, int, bool]],
+             stream_rate: float = 0.0) -> StepCost:
+        """The cost of one step; ``stream_rate``: tokens/s the front end is streaming (the
+        profile's ``frontend_token_s`` prices them)."""
         T = S = n = 0
         pairs = 0.0
         ctx = attended = 0
@@ -153,9 +167,13 @@ class CostModel:
             comm = 2 * s.num_layers * one
         overhead = self._overhead_s + n * self._seq_s + T * self._token_s + \
             attended * self._context_s
-        return StepCost(compute_s=flops / self._compute_rate, memory_s=nbytes / self._memory_rate,
-                        comm_s=comm, overhead_s=overhead, flops=flops, bytes=nbytes,
-                        num_tokens=T, num_seqs=n)
+        compute_s, memory_s = flops / self._compute_rate, nbytes / self._memory_rate
+        share = min(MAX_FRONTEND_SHARE, self._frontend_token_s * stream_rate)
+        if share > 0:
+            overhead += (max(compute_s, memory_s) + comm + overhead) * share / (1.0 - share)
+        return StepCost(compute_s=compute_s, memory_s=memory_s, comm_s=comm,
+                        overhead_s=overhead, flops=flops, bytes=nbytes, num_tokens=T,
+                        num_seqs=n)
 
     def decode_step(self, batch_size: int, context_len: int) -> StepCost:
         """``batch_size`` requests each decoding one token with ``context_len`` tokens of
@@ -182,6 +200,7 @@ class CostModel:
             "overhead_per_step_s": self._overhead_s,
             "seq_overhead_s": hw.seq_overhead_s, "token_overhead_s": hw.token_overhead_s,
             "context_overhead_s": hw.context_overhead_s,
+            "frontend_token_s": hw.frontend_token_s,
             "weight_read_time_at_peak_s": self.weight_read_time_s(True),
             "num_layers": s.num_layers,
         }

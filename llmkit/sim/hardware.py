@@ -53,6 +53,8 @@ class HardwareProfile:
     seq_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
     context_overhead_s: float = 0.0
+    # engine CPU time the serving front end takes per token it streams (llmkit.sim.frontend_cost)
+    frontend_token_s: float = 0.0
     default_dtype: str = "bfloat16"
     description: str = ""
     calibrated_at: str | None = None
@@ -78,6 +80,7 @@ class HardwareProfile:
             seq_overhead_s=float(d.get("seq_overhead_us", 0.0)) * 1e-6,
             token_overhead_s=float(d.get("token_overhead_us", 0.0)) * 1e-6,
             context_overhead_s=float(d.get("context_overhead_ns", 0.0)) * 1e-9,
+            frontend_token_s=float(d.get("frontend_token_us", 0.0)) * 1e-6,
             default_dtype=d.get("default_dtype", "bfloat16"),
             description=d.get("description", ""),
             calibrated_at=d.get("calibrated_at"),
