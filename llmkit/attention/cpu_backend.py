@@ -108,6 +108,7 @@ class CpuAttentionMetadata(AttentionMetadata):
     decode: PagedDecodePlan | DecodePlan | None = None
     prefills: list[PrefillPlan] | None = None
     all_decode: bool = False  # every row decodes and rows are in query order
+    has_skipped_slots: bool | None = None  # a -1 slot among the step's tokens (checked once)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -123,6 +124,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
         decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
+        n = m.num_actual_tokens
+        fields["has_skipped_slots"] = bool(n and (m.slot_mapping[:n] < 0).any())
         if len(decode_rows) < self.min_compiled_decode_rows:
             base = super().build_metadata(m)
             return CpuAttentionMetadata(**fields, decode=base.decode, prefills=base.prefills)
@@ -144,7 +147,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if metadata.slot_mapping.device != kv_cache.device:
             self._move_plans(metadata, kv_cache.device)
         n = metadata.num_actual_tokens
-        write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
+        write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
+                 metadata.has_skipped_slots)
         d = metadata.decode
         if metadata.all_decode:
             return self._kernel(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
