@@ -137,9 +137,9 @@ def test_frontend_cost_refuses_a_file_without_steps(tmp_path):
 
     bad = tmp_path / "x.json"
     bad.write_text('{"traceEvents": []}')
-    with pytest.raises(ValueError, match="sim.calibrate_trace=.*no engine steps"):
+    with pytest.raises(ValueError, match="sim.calibrate_trace: .*no engine steps"):
         trace_steps(bad)
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="sim.calibrate_trace: .*cannot read"):
         trace_steps(tmp_path / "missing.json")
 
 

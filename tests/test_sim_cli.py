@@ -56,6 +56,14 @@ def test_sim_errors_are_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith("llmkit: error: sim.tensor_parallel_size:") and err.count("\n") == 1
     assert cli.main(["sim", "calibrate", "-m"]) == 2
+    capsys.readouterr()
+    # a bad step trace is refused before the engine is built and timed
+    missing = tmp_path / "no-trace.json"
+    assert cli.main(["sim", "calibrate", "engine", f"sim.calibrate_trace={missing}",
+                     f"sim.calibrate_output={tmp_path / 'p.yaml'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sim.calibrate_trace" in err and "cannot read" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "p.yaml").exists()
 
 
 def test_sim_takes_a_config_json_as_model(tmp_path, capsys):

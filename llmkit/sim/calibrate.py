@@ -324,6 +324,10 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
     log = log or (lambda s: None)
     resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
     sim = cfg.sim
+    if sim.calibrate_trace:
+        from llmkit.sim.frontend_cost import trace_steps
+
+        trace_steps(sim.calibrate_trace)  # a bad file fails now, not after the measurements
     dtype = engine_dtype(cfg)
     # the engine's dtype at the configured size; the others smaller (a CPU without native
     # bf16 runs a 1024^3 bf16 GEMM for seconds, and the engine fit does not use them)

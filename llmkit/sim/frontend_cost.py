@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from llmkit.config.errors import ConfigError
 from llmkit.sim.cost_model import CostModel, SeqWork
 from llmkit.sim.hardware import HardwareProfile
 from llmkit.sim.model_shape import ModelShape
@@ -67,18 +68,23 @@ class FrontendFit:
 
 def trace_steps(path: str | Path) -> list[dict[str, Any]]:
     """The step records (``StepRecord.to_dict()``) of a Chrome trace ``StepTrace`` wrote."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError("sim.calibrate_trace", str(path), "",
+                           message=f"{path}: {why}")
+
     try:
         doc = json.loads(Path(path).expanduser().read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"sim.calibrate_trace={path}: cannot read a step trace ({e})") from None
-    steps = [ev["args"] for ev in doc.get("traceEvents", ()) if isinstance(ev, dict)
+        raise bad(f"cannot read a step trace ({e})") from None
+    events = doc.get("traceEvents", ()) if isinstance(doc, dict) else ()
+    steps = [ev["args"] for ev in events if isinstance(ev, dict)
              and ev.get("cat") == "step" and ev.get("ph") == "X" and "args" in ev]
     if not steps:
-        raise ValueError(f"sim.calibrate_trace={path}: no engine steps in it (write one with "
-                         "`llmkit serve observability.trace_file=PATH`)")
+        raise bad("no engine steps in it (write one with `llmkit serve "
+                  "observability.trace_file=PATH`)")
     if not any("decode_context" in s for s in steps):
-        raise ValueError(f"sim.calibrate_trace={path}: the steps carry no context sizes (a "
-                         "trace from an older llmkit); record it again")
+        raise bad("its steps carry no context sizes (a trace from an older llmkit); record "
+                  "it again")
     return sorted(steps, key=lambda s: s["start_s"])
 
 
@@ -122,7 +128,8 @@ def frontend_cost_from_trace(path: str | Path, shape: ModelShape, profile: Hardw
         n += 1
         stream.add(step["start_s"] + measured, len(work))  # streamed once the step ends
     if not n:
-        raise ValueError(f"sim.calibrate_trace={path}: no step computed any tokens")
+        raise ConfigError("sim.calibrate_trace", str(path), "",
+                          message=f"{path}: no step in it computed any tokens")
     token_s = max(0.0, sxy / sxx) if sxx > 0 else 0.0
     return FrontendFit(token_s=token_s, num_steps=n, mean_rate=rate_sum / n,
                        excess=total_measured / total_model - 1.0, trace=str(path))
