@@ -1,5 +1,6 @@
-"""A random attention step for comparing backends with the ``torch`` reference: metadata as
-``ModelRunner.prepare_inputs`` builds it, q/k/v as the model hands them over, a filled cache."""
+"""Comparing attention backends with the ``torch`` reference: a random attention step (metadata
+as ``ModelRunner.prepare_inputs`` builds it, q/k/v as the model hands them over, a filled
+cache), and a whole engine's greedy tokens with a given backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,3 +54,16 @@ def attention_case(q_lens, ctx_lens, num_heads, num_kv_heads, seed, *, head_dim=
     shape = AttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     cache_ref = torch.randn(shape, generator=g)
     return AttentionCase(meta, q, k, v, cache_ref.clone(), cache_ref, head_dim ** -0.5)
+
+
+def engine_greedy_tokens(model_dir, attention: str, prompts, params, **groups):
+    """``(token ids per prompt, cached prompt tokens in all)`` of a float32 ``LLM`` on
+    ``model_dir`` with ``attention``; checks that backend ran and every KV block came back."""
+    from llmkit import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", attention=attention, **groups)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert type(llm.engine.executor.runner.attn_backend).name == attention
+    return [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs)

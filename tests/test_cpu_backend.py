@@ -14,7 +14,7 @@ from llmkit.attention.cpu_backend import (CpuAttentionBackend, CpuAttentionMetad
                                           paged_decode_attention)
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.platforms import CpuPlatform
-from attention_cases import attention_case
+from attention_cases import attention_case, engine_greedy_tokens
 
 
 def test_registered_and_cpu_default():
@@ -78,17 +78,9 @@ def test_engine_greedy_cpu_equals_torch(tiny_model_dir, monkeypatch):
     groups = dict(kv_cache={"num_blocks": 48, "block_size": 4},
                   scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 4})
 
-    def run(attention):
-        llm = LLM(str(model_dir), dtype="float32", attention=attention, **groups)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        kv = llm.engine.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
-        assert type(llm.engine.executor.runner.attn_backend).name == attention
-        return [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs)
-
     monkeypatch.setattr(CpuAttentionBackend, "min_compiled_decode_rows", 2)
-    expected, _ = run("torch")
-    got, cached = run("cpu")
+    expected, _ = engine_greedy_tokens(model_dir, "torch", prompts, params, **groups)
+    got, cached = engine_greedy_tokens(model_dir, "cpu", prompts, params, **groups)
     assert cached > 0
     assert got == expected
 

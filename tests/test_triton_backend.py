@@ -16,7 +16,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.kernels import count_launches
 from llmkit.kernels.testing import tolerances
 from llmkit.platforms import CudaPlatform
-from attention_cases import attention_case
+from attention_cases import attention_case, engine_greedy_tokens
 
 BACKEND_KERNELS = {"_reshape_and_cache_kernel", "_paged_decode_kernel", "_decode_reduce_kernel",
                    "_unified_attention_kernel"}
@@ -93,16 +93,9 @@ def test_engine_greedy_triton_equals_torch(tiny_model_dir, interpret, split_deco
     groups = dict(kv_cache={"num_blocks": 24, "block_size": 16},
                   scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 4})
 
-    def run(attention):
-        llm = LLM(str(model_dir), dtype="float32", attention=attention, **groups)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        kv = llm.engine.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
-        return [o.outputs[0].token_ids for o in outs]
-
-    expected = run("torch")
+    expected, _ = engine_greedy_tokens(model_dir, "torch", prompts, params, **groups)
     with count_launches() as launches:
-        got = run("triton")
+        got, _ = engine_greedy_tokens(model_dir, "triton", prompts, params, **groups)
     assert got == expected
     missing = BACKEND_KERNELS - set(launches)
     assert not missing, f"kernels never launched: {sorted(missing)}"

@@ -91,7 +91,7 @@ class _Recorder:
         self._work = work
 
     def executed(self) -> None:
-        pass
+        """Nothing to mark: the step is timed whole, from begin_step to end_step."""
 
     def end_step(self, scheduler: Any) -> None:
         t = time.perf_counter() - self._t0
@@ -100,7 +100,7 @@ class _Recorder:
         self._work = []
 
     def close(self) -> None:
-        pass
+        """Nothing to write: ``measure_engine`` reads ``samples`` directly."""
 
 
 class _Driver:
