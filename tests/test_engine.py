@@ -58,15 +58,31 @@ def assert_all_blocks_free(llm: LLM) -> None:
     kv.check_integrity()
 
 
+@pytest.mark.parametrize("native_kernels", ["on", "off"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_hf(references, arch):
+def test_greedy_matches_hf(references, arch, native_kernels):
+    """With the CPU platform's C++ kernels (on) and with torch ops only (off)."""
     model_dir, prompts, expected = references[arch]
-    llm, outs = run_llmkit(model_dir, prompts)
+    llm, outs = run_llmkit(model_dir, prompts, platform={"native_kernels": native_kernels})
+    model = llm.engine.executor.runner.model
+    bound = model.model.layers[0].input_layernorm.kernels is not None
+    assert bound == (native_kernels == "on")
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert out.prompt_token_ids == prompts[i]
         assert out.outputs[0].token_ids == ref, f"prompt {i} differs from HF"
         reason = out.outputs[0].finish_reason
         assert reason == ("length" if len(ref) == MAX_TOKENS else "stop")
+    assert_all_blocks_free(llm)
+
+
+def test_one_request_at_a_time_matches_hf(references):
+    """Batch-1 decoding (one row per step: the kernels' one-row linear and decode attention)."""
+    model_dir, prompts, expected = references["llama"]
+    llm = LLM(str(model_dir), dtype="float32", platform={"native_kernels": "on"})
+    for p, ref in list(zip(prompts, expected))[:4]:
+        out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref
     assert_all_blocks_free(llm)
 
 

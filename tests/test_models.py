@@ -14,9 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.cpu_backend import CpuAttentionBackend
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.config.schema import ModelConfig
 from llmkit.models import MODELS, UnsupportedModelError, get_model_class
+from llmkit.kernels.cpu_native import load_cpu_kernels
 from llmkit.models.loader import build_model, resolve_model_source
 from tiny_models import write_tiny_gguf
 
@@ -83,9 +85,18 @@ class PagedRun:
         return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
 
 
-def load_llmkit(path: Path, dtype=torch.float32):
+def load_llmkit(path: Path, dtype=torch.float32, kernels: str = "torch"):
+    """The model with the torch reference backend and ops, or (``kernels="native"``) with the
+    CPU platform's C++ kernels and the ``cpu`` backend over them, as the engine sets it up."""
     source = resolve_model_source(ModelConfig(path=str(path)))
-    return build_model(source, TorchAttentionBackend(), dtype, torch.device("cpu")), source
+    if kernels == "torch":
+        return build_model(source, TorchAttentionBackend(), dtype, torch.device("cpu")), source
+    native = load_cpu_kernels()
+    backend = CpuAttentionBackend()
+    backend.use_native_kernels(native)
+    model = build_model(source, backend, dtype, torch.device("cpu"))
+    model.use_native_kernels(native)
+    return model, source
 
 
 def hf_logits(model_dir: Path, seqs: list[list[int]], dtype=torch.float32,
@@ -112,25 +123,31 @@ def case(request, tiny_model_dir, tiny_tokenizer):
     arch, overrides = CASES[request.param]
     model_dir = tiny_model_dir(arch, **overrides)
     seqs = random_seqs(len(tiny_tokenizer), [n + EXTRA_TOKENS for n in PROMPT_LENS])
-    model, _ = load_llmkit(model_dir)
-    return SimpleNamespace(model_dir=model_dir, model=model, seqs=seqs,
+    models = {k: load_llmkit(model_dir, kernels=k)[0] for k in KERNELS}
+    return SimpleNamespace(model_dir=model_dir, models=models, seqs=seqs,
                            ref=hf_logits(model_dir, seqs))
 
 
-def test_prefill_batch_matches_hf(case):
+# Every model test runs with torch ops and with the CPU platform's C++ kernels.
+KERNELS = ("torch", "native")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_prefill_batch_matches_hf(case, kernels):
     """Three prompts of different lengths in one flat batch: every position's logits."""
-    run = PagedRun(case.model, len(case.seqs), max(map(len, case.seqs)))
+    run = PagedRun(case.models[kernels], len(case.seqs), max(map(len, case.seqs)))
     prompts = [s[:n] for s, n in zip(case.seqs, PROMPT_LENS)]
     out = run.step(dict(enumerate(prompts)))
     for i, p in enumerate(prompts):
         assert_close(out[i], case.ref[i][:len(p)])
 
 
-def test_chunked_prefill_and_decode_match_hf(case):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_and_decode_match_hf(case, kernels):
     """Prompts in chunks, mixed with decodes, then decode-only steps: each step's logits equal
     the reference's at the same positions of the full sequence."""
     seqs = case.seqs
-    run = PagedRun(case.model, len(seqs), max(map(len, seqs)))
+    run = PagedRun(case.models[kernels], len(seqs), max(map(len, seqs)))
     p0, p1, p2 = PROMPT_LENS
     schedule = [
         {0: (0, p0), 1: (0, 4), 2: (0, 3)},  # seq 0 whole prompt, the others a first chunk
@@ -146,8 +163,19 @@ def test_chunked_prefill_and_decode_match_hf(case):
     assert run.computed == [len(s) for s in seqs]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_single_sequence_decode_matches_hf(case, kernels):
+    """One sequence decoding alone: one row per step, the shape of batch-1 serving (the C++
+    kernels' one-row linear path)."""
+    seq, p0 = case.seqs[1], PROMPT_LENS[1]
+    run = PagedRun(case.models[kernels], 1, len(seq))
+    assert_close(run.step({0: seq[:p0]})[0], case.ref[1][:p0])
+    for t in range(p0, len(seq)):
+        assert_close(run.step({0: seq[t:t + 1]})[0], case.ref[1][t:t + 1])
+
+
 def test_model_layout_facts(case):
-    m = case.model
+    m = case.models["torch"]
     assert (m.num_layers, m.num_kv_heads, m.head_dim, m.hidden_size) == (
         m.config.num_hidden_layers, 2, 16, 64)
     # fused projections: one matmul for q/k/v and one for gate/up
@@ -174,12 +202,14 @@ def test_sharded_safetensors_give_the_same_logits(tiny_model_dir, tiny_tokenizer
         assert_close(outs[1][i], ref[i])
 
 
-def test_bfloat16_is_as_accurate_as_transformers(tiny_model_dir, tiny_tokenizer):
+@pytest.mark.parametrize("arch,kernels", [("qwen3", "torch"), ("qwen3", "native"),
+                                          ("llama", "native")])
+def test_bfloat16_is_as_accurate_as_transformers(tiny_model_dir, tiny_tokenizer, arch, kernels):
     """bf16 weights, activations and cache (the CPU default): the error against float32 is no
     larger than transformers' own bf16 error."""
-    model_dir = tiny_model_dir("qwen3")
+    model_dir = tiny_model_dir(arch)
     seqs = random_seqs(len(tiny_tokenizer), [12] * 6, seed=2)
-    model, _ = load_llmkit(model_dir, torch.bfloat16)
+    model, _ = load_llmkit(model_dir, torch.bfloat16, kernels=kernels)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     run = PagedRun(model, len(seqs), max(map(len, seqs)))
     run.kv_caches = [kv.to(torch.bfloat16) for kv in run.kv_caches]

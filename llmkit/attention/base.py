@@ -59,6 +59,11 @@ class AttentionBackend(ABC):
         """Backends that need more per-step data (split plans, tile maps) extend it here."""
         return metadata
 
+    def use_native_kernels(self, kernels) -> None:
+        """The platform's C++ kernels (``torch.ops.llmkit_cpu``): a backend with a path over
+        them takes them here; the others (the portable torch reference, Triton) keep their own
+        kernels."""
+
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """Called once the KV cache exists: compile or load kernels here, not in the first
         steps (the default has nothing to prepare)."""

@@ -119,12 +119,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         self._kernel = CompiledPagedDecode()
+        self._native = None  # torch.ops.llmkit_cpu, when the platform provides them
+
+    def use_native_kernels(self, kernels) -> None:
+        """Write K/V and run every decode row's attention with the C++ kernels (they read the
+        block table in place at any batch size, and need no compile at start-up)."""
+        self._native = kernels
 
     def build_metadata(self, m: AttentionMetadata) -> CpuAttentionMetadata:
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
         decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
         n = m.num_actual_tokens
+        if self._native is not None:
+            return self._native_metadata(m, fields, decode_rows)
         fields["has_skipped_slots"] = bool(n and (m.slot_mapping[:n] < 0).any())
         if len(decode_rows) < self.min_compiled_decode_rows:
             base = super().build_metadata(m)
@@ -140,6 +148,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 
+    def _native_metadata(self, m: AttentionMetadata, fields: dict,
+                         decode_rows: list[int]) -> CpuAttentionMetadata:
+        qsl = m.query_start_loc_cpu
+        all_decode = len(decode_rows) == m.num_reqs
+        decode = None
+        if decode_rows:
+            rows = slice(0, m.num_reqs) if all_decode else torch.tensor(decode_rows)
+            nblk = -(-max(m.seq_lens_cpu[i] for i in decode_rows) // m.block_size)
+            decode = PagedDecodePlan(
+                token_rows=torch.tensor([qsl[i] for i in decode_rows]),
+                block_table=m.block_table[rows, :nblk], seq_lens=m.seq_lens[rows])
+        prefills = [] if all_decode else super().build_metadata(m).prefills
+        return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
+                                    all_decode=all_decode)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, CpuAttentionMetadata):
@@ -147,15 +170,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if metadata.slot_mapping.device != kv_cache.device:
             self._move_plans(metadata, kv_cache.device)
         n = metadata.num_actual_tokens
-        write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
-                 metadata.has_skipped_slots)
+        native = self._native
+        if native is not None:
+            native.reshape_and_cache(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
+        else:
+            write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
+                     metadata.has_skipped_slots)
         d = metadata.decode
         if metadata.all_decode:
+            if native is not None:
+                return native.paged_decode_attention(q[:n], kv_cache, d.block_table,
+                                                     d.seq_lens, scale)
             return self._kernel(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
-        if isinstance(d, PagedDecodePlan):
+        if isinstance(d, PagedDecodePlan) and native is not None:
+            out[d.token_rows] = native.paged_decode_attention(
+                q[d.token_rows], kv_cache, d.block_table, d.seq_lens, scale)
+        elif isinstance(d, PagedDecodePlan):
             out[d.token_rows] = self._kernel(q[d.token_rows], kv_cache, d.block_table,
                                              d.seq_lens, scale)
         elif d is not None:
@@ -181,7 +214,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """Compile the decode kernel now rather than inside the first steps (sizes are
-        unbacked, so one call covers every batch and context size)."""
+        unbacked, so one call covers every batch and context size). The C++ kernels need no
+        compile."""
+        if self._native is not None:
+            return
         t0 = time.perf_counter()
         q = torch.zeros(2, num_heads, kv_cache.shape[-1], dtype=dtype, device=kv_cache.device)
         table = torch.zeros(2, 2, dtype=torch.long, device=kv_cache.device)

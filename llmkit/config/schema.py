@@ -97,6 +97,10 @@ class PlatformConfig(_Component):
     # GEMMs at decode batch sizes; a second copy of the weights in memory). bf16 models on CPUs
     # without native bf16 also compute their linears in float32 (bf16 GEMMs are emulated there).
     packed_linear: bool = True
+    # CPU: llmkit's C++ kernels (fused norms, SiLU, rotary, KV writes, paged decode attention),
+    # built on first use and cached. auto: use them if they build here (warn and use torch ops
+    # if not); on: fail at start-up if they cannot be built; off: torch ops only.
+    native_kernels: Literal["auto", "on", "off"] = "auto"
 
 
 class SamplingDefaults(_Strict):

@@ -33,6 +33,10 @@ class UniprocExecutor(Executor):
         packing = platform.linear_weight_packing(dtype)
         if packing is not None:
             model.pack_linear_weights(compute_in_float32=packing == "packed_float32")
+        kernels = platform.native_kernels(dtype)
+        if kernels is not None:
+            model.use_native_kernels(kernels)
+            attn.use_native_kernels(kernels)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,

@@ -55,6 +55,13 @@ class CausalLM(nn.Module, ABC):
             if isinstance(module, Linear):
                 module.pack_weight(compute_in_float32=compute_in_float32)
 
+    def use_native_kernels(self, kernels) -> None:
+        """Hand the platform's C++ kernels (``torch.ops.llmkit_cpu``) to every layer that has
+        a fused path for them (norms, activation, rotary)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "use_native_kernels"):
+                module.use_native_kernels(kernels)
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors, named as in the Hugging Face model, into the parameters."""

@@ -17,7 +17,8 @@ from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear, copy_weight
 from llmkit.models.layers.norm import RMSNorm
-from llmkit.models.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from llmkit.models.layers.rotary import (RotaryEmbedding, RotaryTables, apply_rotary,
+                                         compute_inv_freq)
 
 # (fused parameter, checkpoint module, shard id): vLLM's stacked_params_mapping.
 STACKED_PARAMS = (
@@ -58,19 +59,29 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.kernels = None  # torch.ops.llmkit_cpu, when the platform provides them
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def use_native_kernels(self, kernels) -> None:
+        """Rotate Q and K in place with the C++ CPU kernel (same roundings as the torch ops)."""
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, rope: RotaryTables, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         n, h, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_size = self.q_size + self.kv_size
         if self.q_norm is None:
             # Q and K rotate together: one op over their heads side by side.
-            qk = apply_rotary(qkv[:, :qk_size].view(n, h + hkv, d), cos, sin)
+            qk = qkv[:, :qk_size].view(n, h + hkv, d)
+            if self.kernels is not None:
+                self.kernels.rotary_embedding_(qk, rope.cos_sin)  # qkv is this layer's own
+            else:
+                qk = apply_rotary(qk, rope.cos, rope.sin)
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :self.q_size].view(n, h, d)), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, self.q_size:qk_size].view(n, hkv, d)), cos, sin)
+            q = apply_rotary(self.q_norm(qkv[:, :self.q_size].view(n, h, d)), rope.cos, rope.sin)
+            k = apply_rotary(self.k_norm(qkv[:, self.q_size:qk_size].view(n, hkv, d)),
+                             rope.cos, rope.sin)
         v = qkv[:, qk_size:].view(n, hkv, d)
         o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
@@ -103,15 +114,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables,
+                kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, attn_metadata)
+        x = self.self_attn(x, rope, kv_cache, attn_metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -132,10 +143,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.get_cos_sin(positions)
+        rope = self.rotary_emb.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
         x, _ = self.norm(x, residual)
         return x
 

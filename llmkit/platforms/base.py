@@ -41,5 +41,13 @@ class Platform(ABC):
         copies) or ``"packed_float32"`` (bf16 layers computed in float32, packed)."""
         return None
 
+    def native_kernels(self, dtype: torch.dtype):
+        """llmkit's C++ kernels for this device and ``dtype`` (``torch.ops.llmkit_cpu``), or
+        ``None`` to compute with torch ops. Only the CPU platform has them."""
+        if self.config.native_kernels == "on":
+            raise ValueError(f"platform.native_kernels=on: llmkit's native kernels are CPU "
+                             f"kernels; platform {self.name!r} has none (allowed here: auto, off)")
+        return None
+
     def kv_cache_budget_bytes(self, memory_gib: float) -> int:
         return int(memory_gib * (1 << 30))

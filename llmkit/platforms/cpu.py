@@ -61,6 +61,26 @@ class CpuPlatform(Platform):
             return "packed_float32"
         return None
 
+    def native_kernels(self, dtype: torch.dtype):
+        mode = self.config.native_kernels
+        if mode == "off":
+            return None
+        if dtype not in (torch.float32, torch.bfloat16):
+            if mode == "on":
+                raise ValueError(f"platform.native_kernels=on: the CPU kernels compute float32 "
+                                 f"and bfloat16 models, not {dtype} (allowed here: auto, off)")
+            return None
+        from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+
+        try:
+            return load_cpu_kernels()
+        except CpuKernelBuildError as exc:
+            if mode == "on":
+                raise ValueError(f"platform.native_kernels=on: {exc}") from exc
+            logger.warning("%s; computing with torch ops instead (slower decoding; "
+                           "platform.native_kernels=off silences this)", exc)
+            return None
+
     def apply_runtime_settings(self) -> None:
         threads = self.config.num_threads or len(os.sched_getaffinity(0))
         if torch.get_num_threads() != threads:

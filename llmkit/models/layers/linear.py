@@ -59,8 +59,17 @@ class Linear(nn.Module):
         # With io_dtype: float32 copies of weight and bias for the GEMMs past one row.
         self.weight_float32: torch.Tensor | None = None
         self.bias_float32: torch.Tensor | None = None
+        self.kernels = None  # torch.ops.llmkit_cpu, when the platform provides them
+
+    def use_native_kernels(self, kernels) -> None:
+        """One row (batch-1 decoding) through the C++ GEMV, which streams the weight in its own
+        dtype at close to memory bandwidth (~2x torch's bf16 and float32 GEMVs on the AVX2
+        machine; from two rows on oneDNN/MKL keep the work)."""
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0] == 1 and x.dtype == self.weight.dtype:
+            return self.kernels.linear(x, self.weight, self.bias)
         if self.io_dtype is None:
             if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,

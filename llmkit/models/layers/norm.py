@@ -27,8 +27,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.kernels = None  # torch.ops.llmkit_cpu, when the platform provides them
+
+    def use_native_kernels(self, kernels) -> None:
+        """Compute with the C++ CPU kernels (``llmkit.kernels.cpu_native``): one call instead
+        of eight ops, the same roundings."""
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernels is not None and x.dim() == 2:
+            if residual is None:
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         residual.add_(x)

@@ -8,6 +8,8 @@ reference. Variants whose frequencies change with the sequence length at run tim
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -62,14 +64,24 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], -1)
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
 
-    def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[num_tokens, 1, head_dim // 2]``: computed once per step and
-        shared by every layer."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
-        return cos_sin.chunk(2, dim=-1)
+    def lookup(self, positions: torch.Tensor) -> "RotaryTables":
+        """The step's tables, looked up once and shared by every layer."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return RotaryTables(cos_sin, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+@dataclass(slots=True)
+class RotaryTables:
+    """One step's rotary tables: ``cos_sin [num_tokens, head_dim]`` (what the C++ kernel reads)
+    and its halves as ``cos, sin [num_tokens, 1, head_dim // 2]`` views (``apply_rotary``)."""
+
+    cos_sin: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,136 @@
+// Decode attention over the paged KV cache: one query token per sequence reads its K/V rows in
+// place through the block table (no gathered copy of the context). Math in float32, like
+// SDPA's CPU kernel: scores, an exact softmax (max-subtracted), then the weighted sum of V,
+// rounded once to q's dtype. One task per (sequence, KV head); its grouped query heads share
+// every K/V row they load.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace llmkit_cpu {
+
+inline float hsum(const Vec& v) {
+  alignas(32) float lanes[kLanes];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
+  return s;
+}
+
+template <typename T, typename I>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
+                       int64_t table_stride, const int64_t* lens, float scale,
+                       at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * dim, block = block_size * row;
+  const T* kc = kv_cache.const_data_ptr<T>();
+  const T* vc = kc + kv_cache.size(1) * block;
+  const T* qp = q.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores, sums(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
+      const I* blocks = table + b * table_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + b * qs0 + (kvh * group + g) * qs1;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
+      }
+      scores.assign(group * len, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* k = kc + static_cast<int64_t>(blocks[t / block_size]) * block +
+                     (t % block_size) * row + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          Vec a(0.f);
+          for (int64_t d = 0; d < dim; d += kLanes) {
+            const int64_t n = std::min<int64_t>(kLanes, dim - d);
+            a = a + load_n(qf.data() + g * dim + d, n) * load_n(k + d, n);
+          }
+          scores[g * len + t] = hsum(a) * scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        Vec total(0.f);
+        for (int64_t t = 0; t < len; t += kLanes) {
+          const int64_t n = std::min<int64_t>(kLanes, len - t);
+          Vec e = (load_n(s + t, n) - Vec(m)).exp();
+          if (n < kLanes) e = Vec::set(Vec(0.f), e, n);  // the padding lanes add nothing
+          store_n(s + t, e, n);
+          total = total + e;
+        }
+        sums[g] = hsum(total);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
+                     (t % block_size) * row + kvh * dim;
+        for (int64_t d = 0; d < dim; d += kLanes) {
+          const int64_t n = std::min<int64_t>(kLanes, dim - d);
+          const Vec vv = load_n(v + d, n);
+          for (int64_t g = 0; g < group; ++g) {
+            float* a = acc.data() + g * dim + d;
+            store_n(a, load_n(a, n) + Vec(scores[g * len + t]) * vv, n);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + (b * heads + kvh * group + g) * dim;
+        const Vec inv(len > 0 ? 1.f / sums[g] : 0.f);
+        for (int64_t d = 0; d < dim; d += kLanes) {
+          const int64_t n = std::min<int64_t>(kLanes, dim - d);
+          store_n(dst + d, load_n(acc.data() + g * dim + d, n) * inv, n);
+        }
+      }
+    }
+  });
+}
+
+// q [batch, heads, head_dim] (contiguous head_dim), kv_cache [2, blocks, block_size, kv_heads,
+// head_dim] contiguous, block_table [batch, >= ceil(len / block_size)] int32/int64, seq_lens
+// [batch] (context length including the query token, whose K/V is already written).
+inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                         const at::Tensor& block_table,
+                                         const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be "
+              "[batch, heads, head_dim] with a contiguous head_dim");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+              kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0 &&
+              kv_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: kv_cache must be [2, blocks, block_size, kv_heads, "
+              "head_dim] of q's dtype, kv_heads dividing q's heads");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
+              block_table.stride(1) == 1 && seq_lens.numel() == q.size(0),
+              "paged_decode_attention: block_table [batch, blocks] and seq_lens [batch]");
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= block_table.size(1) * kv_cache.size(2),
+                "paged_decode_attention: seq_lens[", b, "] = ", lp[b],
+                " exceeds its block table");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  LLMKIT_DISPATCH_FLOAT(q.scalar_type(), "paged_decode_attention", [&] {
+    if (block_table.scalar_type() == at::kInt)
+      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(),
+                                  block_table.stride(0), lp, static_cast<float>(scale), out);
+    else if (block_table.scalar_type() == at::kLong)
+      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(),
+                                  block_table.stride(0), lp, static_cast<float>(scale), out);
+    else
+      TORCH_CHECK(false, "paged_decode_attention: block_table must be int32 or int64");
+  });
+  return out;
+}
+
+}  // namespace llmkit_cpu

@@ -1,0 +1,118 @@
+// y = x W^T + b for a few rows of x (decoding at small batch): the weight streams from memory
+// once, four output features at a time, in its own dtype (bf16 weights are widened to float32
+// in registers, so a bf16 model reads half the bytes of a float32 copy). Products accumulate in
+// float32 per output, like torch's GEMV; the result is rounded once to x's dtype.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace llmkit_cpu {
+
+inline float hsum8(const Vec& v) {
+  alignas(32) float lanes[kLanes];
+  v.store(lanes);
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+// Four outputs (rows w0..w3 of W) for one input row xf (float32, length k).
+template <typename T>
+inline void dot4(const float* xf, const T* w0, int64_t ws, int64_t k, float* out,
+                 bool prefetch_next) {
+  const T* w1 = w0 + ws;
+  const T* w2 = w1 + ws;
+  const T* w3 = w2 + ws;
+  Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    if (prefetch_next) {
+      // The next tile's rows while this one computes: DRAM streams at full rate only with
+      // enough requests in flight.
+      __builtin_prefetch(w0 + 4 * ws + i);
+      __builtin_prefetch(w1 + 4 * ws + i);
+      __builtin_prefetch(w2 + 4 * ws + i);
+      __builtin_prefetch(w3 + 4 * ws + i);
+    }
+    const Vec xv = load(xf + i);
+    a0 = at::vec::fmadd(xv, load(w0 + i), a0);
+    a1 = at::vec::fmadd(xv, load(w1 + i), a1);
+    a2 = at::vec::fmadd(xv, load(w2 + i), a2);
+    a3 = at::vec::fmadd(xv, load(w3 + i), a3);
+  }
+  if (i < k) {
+    const int64_t n = k - i;
+    const Vec xv = load(xf + i, n);
+    a0 = at::vec::fmadd(xv, load(w0 + i, n), a0);
+    a1 = at::vec::fmadd(xv, load(w1 + i, n), a1);
+    a2 = at::vec::fmadd(xv, load(w2 + i, n), a2);
+    a3 = at::vec::fmadd(xv, load(w3 + i, n), a3);
+  }
+  out[0] = hsum8(a0);
+  out[1] = hsum8(a1);
+  out[2] = hsum8(a2);
+  out[3] = hsum8(a3);
+}
+
+template <typename T>
+inline float dot1(const float* xf, const T* w, int64_t k) {
+  Vec a(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) a = at::vec::fmadd(load(xf + i), load(w + i), a);
+  if (i < k) a = at::vec::fmadd(load(xf + i, k - i), load(w + i, k - i), a);
+  return hsum8(a);
+}
+
+// x [rows, in] (contiguous rows), weight [out, in] contiguous, bias [out] or undefined; all of
+// one dtype (float32 or bfloat16). Returns [rows, out] in that dtype.
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [rows, in] with contiguous "
+              "rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1) &&
+              weight.scalar_type() == x.scalar_type(),
+              "linear: weight must be [out, in] contiguous, of x's dtype");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0) &&
+                bias->scalar_type() == x.scalar_type(), "linear: bias must be [out] of x's dtype");
+  const int64_t rows = x.size(0), k = x.size(1), n_out = weight.size(0);
+  auto out = at::empty({rows, n_out}, x.options());
+  LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "linear", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    const scalar_t* bp = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    std::vector<float> xf(rows * k);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(xp[r * x.stride(0) + i]);
+    // Chunks of whole 4-row tiles; each thread streams its own part of the weight.
+    const int64_t tiles = (n_out + 3) / 4;
+    at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+      float acc[4];
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t o = tile * 4;
+        const int64_t n = std::min<int64_t>(4, n_out - o);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* xr = xf.data() + r * k;
+          if (n == 4) {
+            dot4(xr, wp + o * k, k, k, acc, r == 0 && o + 8 <= n_out);
+          } else {
+            for (int64_t j = 0; j < n; ++j) acc[j] = dot1(xr, wp + (o + j) * k, k);
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            const float y = bp ? acc[j] + static_cast<float>(bp[o + j]) : acc[j];
+            op[r * n_out + o + j] = static_cast<scalar_t>(y);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace llmkit_cpu

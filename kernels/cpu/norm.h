@@ -1,0 +1,92 @@
+// RMSNorm, and RMSNorm fused with the residual add before it, as Hugging Face's Llama computes
+// them: sum of squares in float32, x * rsqrt(mean + eps) rounded to the model's dtype, then
+// multiplied by the weight (rounded again).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+
+#include "vec.h"
+
+namespace llmkit_cpu {
+
+template <typename T>
+inline void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec v = load(x + i);
+    acc = acc + v * v;
+  }
+  if (i < n) {
+    Vec v = load(x + i, n - i);
+    acc = acc + v * v;
+  }
+  alignas(32) float lanes[kLanes];
+  acc.store(lanes);
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  const Vec r(1.f / std::sqrt(sum / static_cast<float>(n) + eps));
+  for (i = 0; i + kLanes <= n; i += kLanes)
+    store(out + i, load(w + i) * round_as<T>(load(x + i) * r));
+  if (i < n) store(out + i, load(w + i, n - i) * round_as<T>(load(x + i, n - i) * r), n - i);
+}
+
+inline void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, hidden] with "
+              "contiguous rows");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+              weight.scalar_type() == x.scalar_type(), name, ": weight must be [hidden] of x's "
+              "dtype");
+}
+
+inline int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 16384 / hidden); }
+
+// out = rms_norm(x) * weight, x [rows, hidden].
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto out = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(op + r * n, xp + r * xs, wp, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, in place); returns rms_norm(residual) * weight.
+inline at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual,
+                                     const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  TORCH_CHECK(residual.dim() == 2 && residual.stride(1) == 1 && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must match x");
+  auto out = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* res = rp + r * rs;
+        const scalar_t* xr = xp + r * xs;
+        int64_t i = 0;
+        for (; i + kLanes <= n; i += kLanes) store(res + i, load(res + i) + load(xr + i));
+        if (i < n) store(res + i, load(res + i, n - i) + load(xr + i, n - i), n - i);
+        rms_norm_row(op + r * n, res, wp, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace llmkit_cpu

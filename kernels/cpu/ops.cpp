@@ -1,0 +1,32 @@
+// llmkit's CPU kernels, registered as torch.ops.llmkit_cpu.*: built on first use by
+// llmkit.kernels.cpu_native (torch's C++ extension builder) and cached on disk.
+#include <torch/library.h>
+
+#include "activation.h"
+#include "cache.h"
+#include "decode_attention.h"
+#include "linear.h"
+#include "norm.h"
+#include "rotary.h"
+
+TORCH_LIBRARY(llmkit_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor cos_sin) -> ()");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
+  m.impl("rms_norm", &llmkit_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &llmkit_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &llmkit_cpu::silu_and_mul);
+  m.impl("linear", &llmkit_cpu::linear);
+  m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
+  m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
+  m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
+}

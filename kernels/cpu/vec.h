@@ -1,0 +1,96 @@
+// Loads and stores between float32 vectors and a tensor's element type (float or bfloat16).
+//
+// Every kernel computes in float32 and rounds to the tensor's type exactly where the eager
+// torch ops it replaces round (round-to-nearest-even, NaN kept, like c10::BFloat16), so a fused
+// kernel gives the bits of the op sequence in Hugging Face's implementation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace llmkit_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+using bf16 = c10::BFloat16;
+
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline void store(float* p, const Vec& v) { v.store(p); }
+inline void store(float* p, const Vec& v, int64_t n) { v.store(p, n); }
+inline Vec round_to(const Vec& v, float*) { return v; }
+
+// Partial vectors (row tails) go through a float buffer one element at a time.
+inline Vec load(const bf16* p, int64_t n) {
+  alignas(32) float tmp[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+}
+inline void store(bf16* p, const Vec& v, int64_t n) {
+  alignas(32) float tmp[kLanes];
+  v.store(tmp);
+  for (int64_t i = 0; i < n; ++i) p[i] = bf16(tmp[i]);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// bfloat16 -> float32 is exact: the 16 bits become the high half of the float.
+inline Vec load(const bf16* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+}
+// float32 bits rounded to the nearest even bfloat16, in the high half (NaN -> 0x7fc0).
+inline __m256i rounded_bits(const Vec& v) {
+  __m256 f = v;
+  __m256i u = _mm256_castps_si256(f);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+inline void store(bf16* p, const Vec& v) {
+  __m256i hi = _mm256_srli_epi32(rounded_bits(v), 16);
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0b11011000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline Vec round_to(const Vec& v, bf16*) { return Vec(_mm256_castsi256_ps(rounded_bits(v))); }
+#else
+inline Vec load(const bf16* p) { return load(p, kLanes); }
+inline void store(bf16* p, const Vec& v) { store(p, v, kLanes); }
+inline Vec round_to(const Vec& v, bf16*) {
+  alignas(32) float tmp[kLanes];
+  v.store(tmp);
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(bf16(tmp[i]));
+  return Vec::loadu(tmp);
+}
+#endif
+
+// A full vector when n == kLanes (the fast path), else a partial one.
+template <typename T>
+inline Vec load_n(const T* p, int64_t n) { return n == kLanes ? load(p) : load(p, n); }
+template <typename T>
+inline void store_n(T* p, const Vec& v, int64_t n) {
+  if (n == kLanes) store(p, v); else store(p, v, n);
+}
+
+// ``v`` rounded through the element type T (identity for float).
+template <typename T>
+inline Vec round_as(const Vec& v) { return round_to(v, static_cast<T*>(nullptr)); }
+
+// Calls ``fn.template operator()<T>()`` with T the C++ type of a float32 or bfloat16 tensor.
+#define LLMKIT_DISPATCH_FLOAT(dtype, name, ...)                                          \
+  [&] {                                                                                  \
+    if ((dtype) == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); }         \
+    if ((dtype) == at::kBFloat16) { using scalar_t = c10::BFloat16; return __VA_ARGS__(); } \
+    TORCH_CHECK(false, name ": float32 or bfloat16 expected, got ", (dtype));            \
+  }()
+
+}  // namespace llmkit_cpu

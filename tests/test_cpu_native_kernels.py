@@ -1,0 +1,225 @@
+"""llmkit's C++ CPU kernels (``llmkit.kernels.cpu_native``) against the torch op sequences they
+replace: bit for bit in bfloat16 where the kernel only fuses element-wise ops (it must round
+where Hugging Face's ops round), to float32 accuracy where it reorders a sum (attention, the
+one-row linear). Then the platform switch that hands them to the engine."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmkit.config.schema import PlatformConfig
+from llmkit.kernels import cpu_native
+from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from llmkit.platforms import CpuPlatform, CudaPlatform
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_cpu_kernels()
+
+
+def randn(*shape, dtype, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def hf_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def assert_norm_matches(out, ref):
+    if out.dtype == torch.bfloat16:
+        assert torch.equal(out, ref)  # same roundings; the float32 sum order is invisible here
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# -- element-wise fusions --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 64, 37])  # whole vectors, one vector, a ragged tail
+def test_rms_norm(ops, dtype, hidden):
+    x, w = randn(9, hidden, dtype=dtype, scale=3), randn(hidden, dtype=dtype, seed=1)
+    assert_norm_matches(ops.rms_norm(x, w, 1e-5), hf_rms_norm(x, w, 1e-5))
+    # rows of a wider tensor (strided rows) read in place
+    wide = randn(9, hidden + 8, dtype=dtype, seed=2)
+    assert_norm_matches(ops.rms_norm(wide[:, :hidden], w, 1e-6),
+                        hf_rms_norm(wide[:, :hidden], w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_the_residual_in_place(ops, dtype):
+    x, w = randn(5, 200, dtype=dtype), randn(200, dtype=dtype, seed=1)
+    residual = randn(5, 200, dtype=dtype, seed=2)
+    expected_residual = residual + x  # one bf16 rounding, like the model's residual stream
+    out = ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    assert_norm_matches(out, hf_rms_norm(expected_residual, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1536, 19])
+def test_silu_and_mul(ops, dtype, d):
+    x = randn(4, 2 * d, dtype=dtype, scale=4)
+    ref = F.silu(x[:, :d]) * x[:, d:]
+    out = ops.silu_and_mul(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:  # torch's float32 silu and ours may differ in the last bit of exp
+        torch.testing.assert_close(out, ref, rtol=2e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_the_fused_qkv_output(ops, dtype):
+    """HF's ``q * cos + rotate_half(q) * sin`` in the model's dtype, bit for bit, written into
+    the Q and K heads of a fused QKV row while V stays untouched."""
+    tokens, heads, kv_heads, d = 7, 9, 3, 64
+    qkv = randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype)
+    cos_sin = randn(tokens, d, dtype=dtype, seed=1)
+    qk = qkv[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+    cos = cos_sin[:, None, :d // 2].repeat(1, 1, 2)
+    sin = cos_sin[:, None, d // 2:].repeat(1, 1, 2)
+    expected = qk * cos + torch.cat([-qk[..., d // 2:], qk[..., :d // 2]], -1) * sin
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    ops.rotary_embedding_(qk, cos_sin)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
+
+
+# -- the paged cache ---------------------------------------------------------------------------
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(ops, slot_dtype):
+    blocks, block_size, kv_heads, d = 6, 4, 3, 8
+    cache = torch.zeros(2, blocks, block_size, kv_heads, d, dtype=torch.bfloat16)
+    # k and v as strided views into a fused QKV output, as the model hands them over
+    qkv = randn(5, 5 * kv_heads * d, dtype=torch.bfloat16)
+    k = qkv[:, 3 * kv_heads * d:4 * kv_heads * d].view(5, kv_heads, d)
+    v = qkv[:, 4 * kv_heads * d:].view(5, kv_heads, d)
+    slots = torch.tensor([17, 3, -1, 0, 23], dtype=slot_dtype)
+    ops.reshape_and_cache(k, v, cache, slots)
+    expected = torch.zeros_like(cache)
+    keep = slots >= 0
+    expected[0].view(-1, kv_heads, d)[slots[keep].long()] = k[keep]
+    expected[1].view(-1, kv_heads, d)[slots[keep].long()] = v[keep]
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.reshape_and_cache(k, v, cache, torch.tensor([0, 1, 2, 3, 24], dtype=slot_dtype))
+
+
+def sdpa_reference(q, cache, table, lens, scale):
+    """Gather each row's context through its block table, then float32 SDPA."""
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out = []
+    for b in range(q.shape[0]):
+        slots = (table[b].long()[:, None] * block_size + torch.arange(block_size)).flatten()
+        slots = slots[:int(lens[b])]
+        kc = cache[0].flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        vc = cache[1].flatten(0, 1)[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[b].float()[:, None], kc, vc,
+                                                  scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_paged_decode_attention(ops, dtype, table_dtype, heads, kv_heads):
+    blocks, block_size, d = 24, 16, 64
+    lens = torch.tensor([1, 16, 17, 100, 250])  # one token, a full block, a block + 1, ...
+    g = torch.Generator().manual_seed(3)
+    table = torch.stack([torch.randperm(blocks, generator=g)[:16] for _ in lens])
+    table = table.to(table_dtype)
+    cache = randn(2, blocks, block_size, kv_heads, d, dtype=dtype, seed=4)
+    q = randn(len(lens), heads, d, dtype=dtype, seed=5)
+    out = ops.paged_decode_attention(q, cache, table, lens, d ** -0.5)
+    ref = sdpa_reference(q, cache, table, lens, d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    else:  # float32 math, one rounding at the end: at most one bf16 step from the reference
+        torch.testing.assert_close(out.float(), ref.to(dtype).float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_paged_decode_attention_reads_q_from_a_strided_view(ops):
+    cache = randn(2, 4, 4, 2, 16, dtype=torch.float32)
+    qkv = randn(2, 8 * 16, dtype=torch.float32, seed=1)
+    q = qkv[:, :4 * 16].view(2, 4, 16)  # rows 128 apart, not 64
+    table, lens = torch.tensor([[2, 0], [1, 3]]), torch.tensor([5, 8])
+    torch.testing.assert_close(ops.paged_decode_attention(q, cache, table, lens, 0.25),
+                               sdpa_reference(q, cache, table, lens, 0.25))
+
+
+def test_paged_decode_attention_refuses_a_length_past_its_block_table(ops):
+    cache = randn(2, 4, 4, 2, 16, dtype=torch.float32)
+    q = randn(1, 2, 16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        ops.paged_decode_attention(q, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+
+
+# -- the one-row linear ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features,bias", [
+    (960, 576, False), (579, 576, True), (6, 37, False), (3, 64, True)])
+def test_linear(ops, dtype, out_features, in_features, bias):
+    """Against float64 math on the same values: as accurate as torch's own GEMV."""
+    x = randn(1, in_features, dtype=dtype)
+    w = randn(out_features, in_features, dtype=dtype, seed=1)
+    b = randn(out_features, dtype=dtype, seed=2) if bias else None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    out = ops.linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (1, out_features)
+    ours = (out.double() - exact).abs().max().item()
+    torchs = (F.linear(x, w, b).double() - exact).abs().max().item()
+    if dtype == torch.bfloat16:  # both round a float32 sum once: one bf16 step at most
+        torch.testing.assert_close(out.float(), exact.to(dtype).float(), rtol=2 ** -7, atol=0)
+    else:
+        assert ours <= max(4 * torchs, 1e-5), (ours, torchs)
+
+
+def test_wrong_dtype_is_a_clear_error(ops):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 expected"):
+        ops.silu_and_mul(torch.zeros(2, 4, dtype=torch.float16))
+
+
+# -- the platform switch -------------------------------------------------------------------
+def test_cpu_platform_hands_out_the_kernels_unless_off():
+    assert CpuPlatform(PlatformConfig(name="cpu")).native_kernels(torch.bfloat16) is not None
+    off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off"))
+    assert off.native_kernels(torch.float32) is None
+    # float16 has no kernels: auto computes with torch ops, on is refused at start-up
+    assert CpuPlatform(PlatformConfig(name="cpu")).native_kernels(torch.float16) is None
+    with pytest.raises(ValueError, match="native_kernels=on.*float16"):
+        CpuPlatform(PlatformConfig(name="cpu", native_kernels="on")).native_kernels(
+            torch.float16)
+    with pytest.raises(ValueError, match="native_kernels=on.*'cuda'"):
+        CudaPlatform(PlatformConfig(name="cuda", native_kernels="on")).native_kernels(
+            torch.float32)
+
+
+def test_a_failed_build_warns_under_auto_and_fails_under_on(monkeypatch, caplog):
+    def fail():
+        raise CpuKernelBuildError("building llmkit's CPU kernels failed: no compiler")
+
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", fail)
+    with caplog.at_level(logging.WARNING):
+        assert CpuPlatform(PlatformConfig(name="cpu")).native_kernels(torch.float32) is None
+    assert "no compiler" in caplog.text and "torch ops" in caplog.text
+    with pytest.raises(ValueError, match="native_kernels=on: building .* no compiler"):
+        CpuPlatform(PlatformConfig(name="cpu", native_kernels="on")).native_kernels(
+            torch.float32)
+
+
+def test_build_directory_is_keyed_by_sources_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path))
+    key = cpu_native._build_key(cpu_native.compile_flags())
+    assert cpu_native.build_directory(key) == tmp_path / "cpu_kernels" / key
+    assert cpu_native._build_key(["-O0"]) != key
+    assert "-ffp-contract=off" in cpu_native.compile_flags()
