@@ -24,6 +24,22 @@ inline float hsum(const Vec& v) {
   return s;
 }
 
+// The sums of four vectors' lanes.
+inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  out[0] = hsum(a0);
+  out[1] = hsum(a1);
+  out[2] = hsum(a2);
+  out[3] = hsum(a3);
+#endif
+}
+
+// Vectors of one head's output accumulated in registers at a time (64 floats with AVX2).
+constexpr int64_t kChunk = 8;
+
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
@@ -47,16 +63,29 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
       }
       scores.assign(group * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kc + static_cast<int64_t>(blocks[t / block_size]) * block +
-                     (t % block_size) * row + kvh * dim;
+      const T* krow[4];
+      for (int64_t t0 = 0; t0 < len; t0 += 4) {
+        // Four context rows at a time: four independent accumulation chains per head.
+        const int64_t nt = std::min<int64_t>(4, len - t0);
+        for (int64_t j = 0; j < 4; ++j) {
+          const int64_t t = t0 + std::min<int64_t>(j, nt - 1);
+          krow[j] = kc + static_cast<int64_t>(blocks[t / block_size]) * block +
+                    (t % block_size) * row + kvh * dim;
+        }
         for (int64_t g = 0; g < group; ++g) {
-          Vec a(0.f);
+          const float* qg = qf.data() + g * dim;
+          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
           for (int64_t d = 0; d < dim; d += kLanes) {
             const int64_t n = std::min<int64_t>(kLanes, dim - d);
-            a = a + load_n(qf.data() + g * dim + d, n) * load_n(k + d, n);
+            const Vec qv = load_n(qg + d, n);
+            a0 = at::vec::fmadd(qv, load_n(krow[0] + d, n), a0);
+            a1 = at::vec::fmadd(qv, load_n(krow[1] + d, n), a1);
+            a2 = at::vec::fmadd(qv, load_n(krow[2] + d, n), a2);
+            a3 = at::vec::fmadd(qv, load_n(krow[3] + d, n), a3);
           }
-          scores[g * len + t] = hsum(a) * scale;
+          float dots[4];
+          hsum4(a0, a1, a2, a3, dots);
+          for (int64_t j = 0; j < nt; ++j) scores[g * len + t0 + j] = dots[j] * scale;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -72,16 +101,33 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
         }
         sums[g] = hsum(total);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
-                     (t % block_size) * row + kvh * dim;
-        for (int64_t d = 0; d < dim; d += kLanes) {
-          const int64_t n = std::min<int64_t>(kLanes, dim - d);
-          const Vec vv = load_n(v + d, n);
-          for (int64_t g = 0; g < group; ++g) {
-            float* a = acc.data() + g * dim + d;
-            store_n(a, load_n(a, n) + Vec(scores[g * len + t]) * vv, n);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* p = scores.data() + g * len;
+        for (int64_t d0 = 0; d0 < dim; d0 += kChunk * kLanes) {
+          const int64_t width = std::min<int64_t>(kChunk * kLanes, dim - d0);
+          if (width == kChunk * kLanes) {
+            // Accumulators stay in registers across the whole context.
+            Vec a[kChunk];
+            for (int64_t j = 0; j < kChunk; ++j) a[j] = Vec(0.f);
+            for (int64_t t = 0; t < len; ++t) {
+              const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
+                           (t % block_size) * row + kvh * dim + d0;
+              const Vec pt(p[t]);
+              for (int64_t j = 0; j < kChunk; ++j)
+                a[j] = at::vec::fmadd(pt, load(v + j * kLanes), a[j]);
+            }
+            for (int64_t j = 0; j < kChunk; ++j) a[j].store(acc.data() + g * dim + d0 + j * kLanes);
+          } else {
+            std::fill(acc.begin() + g * dim + d0, acc.begin() + g * dim + d0 + width, 0.f);
+            for (int64_t t = 0; t < len; ++t) {
+              const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
+                           (t % block_size) * row + kvh * dim + d0;
+              for (int64_t d = 0; d < width; d += kLanes) {
+                const int64_t n = std::min<int64_t>(kLanes, width - d);
+                float* a = acc.data() + g * dim + d0 + d;
+                store_n(a, load_n(a, n) + Vec(p[t]) * load_n(v + d, n), n);
+              }
+            }
           }
         }
       }
