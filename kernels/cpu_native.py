@@ -50,7 +50,7 @@ def compile_flags() -> list[str]:
     """``-ffp-contract=off``: no fused multiply-adds where torch's element-wise ops round the
     product first (the kernels must round where the op sequence they replace rounds). AVX2
     vectors where the CPU has them (ATen's ``Vectorized`` otherwise falls back to plain loops)."""
-    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
@@ -69,6 +69,13 @@ def _build_key(flags: list[str]) -> str:
 def build_directory(key: str) -> Path:
     root = os.environ.get("LLMKIT_CACHE_DIR") or os.path.join(Path.home(), ".cache", "llmkit")
     return Path(root) / "cpu_kernels" / key
+
+
+def _first_error(exc: BaseException) -> str:
+    """The compiler's first error line, else the exception's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [repr(exc)])[0 if errors else -1]
 
 
 @functools.cache
@@ -92,7 +99,6 @@ def load_cpu_kernels():
             verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error
         raise CpuKernelBuildError(f"building llmkit's CPU kernels in {directory} failed: "
-                                  f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-                                  ) from exc
+                                  f"{_first_error(exc)}") from exc
     logger.info("llmkit CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
     return getattr(torch.ops, LIBRARY)

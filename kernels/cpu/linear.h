@@ -6,7 +6,10 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 
+#include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -58,6 +61,36 @@ inline void dot4(const float* xf, const T* w0, int64_t ws, int64_t k, float* out
   out[3] = hsum8(a3);
 }
 
+// One bf16 weight row's dot product in the order of torch's own bf16 GEMV (ATen's
+// ReducedPrecisionFloatGemvFastPathKernel, "dot_with_fp32_arith"): eight float32 accumulators
+// over 64-element blocks, element 8r + lane of each block into accumulator r, then a pairwise
+// tree over the accumulators and ATen's lane reduction; a tail of whole 16-element chunks into
+// one more accumulator, then scalars. Same order, same bits: a bf16 model decoding one row
+// gets the linear outputs Hugging Face's bf16 model gets.
+template <typename T>
+inline float dot_torch_order(const float* xf, const T* w, int64_t k, bool prefetch_next) {
+  Vec acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = Vec(0.f);
+  const int64_t main = k & ~int64_t(63);
+  for (int64_t j = 0; j < main; j += 64) {
+    if (prefetch_next) __builtin_prefetch(w + k + j);  // the next row, one block ahead
+    for (int r = 0; r < 8; ++r)
+      acc[r] = at::vec::fmadd(load(xf + j + 8 * r), load(w + j + 8 * r), acc[r]);
+  }
+  for (int offset = 4; offset >= 1; offset /= 2)
+    for (int r = 0; r < offset; ++r) acc[r] = acc[r] + acc[offset + r];
+  float sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[0]);
+  const int64_t chunks = k & ~int64_t(15);
+  Vec tail(0.f);
+  for (int64_t j = main; j < chunks; j += 16) {
+    tail = at::vec::fmadd(load(xf + j), load(w + j), tail);
+    tail = at::vec::fmadd(load(xf + j + 8), load(w + j + 8), tail);
+  }
+  sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), tail);
+  for (int64_t j = chunks; j < k; ++j) sum += xf[j] * static_cast<float>(w[j]);
+  return sum;
+}
+
 template <typename T>
 inline float dot1(const float* xf, const T* w, int64_t k) {
   Vec a(0.f);
@@ -99,7 +132,10 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
         const int64_t n = std::min<int64_t>(4, n_out - o);
         for (int64_t r = 0; r < rows; ++r) {
           const float* xr = xf.data() + r * k;
-          if (n == 4) {
+          if constexpr (std::is_same_v<scalar_t, bf16>) {
+            for (int64_t j = 0; j < n; ++j)
+              acc[j] = dot_torch_order(xr, wp + (o + j) * k, k, r == 0 && o + j + 1 < n_out);
+          } else if (n == 4) {
             dot4(xr, wp + o * k, k, k, acc, r == 0 && o + 8 <= n_out);
           } else {
             for (int64_t j = 0; j < n; ++j) acc[j] = dot1(xr, wp + (o + j) * k, k);

@@ -6,28 +6,87 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "vec.h"
 
 namespace llmkit_cpu {
 
-template <typename T>
-inline void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  Vec acc(0.f);
+// torch's cascade sum (ATen SumKernel.cpp, multi_row_sum): NR interleaved partial sums over
+// ``size`` items; every 2^level_power items, level 0 is carried into level 1, and so on.
+template <typename Acc, int NR, typename Load>
+inline void cascade_partials(int64_t size, const Load& load, Acc* out) {
+  constexpr int levels = 4;
+  int64_t log2 = 0;
+  while ((int64_t(1) << log2) < size) ++log2;
+  const int64_t power = std::max<int64_t>(4, log2 / levels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  Acc acc[levels][NR];
+  for (int l = 0; l < levels; ++l)
+    for (int k = 0; k < NR; ++k) acc[l][k] = Acc(0.f);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    Vec v = load(x + i);
-    acc = acc + v * v;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < NR; ++k) acc[0][k] = acc[0][k] + load(i * NR + k);
+    for (int l = 1; l < levels; ++l) {
+      for (int k = 0; k < NR; ++k) {
+        acc[l][k] = acc[l][k] + acc[l - 1][k];
+        acc[l - 1][k] = Acc(0.f);
+      }
+      if ((i & (mask << (l * power))) != 0) break;
+    }
   }
-  if (i < n) {
-    Vec v = load(x + i, n - i);
-    acc = acc + v * v;
+  for (; i < size; ++i)
+    for (int k = 0; k < NR; ++k) acc[0][k] = acc[0][k] + load(i * NR + k);
+  for (int l = 1; l < levels; ++l)
+    for (int k = 0; k < NR; ++k) acc[0][k] = acc[0][k] + acc[l][k];
+  for (int k = 0; k < NR; ++k) out[k] = acc[0][k];
+}
+
+// torch's row_sum: four interleaved cascades, the leftover items into the first, then the
+// four added in order.
+template <typename Acc, typename Load>
+inline Acc torch_row_sum(int64_t size, const Load& load) {
+  Acc partial[4];
+  const int64_t size_ilp = size / 4;
+  cascade_partials<Acc, 4>(size_ilp, load, partial);
+  for (int64_t i = size_ilp * 4; i < size; ++i) partial[0] = partial[0] + load(i);
+  for (int k = 1; k < 4; ++k) partial[0] = partial[0] + partial[k];
+  return partial[0];
+}
+
+// The sum of squares of a row, in the order torch's h.pow(2).sum(-1) adds them (float32
+// math): with it, mean and rsqrt -- hence the normalised row -- have the bits of Hugging
+// Face's RMSNorm.
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  if (n < kLanes) {
+    return torch_row_sum<float>(n, [x](int64_t i) {
+      const float v = static_cast<float>(x[i]);
+      return v * v;
+    });
+  }
+  const int64_t vecs = n / kLanes;
+  const Vec acc = torch_row_sum<Vec>(vecs, [x](int64_t i) {
+    const Vec v = load(x + i * kLanes);
+    return v * v;
+  });
+  float sum = 0.f;
+  for (int64_t i = vecs * kLanes; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
   }
   alignas(32) float lanes[kLanes];
   acc.store(lanes);
-  float sum = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+template <typename T>
+inline void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  const float sum = sum_of_squares(x, n);
+  int64_t i = 0;
   const Vec r(1.f / std::sqrt(sum / static_cast<float>(n) + eps));
   for (i = 0; i + kLanes <= n; i += kLanes)
     store(out + i, load(w + i) * round_as<T>(load(x + i) * r));
