@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "linear.h"
 #include "vec.h"
 
 namespace llmkit_cpu {
@@ -40,6 +42,72 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
 // Vectors of one head's output accumulated in registers at a time (64 floats with AVX2).
 constexpr int64_t kChunk = 8;
 
+// torch's CPU flash attention splits the context into blocks of this many rows (one query row).
+constexpr int64_t kSdpaKvBlock = 512;
+
+// One query head over its context in the order and roundings of torch's CPU flash attention
+// for bf16 inputs at one query token -- what Hugging Face's bf16 model runs through SDPA: per
+// 512-row block, q.k in the bf16 GEMM's dot-product order, the max, exp (ATen's exp_u20 for
+// whole vectors, std::exp for the tail) with the probabilities rounded to bf16, the running max
+// and sum rescaled, P.V in four interleaved float32 partial sums per output; the output times
+// the reciprocal of the sum, rounded once. Measured against SDPA on random inputs: 82-96% of the
+// bf16 outputs bit-equal (the rest one step apart) vs 57-73% for float32 math throughout.
+template <typename I>
+void decode_head_sdpa_order(const float* qf, const bf16* kc, const bf16* vc, const I* blocks,
+                            int64_t len, float scale, int64_t block_size, int64_t row,
+                            int64_t block, int64_t offset, int64_t dim, float* p, float* acc,
+                            bf16* dst) {
+  const auto row_ptr = [&](const bf16* base, int64_t t) {
+    return base + static_cast<int64_t>(blocks[t / block_size]) * block + (t % block_size) * row +
+           offset;
+  };
+  float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
+  std::fill(acc, acc + dim, 0.f);
+  for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
+    const int64_t nl = std::min(kSdpaKvBlock, len - n0);
+    for (int64_t l = 0; l < nl; ++l)
+      p[l] = dot_torch_order(qf, row_ptr(kc, n0 + l), dim, false) * scale;
+    const float new_max = std::max(*std::max_element(p, p + nl), run_max);
+    Vec vsum(0.f);
+    const int64_t whole = nl - nl % kLanes;
+    for (int64_t l = 0; l < whole; l += kLanes) {
+      const Vec e = (load(p + l) - Vec(new_max)).exp_u20();
+      vsum = vsum + e;
+      store(p + l, round_as<bf16>(e));
+    }
+    float block_sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+    for (int64_t l = whole; l < nl; ++l) {
+      const float e = std::exp(p[l] - new_max);
+      block_sum += e;
+      p[l] = static_cast<float>(bf16(e));
+    }
+    const float rescale = std::exp(run_max - new_max);
+    run_max = new_max;
+    if (n0 > 0)
+      for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] * rescale;
+    run_sum = run_sum * rescale + block_sum;
+    const int64_t nl4 = nl & ~int64_t(3);
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, dim - d);
+      Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+      for (int64_t l = 0; l < nl4; l += 4) {
+        s0 = s0 + load_n(row_ptr(vc, n0 + l) + d, n) * Vec(p[l]);
+        s1 = s1 + load_n(row_ptr(vc, n0 + l + 1) + d, n) * Vec(p[l + 1]);
+        s2 = s2 + load_n(row_ptr(vc, n0 + l + 2) + d, n) * Vec(p[l + 2]);
+        s3 = s3 + load_n(row_ptr(vc, n0 + l + 3) + d, n) * Vec(p[l + 3]);
+      }
+      for (int64_t l = nl4; l < nl; ++l) s0 = s0 + load_n(row_ptr(vc, n0 + l) + d, n) * Vec(p[l]);
+      const Vec dotv = ((s0 + s1) + s2) + s3;
+      store_n(acc + d, n0 > 0 ? load_n(acc + d, n) + dotv : dotv, n);
+    }
+  }
+  const Vec inv(len > 0 ? 1.f / run_sum : 0.f);
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, dim - d);
+    store_n(dst + d, load_n(acc + d, n) * inv, n);
+  }
+}
+
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
@@ -61,6 +129,15 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * qs0 + (kvh * group + g) * qs1;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
+      }
+      if constexpr (std::is_same_v<T, bf16>) {
+        scores.resize(std::min(len, kSdpaKvBlock));
+        for (int64_t g = 0; g < group; ++g)
+          decode_head_sdpa_order(qf.data() + g * dim, kc, vc, blocks, len, scale, block_size,
+                                 row, block, kvh * dim, dim, scores.data(),
+                                 acc.data() + g * dim,
+                                 op + (b * heads + kvh * group + g) * dim);
+        continue;
       }
       scores.assign(group * len, 0.f);
       const T* krow[4];
