@@ -35,14 +35,17 @@ class CpuKernelBuildError(RuntimeError):
     """The C++ kernels could not be built or loaded here (the message says why)."""
 
 
-def _cpu_flags() -> frozenset[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this machine's CPU (``/proc/cpuinfo``; empty elsewhere).
+    The kernels are compiled for them, and the ``cpu`` platform reads them too."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        pass
+        return frozenset()
     return frozenset()
 
 
@@ -51,7 +54,7 @@ def compile_flags() -> list[str]:
     product first (the kernels must round where the op sequence they replace rounds). AVX2
     vectors where the CPU has them (ATen's ``Vectorized`` otherwise falls back to plain loops)."""
     flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
-    if {"avx2", "fma"} <= _cpu_flags():
+    if {"avx2", "fma"} <= cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 

@@ -1,26 +1,14 @@
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
 import torch
 
+from llmkit.kernels.cpu_native import cpu_flags
 from llmkit.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def has_native_bf16() -> bool:

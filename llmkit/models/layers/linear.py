@@ -63,8 +63,9 @@ class Linear(nn.Module):
 
     def use_native_kernels(self, kernels) -> None:
         """One row (batch-1 decoding) through the C++ GEMV, which streams the weight in its own
-        dtype at close to memory bandwidth (~2x torch's bf16 and float32 GEMVs on the AVX2
-        machine; from two rows on oneDNN/MKL keep the work)."""
+        dtype (a whole model's weights at 16-20 GB/s in bf16 and 21-25 GB/s in float32 on the
+        2-core AVX2 machine, vs ~14 GB/s for torch's GEMVs); from two rows on oneDNN/MKL keep
+        the work."""
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
