@@ -4,12 +4,15 @@ Eager torch spends most of a small model's decode step outside its matmuls: a Ll
 ~50 small ops (RMSNorm alone is eight), each paying Python and dispatcher overhead, and small
 decode batches' attention gathers the context into a padded copy first. These kernels fuse each
 of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``,
-``rotary_embedding_`` (in place), ``reshape_and_cache`` and ``paged_decode_attention`` (reads
-K/V through the block table in place). Each rounds to the model's dtype exactly where Hugging
-Face's op sequence does, so bf16 results keep its bits (up to the order of a sum).
+``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
+K/V through the block table in place) and a one-row ``linear`` (batch-1 decoding's GEMV).
+Each rounds to the model's dtype exactly where the torch ops of Hugging Face's model round, and
+where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 one-row
+linear give their bits; bf16 decode attention follows SDPA's flash kernel (most outputs
+bit-equal, the rest a bf16 step away); float32 attention and linears reorder sums only.
 
-They are built on first use with torch's C++ extension builder (a C++17 compiler and ninja;
-~1 minute on 2 cores) into ``~/.cache/llmkit/cpu_kernels/<key>`` (``LLMKIT_CACHE_DIR``
+They are built on first use with torch's C++ extension builder (a C++ compiler and ninja;
+~20 s on 2 cores) into ``~/.cache/llmkit/cpu_kernels/<key>`` (``LLMKIT_CACHE_DIR``
 moves it), keyed by the sources, torch's version and the compile flags; later processes load
 the built library in milliseconds. The platform decides whether they are used
 (``platform.native_kernels``).
