@@ -28,8 +28,10 @@ WORKLOADS = {
     "C": ["bench.num_requests=128", "bench.hf_batch_size=32", "bench.input_len=528",
           "bench.output_len=264", "bench.range_ratio=0.94"],
 }
-# (native bf16 CPU: the targets, float32 elsewhere: measured level minus a margin)
-FLOORS = {"A": (2.9, 1.3), "B": (2.2, 1.3), "C": (None, 1.3)}
+# (native bf16 CPU: the targets, float32 elsewhere: measured level minus a margin).
+# B in float32 measured 1.8-2.1x with the C++ CPU kernels, 1.05-1.2x without: its floor of 1.5
+# also catches a silent fall back to torch ops.
+FLOORS = {"A": (2.9, 1.3), "B": (2.2, 1.5), "C": (None, 1.3)}
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
