@@ -1,8 +1,9 @@
 // Decode attention over the paged KV cache: one query token per sequence reads its K/V rows in
-// place through the block table (no gathered copy of the context). Math in float32, like
-// SDPA's CPU kernel: scores, an exact softmax (max-subtracted), then the weighted sum of V,
-// rounded once to q's dtype. One task per (sequence, KV head); its grouped query heads share
-// every K/V row they load.
+// place through the block table (no gathered copy of the context). One task per (sequence, KV
+// head): the block table is read once into the head's row pointers, and its grouped query
+// heads share every K/V row they load. bf16 follows torch's bf16 flash SDPA step by step
+// (decode_head_sdpa_order); float32 is plain float32 math (scores, an exact max-subtracted
+// softmax, the weighted sum of V).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -18,24 +19,16 @@
 
 namespace llmkit_cpu {
 
-inline float hsum(const Vec& v) {
-  alignas(32) float lanes[kLanes];
-  v.store(lanes);
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
-  return s;
-}
-
 // The sums of four vectors' lanes.
 inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
 #if defined(CPU_CAPABILITY_AVX2)
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else
-  out[0] = hsum(a0);
-  out[1] = hsum(a1);
-  out[2] = hsum(a2);
-  out[3] = hsum(a3);
+  out[0] = lane_sum(a0);
+  out[1] = lane_sum(a1);
+  out[2] = lane_sum(a2);
+  out[3] = lane_sum(a3);
 #endif
 }
 
@@ -104,6 +97,75 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
   }
 }
 
+// The float32 path for one KV head's group of query heads (qf [group, dim]); p holds
+// group * len scores, acc group * dim outputs.
+inline void decode_group_float32(const float* qf, const float* const* krows,
+                                 const float* const* vrows, int64_t len, int64_t group,
+                                 int64_t dim, float scale, float* p, float* acc, float* dst) {
+  for (int64_t t0 = 0; t0 < len; t0 += 4) {
+    // Four context rows at a time: four independent accumulation chains per head.
+    const int64_t nt = std::min<int64_t>(4, len - t0);
+    const float* k[4];
+    for (int64_t j = 0; j < 4; ++j) k[j] = krows[t0 + std::min<int64_t>(j, nt - 1)];
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * dim;
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const int64_t n = std::min<int64_t>(kLanes, dim - d);
+        const Vec qv = load_n(qg + d, n);
+        a0 = at::vec::fmadd(qv, load_n(k[0] + d, n), a0);
+        a1 = at::vec::fmadd(qv, load_n(k[1] + d, n), a1);
+        a2 = at::vec::fmadd(qv, load_n(k[2] + d, n), a2);
+        a3 = at::vec::fmadd(qv, load_n(k[3] + d, n), a3);
+      }
+      float dots[4];
+      hsum4(a0, a1, a2, a3, dots);
+      for (int64_t j = 0; j < nt; ++j) p[g * len + t0 + j] = dots[j] * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = p + g * len;
+    const float m = *std::max_element(s, s + len);
+    Vec total(0.f);
+    for (int64_t t = 0; t < len; t += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, len - t);
+      Vec e = (load_n(s + t, n) - Vec(m)).exp();
+      if (n < kLanes) e = Vec::set(Vec(0.f), e, n);  // the padding lanes add nothing
+      store_n(s + t, e, n);
+      total = total + e;
+    }
+    const float* pg = s;
+    float* ag = acc + g * dim;
+    for (int64_t d0 = 0; d0 < dim; d0 += kChunk * kLanes) {
+      const int64_t width = std::min<int64_t>(kChunk * kLanes, dim - d0);
+      if (width == kChunk * kLanes) {
+        // Accumulators stay in registers across the whole context.
+        Vec a[kChunk];
+        for (int64_t j = 0; j < kChunk; ++j) a[j] = Vec(0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const Vec pt(pg[t]);
+          for (int64_t j = 0; j < kChunk; ++j)
+            a[j] = at::vec::fmadd(pt, load(vrows[t] + d0 + j * kLanes), a[j]);
+        }
+        for (int64_t j = 0; j < kChunk; ++j) a[j].store(ag + d0 + j * kLanes);
+      } else {
+        std::fill(ag + d0, ag + d0 + width, 0.f);
+        for (int64_t t = 0; t < len; ++t)
+          for (int64_t d = 0; d < width; d += kLanes) {
+            const int64_t n = std::min<int64_t>(kLanes, width - d);
+            store_n(ag + d0 + d, load_n(ag + d0 + d, n) + Vec(pg[t]) * load_n(vrows[t] + d0 + d, n),
+                    n);
+          }
+      }
+    }
+    const Vec inv(len > 0 ? 1.f / lane_sum(total) : 0.f);
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, dim - d);
+      store_n(dst + g * dim + d, load_n(ag + d, n) * inv, n);
+    }
+  }
+}
+
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
@@ -118,7 +180,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores, sums(group);
+    std::vector<float> qf(group * dim), acc(group * dim), scores;
     std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
@@ -127,98 +189,24 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
         const T* src = qp + b * qs0 + (kvh * group + g) * qs1;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
       }
+      krows.resize(len);
+      vrows.resize(len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t at = static_cast<int64_t>(blocks[t / block_size]) * block +
+                           (t % block_size) * row + kvh * dim;
+        krows[t] = kc + at;
+        vrows[t] = vc + at;
+      }
+      T* dst = op + (b * heads + kvh * group) * dim;
       if constexpr (std::is_same_v<T, bf16>) {
         scores.resize(std::min(len, kSdpaKvBlock));
-        krows.resize(len);
-        vrows.resize(len);
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t at = static_cast<int64_t>(blocks[t / block_size]) * block +
-                             (t % block_size) * row + kvh * dim;
-          krows[t] = kc + at;
-          vrows[t] = vc + at;
-        }
         for (int64_t g = 0; g < group; ++g)
           decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
-                                 dim, scores.data(), acc.data() + g * dim,
-                                 op + (b * heads + kvh * group + g) * dim);
-        continue;
-      }
-      scores.assign(group * len, 0.f);
-      const T* krow[4];
-      for (int64_t t0 = 0; t0 < len; t0 += 4) {
-        // Four context rows at a time: four independent accumulation chains per head.
-        const int64_t nt = std::min<int64_t>(4, len - t0);
-        for (int64_t j = 0; j < 4; ++j) {
-          const int64_t t = t0 + std::min<int64_t>(j, nt - 1);
-          krow[j] = kc + static_cast<int64_t>(blocks[t / block_size]) * block +
-                    (t % block_size) * row + kvh * dim;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-          for (int64_t d = 0; d < dim; d += kLanes) {
-            const int64_t n = std::min<int64_t>(kLanes, dim - d);
-            const Vec qv = load_n(qg + d, n);
-            a0 = at::vec::fmadd(qv, load_n(krow[0] + d, n), a0);
-            a1 = at::vec::fmadd(qv, load_n(krow[1] + d, n), a1);
-            a2 = at::vec::fmadd(qv, load_n(krow[2] + d, n), a2);
-            a3 = at::vec::fmadd(qv, load_n(krow[3] + d, n), a3);
-          }
-          float dots[4];
-          hsum4(a0, a1, a2, a3, dots);
-          for (int64_t j = 0; j < nt; ++j) scores[g * len + t0 + j] = dots[j] * scale;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float m = *std::max_element(s, s + len);
-        Vec total(0.f);
-        for (int64_t t = 0; t < len; t += kLanes) {
-          const int64_t n = std::min<int64_t>(kLanes, len - t);
-          Vec e = (load_n(s + t, n) - Vec(m)).exp();
-          if (n < kLanes) e = Vec::set(Vec(0.f), e, n);  // the padding lanes add nothing
-          store_n(s + t, e, n);
-          total = total + e;
-        }
-        sums[g] = hsum(total);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float* p = scores.data() + g * len;
-        for (int64_t d0 = 0; d0 < dim; d0 += kChunk * kLanes) {
-          const int64_t width = std::min<int64_t>(kChunk * kLanes, dim - d0);
-          if (width == kChunk * kLanes) {
-            // Accumulators stay in registers across the whole context.
-            Vec a[kChunk];
-            for (int64_t j = 0; j < kChunk; ++j) a[j] = Vec(0.f);
-            for (int64_t t = 0; t < len; ++t) {
-              const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
-                           (t % block_size) * row + kvh * dim + d0;
-              const Vec pt(p[t]);
-              for (int64_t j = 0; j < kChunk; ++j)
-                a[j] = at::vec::fmadd(pt, load(v + j * kLanes), a[j]);
-            }
-            for (int64_t j = 0; j < kChunk; ++j) a[j].store(acc.data() + g * dim + d0 + j * kLanes);
-          } else {
-            std::fill(acc.begin() + g * dim + d0, acc.begin() + g * dim + d0 + width, 0.f);
-            for (int64_t t = 0; t < len; ++t) {
-              const T* v = vc + static_cast<int64_t>(blocks[t / block_size]) * block +
-                           (t % block_size) * row + kvh * dim + d0;
-              for (int64_t d = 0; d < width; d += kLanes) {
-                const int64_t n = std::min<int64_t>(kLanes, width - d);
-                float* a = acc.data() + g * dim + d0 + d;
-                store_n(a, load_n(a, n) + Vec(p[t]) * load_n(v + d, n), n);
-              }
-            }
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + (b * heads + kvh * group + g) * dim;
-        const Vec inv(len > 0 ? 1.f / sums[g] : 0.f);
-        for (int64_t d = 0; d < dim; d += kLanes) {
-          const int64_t n = std::min<int64_t>(kLanes, dim - d);
-          store_n(dst + d, load_n(acc.data() + g * dim + d, n) * inv, n);
-        }
+                                 dim, scores.data(), acc.data() + g * dim, dst + g * dim);
+      } else {
+        scores.resize(group * len);
+        decode_group_float32(qf.data(), krows.data(), vrows.data(), len, group, dim, scale,
+                             scores.data(), acc.data(), dst);
       }
     }
   });

@@ -16,13 +16,6 @@
 
 namespace llmkit_cpu {
 
-inline float hsum8(const Vec& v) {
-  alignas(32) float lanes[kLanes];
-  v.store(lanes);
-  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-}
-
 // Four outputs (rows w0..w3 of W) for one input row xf (float32, length k).
 template <typename T>
 inline void dot4(const float* xf, const T* w0, int64_t ws, int64_t k, float* out,
@@ -55,10 +48,10 @@ inline void dot4(const float* xf, const T* w0, int64_t ws, int64_t k, float* out
     a2 = at::vec::fmadd(xv, load(w2 + i, n), a2);
     a3 = at::vec::fmadd(xv, load(w3 + i, n), a3);
   }
-  out[0] = hsum8(a0);
-  out[1] = hsum8(a1);
-  out[2] = hsum8(a2);
-  out[3] = hsum8(a3);
+  out[0] = lane_sum(a0);
+  out[1] = lane_sum(a1);
+  out[2] = lane_sum(a2);
+  out[3] = lane_sum(a3);
 }
 
 // One bf16 weight row's dot product in the order of torch's own bf16 GEMV (ATen's
@@ -97,7 +90,7 @@ inline float dot1(const float* xf, const T* w, int64_t k) {
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) a = at::vec::fmadd(load(xf + i), load(w + i), a);
   if (i < k) a = at::vec::fmadd(load(xf + i, k - i), load(w + i, k - i), a);
-  return hsum8(a);
+  return lane_sum(a);
 }
 
 // x [rows, in] (contiguous rows), weight [out, in] contiguous, bias [out] or undefined; all of

@@ -86,9 +86,9 @@ inline float sum_of_squares(const T* x, int64_t n) {
 template <typename T>
 inline void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   const float sum = sum_of_squares(x, n);
-  int64_t i = 0;
   const Vec r(1.f / std::sqrt(sum / static_cast<float>(n) + eps));
-  for (i = 0; i + kLanes <= n; i += kLanes)
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
     store(out + i, load(w + i) * round_as<T>(load(x + i) * r));
   if (i < n) store(out + i, load(w + i, n - i) * round_as<T>(load(x + i, n - i) * r), n - i);
 }

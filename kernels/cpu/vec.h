@@ -81,6 +81,16 @@ inline void store_n(T* p, const Vec& v, int64_t n) {
   if (n == kLanes) store(p, v); else store(p, v, n);
 }
 
+// The sum of a vector's lanes: ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)).
+inline float lane_sum(const Vec& v) {
+  alignas(32) float l[kLanes];
+  v.store(l);
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes / 2; i += 2)
+    s += (l[i] + l[i + kLanes / 2]) + (l[i + 1] + l[i + 1 + kLanes / 2]);
+  return s;
+}
+
 // ``v`` rounded through the element type T (identity for float).
 template <typename T>
 inline Vec round_as(const Vec& v) { return round_to(v, static_cast<T*>(nullptr)); }
