@@ -55,7 +55,7 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
   for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
     const int64_t nl = std::min(kSdpaKvBlock, len - n0);
     for (int64_t l = 0; l < nl; ++l)
-      p[l] = dot_torch_order(qf, row_ptr(krows, n0 + l), dim, false) * scale;
+      p[l] = dot_torch_order(qf, row_ptr(krows, n0 + l), dim, nullptr) * scale;
     const float new_max = std::max(*std::max_element(p, p + nl), run_max);
     Vec vsum(0.f);
     const int64_t whole = nl - nl % kLanes;
