@@ -150,6 +150,25 @@ def test_paged_decode_attention(ops, dtype, table_dtype, heads, kv_heads):
         assert (out == sdpa).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64])
+def test_paged_decode_attention_one_sequence_gives_its_bits_in_a_batch(ops, dtype, lens_dtype):
+    """One sequence splits its work per query head (3 KV heads would leave a thread idle);
+    a batch splits per KV head. Same math per head, so the same bits."""
+    lens = torch.tensor([300, 37, 90, 5], dtype=lens_dtype)
+    table = torch.stack([torch.randperm(24, generator=torch.Generator().manual_seed(i))
+                         for i in range(4)])
+    cache = randn(2, 24, 16, 3, 64, dtype=dtype, seed=8)
+    q = randn(4, 9, 64, dtype=dtype, seed=9)
+    batched = ops.paged_decode_attention(q, cache, table, lens, 0.125)
+    for b in range(4):
+        alone = ops.paged_decode_attention(q[b:b + 1], cache, table[b:b + 1], lens[b:b + 1],
+                                           0.125)
+        assert torch.equal(alone, batched[b:b + 1])
+    torch.testing.assert_close(batched.float(), sdpa_reference(q, cache, table, lens, 0.125),
+                               rtol=2 ** -6, atol=2 ** -9)
+
+
 def test_paged_decode_attention_bf16_past_one_sdpa_block(ops):
     """Contexts longer than SDPA's 512-row blocks: the running max and sum are rescaled."""
     lens = torch.tensor([513, 700, 1024])

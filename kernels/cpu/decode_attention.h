@@ -179,14 +179,20 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+  // A task is one KV head's group of query heads (they share every K/V row loaded) -- or, with
+  // too few of those to keep the threads evenly busy (one sequence: 3 KV heads on 2 threads),
+  // one query head. Each head's math is the same either way.
+  const int64_t parts = batch * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
+  const int64_t per_part = group / parts;
+  at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per_part * dim), acc(per_part * dim), scores;
     std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
+      const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
+      const int64_t h0 = kvh * group + task % parts * per_part, len = lens[b];
       const I* blocks = table + b * table_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + b * qs0 + (kvh * group + g) * qs1;
+      for (int64_t g = 0; g < per_part; ++g) {
+        const T* src = qp + b * qs0 + (h0 + g) * qs1;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
       }
       krows.resize(len);
@@ -197,15 +203,15 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
         krows[t] = kc + at;
         vrows[t] = vc + at;
       }
-      T* dst = op + (b * heads + kvh * group) * dim;
+      T* dst = op + (b * heads + h0) * dim;
       if constexpr (std::is_same_v<T, bf16>) {
         scores.resize(std::min(len, kSdpaKvBlock));
-        for (int64_t g = 0; g < group; ++g)
+        for (int64_t g = 0; g < per_part; ++g)
           decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
                                  dim, scores.data(), acc.data() + g * dim, dst + g * dim);
       } else {
-        scores.resize(group * len);
-        decode_group_float32(qf.data(), krows.data(), vrows.data(), len, group, dim, scale,
+        scores.resize(per_part * len);
+        decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
                              scores.data(), acc.data(), dst);
       }
     }
@@ -228,8 +234,15 @@ inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
               block_table.stride(1) == 1 && seq_lens.numel() == q.size(0),
               "paged_decode_attention: block_table [batch, blocks] and seq_lens [batch]");
-  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  TORCH_CHECK(seq_lens.is_contiguous() && (seq_lens.scalar_type() == at::kInt ||
+              seq_lens.scalar_type() == at::kLong),
+              "paged_decode_attention: seq_lens must be contiguous int32 or int64");
+  // Read in place: a converted copy per layer cost more than the attention of a short context.
+  std::vector<int64_t> lens(q.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b)
+    lens[b] = seq_lens.scalar_type() == at::kInt ? seq_lens.const_data_ptr<int32_t>()[b]
+                                                 : seq_lens.const_data_ptr<int64_t>()[b];
+  const int64_t* lp = lens.data();
   for (int64_t b = 0; b < q.size(0); ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= block_table.size(1) * kv_cache.size(2),
                 "paged_decode_attention: seq_lens[", b, "] = ", lp[b],
