@@ -78,6 +78,7 @@ class PagedRun:
             block_table=torch.tensor(tables, dtype=torch.int32),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
+        md = self.model.attn_backend.build_metadata(md)  # once per step, as the runner does
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
             logits = self.model.compute_logits(hidden)
@@ -172,6 +173,49 @@ def test_single_sequence_decode_matches_hf(case, kernels):
     assert_close(run.step({0: seq[:p0]})[0], case.ref[1][:p0])
     for t in range(p0, len(seq)):
         assert_close(run.step({0: seq[t:t + 1]})[0], case.ref[1][t:t + 1])
+
+
+class CountingKernels:
+    """``torch.ops.llmkit_cpu`` with a count of whole-layer calls."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels, self.layer_calls = kernels, 0
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def llama_decode_layer(self, *args):
+        self.layer_calls += 1
+        return self.kernels.llama_decode_layer(*args)
+
+
+def test_one_row_decode_runs_each_layer_as_one_kernel_call(case):
+    """With the C++ kernels a step of one decoding row runs each decoder layer as one call
+    (``llama_decode_layer``): the kernels of the layer's Python path in its order, so the
+    logits are the same bits as that path's (and so as close to HF)."""
+    model = case.models["native"]
+    layers = model.model.layers
+    if layers[0].self_attn.q_norm is not None:
+        assert all(layer.kernels is None for layer in layers)  # Qwen3's q/k norms: per op
+        pytest.skip("per-head q/k norms run through the per-op path")
+    native = layers[0].kernels
+    seq, p0 = case.seqs[1], PROMPT_LENS[1]
+    logits = {}
+    for path in ("one call", "per op"):
+        counting = CountingKernels(native)
+        for layer in layers:
+            layer.use_native_kernels(counting if path == "one call" else None)
+        try:
+            run = PagedRun(model, 1, len(seq))
+            run.step({0: seq[:p0]})
+            logits[path] = [run.step({0: seq[t:t + 1]})[0] for t in range(p0, len(seq))]
+        finally:
+            for layer in layers:
+                layer.use_native_kernels(native)
+        steps = len(seq) - p0
+        assert counting.layer_calls == (steps * len(layers) if path == "one call" else 0)
+    for fused, per_op in zip(logits["one call"], logits["per op"]):
+        assert torch.equal(fused, per_op)
 
 
 def test_model_layout_facts(case):

@@ -64,6 +64,13 @@ class AttentionBackend(ABC):
         them takes them here; the others (the portable torch reference, Triton) keep their own
         kernels."""
 
+    def native_decode_args(self, metadata: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(slot_mapping, block_table, seq_lens)`` for the C++ kernels' paged decode
+        attention when every row of this step decodes through them (a model may then run a
+        whole layer as one kernel call); None otherwise, and the model calls ``forward``."""
+        return None
+
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """Called once the KV cache exists: compile or load kernels here, not in the first
         steps (the default has nothing to prepare)."""

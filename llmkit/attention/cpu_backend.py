@@ -163,6 +163,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 
+    def native_decode_args(self, metadata: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if (self._native is None or not isinstance(metadata, CpuAttentionMetadata)
+                or not metadata.all_decode):
+            return None
+        d = metadata.decode
+        return metadata.slot_mapping[:metadata.num_actual_tokens], d.block_table, d.seq_lens
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, CpuAttentionMetadata):

@@ -113,6 +113,34 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.kernels = None  # torch.ops.llmkit_cpu: the whole layer as one call at one row
+        self._decode_args: tuple | None = None
+
+    def use_native_kernels(self, kernels) -> None:
+        """Run the layer as one C++ call (``llama_decode_layer``) when one token decodes: the
+        same kernels in the same order as ``forward``, without ~20 Python-dispatched ops. Not
+        for per-head q/k norms (Qwen3), which that kernel does not apply."""
+        self.kernels = kernels if self.self_attn.q_norm is None else None
+        self._decode_args = None
+
+    def forward_decode_native(self, x: torch.Tensor, residual: torch.Tensor, first: bool,
+                              rope: RotaryTables, kv_cache: torch.Tensor,
+                              paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                              ) -> torch.Tensor:
+        """``forward`` for one decoding row through the C++ kernels; ``paged`` is the attention
+        backend's ``native_decode_args``. ``residual`` is updated in place (with ``first`` it is
+        ``x``); returns the MLP output."""
+        if self._decode_args is None:  # the loaded parameters, gathered once
+            attn, mlp = self.self_attn, self.mlp
+            self._decode_args = (
+                self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                attn.o_proj.weight, attn.o_proj.bias, self.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight,
+                mlp.down_proj.bias, self.input_layernorm.eps)
+        attn = self.self_attn
+        return self.kernels.llama_decode_layer(
+            x, residual, first, *self._decode_args, rope.cos_sin, kv_cache, *paged,
+            attn.num_heads, attn.num_kv_heads, attn.scale)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables,
                 kv_cache: torch.Tensor,
@@ -144,6 +172,14 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions)
+        first = self.layers[0]
+        if first.kernels is not None and x.shape[0] == 1:
+            paged = first.self_attn.attn_backend.native_decode_args(attn_metadata)
+            if paged is not None:
+                residual = x
+                for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                    x = layer.forward_decode_native(x, residual, i == 0, rope, kv_cache, paged)
+                return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
