@@ -198,24 +198,40 @@ def test_paged_decode_attention_refuses_a_length_past_its_block_table(ops):
         ops.paged_decode_attention(q, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
 
 
-# -- the one-row linear ------------------------------------------------------------------------
+# -- the small-batch linear ----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("out_features,in_features,bias", [
     (960, 576, False), (579, 576, True), (6, 37, False), (3, 64, True)])
-def test_linear(ops, dtype, out_features, in_features, bias):
-    """Against float64 math on the same values: as accurate as torch's own GEMV."""
-    x = randn(1, in_features, dtype=dtype)
+def test_linear(ops, dtype, rows, out_features, in_features, bias):
+    """Against float64 math on the same values: as accurate as torch's own GEMV. Rows are read
+    from a wider tensor (strided rows), and pairs of them share each weight load."""
+    x = randn(rows, in_features + 3, dtype=dtype)[:, :in_features]
     w = randn(out_features, in_features, dtype=dtype, seed=1)
     b = randn(out_features, dtype=dtype, seed=2) if bias else None
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     out = ops.linear(x, w, b)
-    assert out.dtype == dtype and out.shape == (1, out_features)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
     ours = (out.double() - exact).abs().max().item()
     torchs = (F.linear(x, w, b).double() - exact).abs().max().item()
     if dtype == torch.bfloat16:  # both round a float32 sum once: one bf16 step at most
         torch.testing.assert_close(out.float(), exact.to(dtype).float(), rtol=2 ** -7, atol=0)
     else:
         assert ours <= max(4 * torchs, 1e-5), (ours, torchs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_their_batch(ops, dtype):
+    """From two rows on, a row's outputs are the same bits whether it was paired with another
+    row or computed alone (in float32 also at one row; one bf16 row takes torch's GEMV order)."""
+    x = randn(5, 576, dtype=dtype)
+    w = randn(579, 576, dtype=dtype, seed=1)
+    full = ops.linear(x, w, None)  # rows 0-1 and 2-3 paired, row 4 alone
+    assert torch.equal(ops.linear(x[3:5], w, None), full[3:5])  # row 3 alone before, paired now
+    assert torch.equal(ops.linear(x[1:4], w, None), full[1:4])
+    if dtype == torch.float32:
+        for r in range(5):
+            assert torch.equal(ops.linear(x[r:r + 1], w, None), full[r:r + 1])
 
 
 def test_wrong_dtype_is_a_clear_error(ops):

@@ -189,8 +189,9 @@ class CountingKernels:
         return self.kernels.llama_decode_layer(*args)
 
 
-def test_one_row_decode_runs_each_layer_as_one_kernel_call(case):
-    """With the C++ kernels a step of one decoding row runs each decoder layer as one call
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_decode_runs_each_layer_as_one_kernel_call(case, num_seqs):
+    """With the C++ kernels a step of a few decoding rows runs each decoder layer as one call
     (``llama_decode_layer``): the kernels of the layer's Python path in its order, so the
     logits are the same bits as that path's (and so as close to HF)."""
     model = case.models["native"]
@@ -199,23 +200,28 @@ def test_one_row_decode_runs_each_layer_as_one_kernel_call(case):
         assert all(layer.kernels is None for layer in layers)  # Qwen3's q/k norms: per op
         pytest.skip("per-head q/k norms run through the per-op path")
     native = layers[0].kernels
-    seq, p0 = case.seqs[1], PROMPT_LENS[1]
+    seqs = case.seqs[:num_seqs]
+    prompt = min(PROMPT_LENS[:num_seqs])
+    steps = min(map(len, seqs)) - prompt
     logits = {}
     for path in ("one call", "per op"):
         counting = CountingKernels(native)
         for layer in layers:
             layer.use_native_kernels(counting if path == "one call" else None)
         try:
-            run = PagedRun(model, 1, len(seq))
-            run.step({0: seq[:p0]})
-            logits[path] = [run.step({0: seq[t:t + 1]})[0] for t in range(p0, len(seq))]
+            run = PagedRun(model, num_seqs, max(map(len, seqs)))
+            run.step({i: s[:prompt] for i, s in enumerate(seqs)})
+            logits[path] = [run.step({i: s[t:t + 1] for i, s in enumerate(seqs)})
+                            for t in range(prompt, prompt + steps)]
         finally:
             for layer in layers:
                 layer.use_native_kernels(native)
-        steps = len(seq) - p0
         assert counting.layer_calls == (steps * len(layers) if path == "one call" else 0)
-    for fused, per_op in zip(logits["one call"], logits["per op"]):
-        assert torch.equal(fused, per_op)
+    for t, fused, per_op in zip(range(prompt, prompt + steps), logits["one call"],
+                                logits["per op"]):
+        for i in range(num_seqs):
+            assert torch.equal(fused[i], per_op[i])
+            assert_close(fused[i], case.ref[i][t:t + 1])
 
 
 def test_model_layout_facts(case):

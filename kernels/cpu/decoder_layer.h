@@ -1,8 +1,9 @@
-// A whole Llama-family decoder layer for one decoding token, as one call: the same kernels in
-// the same order as the layer's Python path (norm, QKV, rotary, KV write, paged attention, O,
-// residual norm, gate/up, SiLU, down), so the same bits. At one row a layer's eleven kernels
-// and ~20 tensor views cost more to dispatch from Python (~100 us a layer on the 2-core AVX2
-// machine) than most of them take to run; from C++ the views are a few hundred ns.
+// A whole Llama-family decoder layer for a step of decoding rows (one token each) as one
+// call: the same kernels in the same order as the layer's Python path (norm, QKV, rotary, KV
+// write, paged attention, O, residual norm, gate/up, SiLU, down), so the same bits. At a few
+// rows a layer's eleven kernels and ~20 tensor views cost more to dispatch from Python (~100 us
+// a layer on the 2-core AVX2 machine) than most of them take to run; from C++ the views cost a
+// few hundred ns.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -117,9 +117,10 @@ class LlamaDecoderLayer(nn.Module):
         self._decode_args: tuple | None = None
 
     def use_native_kernels(self, kernels) -> None:
-        """Run the layer as one C++ call (``llama_decode_layer``) when one token decodes: the
-        same kernels in the same order as ``forward``, without ~20 Python-dispatched ops. Not
-        for per-head q/k norms (Qwen3), which that kernel does not apply."""
+        """Run the layer as one C++ call (``llama_decode_layer``) when every row of a step
+        decodes and there are at most ``Linear.native_max_rows``: the same kernels in the same
+        order as ``forward``, without ~20 Python-dispatched ops. Not for per-head q/k norms
+        (Qwen3), which that kernel does not apply."""
         self.kernels = kernels if self.self_attn.q_norm is None else None
         self._decode_args = None
 
@@ -127,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
                               rope: RotaryTables, kv_cache: torch.Tensor,
                               paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                               ) -> torch.Tensor:
-        """``forward`` for one decoding row through the C++ kernels; ``paged`` is the attention
+        """``forward`` for decoding rows through the C++ kernels; ``paged`` is the attention
         backend's ``native_decode_args``. ``residual`` is updated in place (with ``first`` it is
         ``x``); returns the MLP output."""
         if self._decode_args is None:  # the loaded parameters, gathered once
@@ -173,7 +174,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions)
         first = self.layers[0]
-        if first.kernels is not None and x.shape[0] == 1:
+        if first.kernels is not None and x.shape[0] <= Linear.native_max_rows:
             paged = first.self_attn.attn_backend.native_decode_args(attn_metadata)
             if paged is not None:
                 residual = x

@@ -47,6 +47,10 @@ class Linear(nn.Module):
 
     # Rows up to which the packed weight is used (the measured crossover).
     packed_max_rows = 512
+    # Rows up to which the C++ kernels' linear is used, when the platform provides them: a
+    # model's worth of bf16 weights at 8 rows took 36 ms there vs 53 ms through the packed
+    # float32 copies (2-core AVX2 machine); at 16 rows the packed GEMM was ahead.
+    native_max_rows = 8
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype) -> None:
@@ -62,14 +66,15 @@ class Linear(nn.Module):
         self.kernels = None  # torch.ops.llmkit_cpu, when the platform provides them
 
     def use_native_kernels(self, kernels) -> None:
-        """One row (batch-1 decoding) through the C++ GEMV, which streams the weight in its own
-        dtype (a whole model's weights at 16-20 GB/s in bf16 and 21-25 GB/s in float32 on the
-        2-core AVX2 machine, vs ~14 GB/s for torch's GEMVs); from two rows on oneDNN/MKL keep
-        the work."""
+        """Up to ``native_max_rows`` rows (decoding at small batches) through the C++ kernel,
+        which streams the weight once in its own dtype (a whole model's weights at one row:
+        ~21 GB/s in bf16 and 21-25 GB/s in float32 on the 2-core AVX2 machine, vs ~14 GB/s
+        for torch's GEMVs); past that oneDNN/MKL keep the work."""
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0] == 1 and x.dtype == self.weight.dtype:
+        if (self.kernels is not None and x.shape[0] <= self.native_max_rows
+                and x.dtype == self.weight.dtype):
             return self.kernels.linear(x, self.weight, self.bias)
         if self.io_dtype is None:
             if self.packed_weight is not None and x.shape[0] <= self.packed_max_rows:
