@@ -113,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.kernels = None  # torch.ops.llmkit_cpu: the whole layer as one call at one row
+        self.kernels = None  # torch.ops.llmkit_cpu: the layer as one call for decode steps
         self._decode_args: tuple | None = None
 
     def use_native_kernels(self, kernels) -> None:
