@@ -125,34 +125,74 @@ constexpr int64_t kPrefetchBytes = 2048;
 // over 64-element blocks, element 8r + lane of each block into accumulator r, then a pairwise
 // tree over the accumulators and ATen's lane reduction; a tail of whole 16-element chunks into
 // one more accumulator, then scalars. Same order, same bits: a bf16 model decoding one row
-// gets the linear outputs Hugging Face's bf16 model gets. Prefetches run kPrefetchBytes ahead
-// while below ``prefetch_end`` (nullptr: none).
+// gets the linear outputs Hugging Face's bf16 model gets.
+// torch_order_finish: the tree, the lane reduction and the tail, given the eight accumulators.
 template <typename T>
-inline float dot_torch_order(const float* xf, const T* w, int64_t k, const char* prefetch_end) {
-  Vec acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = Vec(0.f);
-  const int64_t main = k & ~int64_t(63);
-  for (int64_t j = 0; j < main; j += 64) {
-    const char* ahead = reinterpret_cast<const char*>(w + j) + kPrefetchBytes;
-    if (prefetch_end != nullptr && ahead < prefetch_end) {
-      __builtin_prefetch(ahead);
-      __builtin_prefetch(ahead + 64);
-    }
-    for (int r = 0; r < 8; ++r)
-      acc[r] = at::vec::fmadd(load(xf + j + 8 * r), load(w + j + 8 * r), acc[r]);
-  }
+inline float torch_order_finish(Vec* acc, const float* xf, const T* w, int64_t k) {
   for (int offset = 4; offset >= 1; offset /= 2)
     for (int r = 0; r < offset; ++r) acc[r] = acc[r] + acc[offset + r];
   float sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[0]);
   const int64_t chunks = k & ~int64_t(15);
   Vec tail(0.f);
-  for (int64_t j = main; j < chunks; j += 16) {
+  for (int64_t j = k & ~int64_t(63); j < chunks; j += 16) {
     tail = at::vec::fmadd(load(xf + j), load(w + j), tail);
     tail = at::vec::fmadd(load(xf + j + 8), load(w + j + 8), tail);
   }
   sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), tail);
   for (int64_t j = chunks; j < k; ++j) sum += xf[j] * static_cast<float>(w[j]);
   return sum;
+}
+
+// Prefetches run kPrefetchBytes ahead while below ``prefetch_end`` (nullptr: none).
+inline void prefetch_ahead(const void* at, const char* prefetch_end) {
+  const char* ahead = static_cast<const char*>(at) + kPrefetchBytes;
+  if (prefetch_end != nullptr && ahead < prefetch_end) {
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 64);
+  }
+}
+
+template <typename T>
+inline float dot_torch_order(const float* xf, const T* w, int64_t k, const char* prefetch_end) {
+  Vec acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = Vec(0.f);
+  const int64_t main = k & ~int64_t(63);
+  for (int64_t j = 0; j < main; j += 64) {
+    prefetch_ahead(w + j, prefetch_end);
+    for (int r = 0; r < 8; ++r)
+      acc[r] = at::vec::fmadd(load(xf + j + 8 * r), load(w + j + 8 * r), acc[r]);
+  }
+  return torch_order_finish(acc, xf, w, k);
+}
+
+// dot_torch_order for two input rows, each weight vector widened once for both. A row's eight
+// accumulators are independent chains over the blocks, so computing them four at a time (two
+// passes over the weight row, the second from L1) keeps every sum in torch's order: each row
+// gets the bits it gets alone, so a batch of bf16 rows decodes as each would alone.
+template <typename T>
+inline void dot_torch_order_rows2(const float* x0, const float* x1, const T* w, int64_t k,
+                                  const char* prefetch_end, float* out) {
+  Vec acc0[8], acc1[8];
+  const int64_t main = k & ~int64_t(63);
+  for (int half = 0; half < 2; ++half) {
+    Vec a0[4], a1[4];
+    for (int q = 0; q < 4; ++q) a0[q] = a1[q] = Vec(0.f);
+    for (int64_t j = 0; j < main; j += 64) {
+      if (half == 0) prefetch_ahead(w + j, prefetch_end);
+      for (int q = 0; q < 4; ++q) {
+        const int64_t at = j + 8 * (4 * half + q);
+        const Vec wv = load(w + at);
+        a0[q] = at::vec::fmadd(load(x0 + at), wv, a0[q]);
+        a1[q] = at::vec::fmadd(load(x1 + at), wv, a1[q]);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      acc0[4 * half + q] = a0[q];
+      acc1[4 * half + q] = a1[q];
+    }
+  }
+  out[0] = torch_order_finish(acc0, x0, w, k);
+  out[1] = torch_order_finish(acc1, x1, w, k);
 }
 
 template <typename T>
@@ -203,14 +243,29 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t o = tile * 4;
         const int64_t n = std::min<int64_t>(4, n_out - o);
-        if (rows == 1 && std::is_same_v<scalar_t, bf16>) {
-          // One bf16 row: torch's GEMV order, so batch-1 decoding matches HF's bits.
-          for (int64_t j = 0; j < n; ++j)
-            acc[j] = dot_torch_order(xf.data(), wp + (o + j) * k, k, prefetch_end);
-          emit(0, o, n, acc);
+        int64_t r = 0;
+        if constexpr (std::is_same_v<scalar_t, bf16>) {
+          // bf16: torch's GEMV order for every row, so decoding matches HF's bits at one row
+          // and a row's outputs do not depend on the rest of its batch.
+          float pair[2];
+          for (; r + 2 <= rows; r += 2) {
+            for (int64_t j = 0; j < n; ++j) {
+              dot_torch_order_rows2(xf.data() + r * k, xf.data() + (r + 1) * k,
+                                    wp + (o + j) * k, k, r == 0 ? prefetch_end : nullptr, pair);
+              acc[j] = pair[0];
+              acc[4 + j] = pair[1];
+            }
+            emit(r, o, n, acc);
+            emit(r + 1, o, n, acc + 4);
+          }
+          if (r < rows) {
+            for (int64_t j = 0; j < n; ++j)
+              acc[j] = dot_torch_order(xf.data() + r * k, wp + (o + j) * k, k,
+                                       r == 0 ? prefetch_end : nullptr);
+            emit(r, o, n, acc);
+          }
           continue;
         }
-        int64_t r = 0;
         if (n == 4) {
           for (; r + 2 <= rows; r += 2) {
             dot4_rows2(xf.data() + r * k, xf.data() + (r + 1) * k, wp + o * k, k, acc, acc + 4,
