@@ -54,10 +54,10 @@ inline void dot4(const float* xf, const T* w0, int64_t ws, int64_t k, float* out
   out[3] = lane_sum(a3);
 }
 
-// dot4 for two input rows at once: each weight vector is loaded (and, for bf16, widened) once
-// for both, which keeps a few rows of decoding bound by memory rather than by those loads.
-// Per (weight row, input row) the same order as dot4, so a row's outputs do not depend on
-// whether it was paired.
+// dot4 for two input rows at once (float32 weights): each weight vector is loaded once for
+// both, which keeps a few rows of decoding bound by memory rather than by those loads. Per
+// (weight row, input row) the same order as dot4, so a row's outputs do not depend on whether
+// it was paired.
 template <typename T>
 inline void dot4_rows2(const float* x0, const float* x1, const T* w0, int64_t k, float* out0,
                        float* out1, bool prefetch_next) {
