@@ -38,6 +38,24 @@ constexpr int64_t kChunk = 8;
 // torch's CPU flash attention splits the context into blocks of this many rows (one query row).
 constexpr int64_t kSdpaKvBlock = 512;
 
+// Eight K rows' scores at once, each the bits of dot_torch_order(qf, k, dim) * scale (dim a
+// multiple of 64, so no tail): the eight lane sums run side by side instead of one by one.
+inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t dim, float scale,
+                                float* p) {
+  Vec v[8];
+  for (int l = 0; l < 8; ++l) {
+    Vec acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = Vec(0.f);
+    for (int64_t j = 0; j < dim; j += 64)
+      for (int r = 0; r < 8; ++r)
+        acc[r] = at::vec::fmadd(load(qf + j + 8 * r), load(k[l] + j + 8 * r), acc[r]);
+    torch_order_tree(acc);
+    v[l] = acc[0];
+  }
+  // dot_torch_order adds its (empty) tail's sum, +0.0f, before the caller scales.
+  store(p, (lane_sums8_aten_order(v) + Vec(0.f)) * Vec(scale));
+}
+
 // One query head over its context in the order and roundings of torch's CPU flash attention
 // for bf16 inputs at one query token -- what Hugging Face's bf16 model runs through SDPA: per
 // 512-row block, q.k in the bf16 GEMM's dot-product order, the max, exp (ATen's exp_u20 for
@@ -54,8 +72,10 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
   std::fill(acc, acc + dim, 0.f);
   for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
     const int64_t nl = std::min(kSdpaKvBlock, len - n0);
-    for (int64_t l = 0; l < nl; ++l)
-      p[l] = dot_torch_order(qf, row_ptr(krows, n0 + l), dim, nullptr) * scale;
+    int64_t l = 0;
+    if (dim % 64 == 0)
+      for (; l + 8 <= nl; l += 8) scores8_torch_order(qf, krows + n0 + l, dim, scale, p + l);
+    for (; l < nl; ++l) p[l] = dot_torch_order(qf, row_ptr(krows, n0 + l), dim, nullptr) * scale;
     const float new_max = std::max(*std::max_element(p, p + nl), run_max);
     Vec vsum(0.f);
     const int64_t whole = nl - nl % kLanes;

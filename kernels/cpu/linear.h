@@ -127,10 +127,15 @@ constexpr int64_t kPrefetchBytes = 2048;
 // one more accumulator, then scalars. Same order, same bits: a bf16 model decoding one row
 // gets the linear outputs Hugging Face's bf16 model gets.
 // torch_order_finish: the tree, the lane reduction and the tail, given the eight accumulators.
-template <typename T>
-inline float torch_order_finish(Vec* acc, const float* xf, const T* w, int64_t k) {
+// torch_order_tree: the pairwise tree over the eight accumulators (into acc[0]).
+inline void torch_order_tree(Vec* acc) {
   for (int offset = 4; offset >= 1; offset /= 2)
     for (int r = 0; r < offset; ++r) acc[r] = acc[r] + acc[offset + r];
+}
+
+template <typename T>
+inline float torch_order_finish(Vec* acc, const float* xf, const T* w, int64_t k) {
+  torch_order_tree(acc);
   float sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[0]);
   const int64_t chunks = k & ~int64_t(15);
   Vec tail(0.f);

@@ -91,6 +91,33 @@ inline float lane_sum(const Vec& v) {
   return s;
 }
 
+// The lane sums of eight vectors, each in the order of ATen's vec_reduce_all for float
+// (((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))), computed side by side: out[i] is v[i]'s.
+inline Vec lane_sums8_aten_order(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  // Halves added: s_j = l_j + l_(j+4), two vectors per register.
+  __m256 u[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = v[2 * i], b = v[2 * i + 1];
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  // t0 = s0 + s2, t1 = s1 + s3.
+  const __m256 t01 = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44),
+                                   _mm256_shuffle_ps(u[0], u[1], 0xEE));
+  const __m256 t23 = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44),
+                                   _mm256_shuffle_ps(u[2], u[3], 0xEE));
+  // t0 + t1, in the order v0, v2, v4, v6 | v1, v3, v5, v7; then back to v0..v7.
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x88),
+                                 _mm256_shuffle_ps(t01, t23, 0xDD));
+  return Vec(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  alignas(32) float out[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i)
+    out[i] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), v[i]);
+  return Vec::loadu(out);
+#endif
+}
+
 // ``v`` rounded through the element type T (identity for float).
 template <typename T>
 inline Vec round_as(const Vec& v) { return round_to(v, static_cast<T*>(nullptr)); }
