@@ -5,11 +5,13 @@ Eager torch spends most of a small model's decode step outside its matmuls: a Ll
 decode batches' attention gathers the context into a padded copy first. These kernels fuse each
 of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``,
 ``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
-K/V through the block table in place) and a one-row ``linear`` (batch-1 decoding's GEMV).
+K/V through the block table in place), a small-batch ``linear`` (up to a few rows: decoding's
+GEMVs) and ``llama_decode_layer`` (a whole Llama-family layer for a decode step, as one call).
 Each rounds to the model's dtype exactly where the torch ops of Hugging Face's model round, and
-where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 one-row
-linear give their bits; bf16 decode attention follows SDPA's flash kernel (most outputs
-bit-equal, the rest a bf16 step away); float32 attention and linears reorder sums only.
+where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 linear (each
+row in torch's one-row GEMV order) give their bits; bf16 decode attention follows SDPA's flash
+kernel (most outputs bit-equal, the rest a bf16 step away); float32 attention and linears
+reorder sums only.
 
 They are built on first use with torch's C++ extension builder (a C++ compiler and ninja;
 ~20 s on 2 cores) into ``~/.cache/llmkit/cpu_kernels/<key>`` (``LLMKIT_CACHE_DIR``

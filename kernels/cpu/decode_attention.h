@@ -1,7 +1,7 @@
 // Decode attention over the paged KV cache: one query token per sequence reads its K/V rows in
 // place through the block table (no gathered copy of the context). One task per (sequence, KV
-// head): the block table is read once into the head's row pointers, and its grouped query
-// heads share every K/V row they load. bf16 follows torch's bf16 flash SDPA step by step
+// head), or per query head when those are too few to fill the threads: the block table is read
+// once into the head's row pointers, and a task's query heads share every K/V row they load. bf16 follows torch's bf16 flash SDPA step by step
 // (decode_head_sdpa_order); float32 is plain float32 math (scores, an exact max-subtracted
 // softmax, the weighted sum of V).
 #pragma once
@@ -67,7 +67,6 @@ inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t d
 inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
                                    const bf16* const* vrows, int64_t len, float scale,
                                    int64_t dim, float* p, float* acc, bf16* dst) {
-  const auto row_ptr = [](const bf16* const* rows, int64_t t) { return rows[t]; };
   float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
   std::fill(acc, acc + dim, 0.f);
   for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
@@ -75,7 +74,7 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
     int64_t l = 0;
     if (dim % 64 == 0)
       for (; l + 8 <= nl; l += 8) scores8_torch_order(qf, krows + n0 + l, dim, scale, p + l);
-    for (; l < nl; ++l) p[l] = dot_torch_order(qf, row_ptr(krows, n0 + l), dim, nullptr) * scale;
+    for (; l < nl; ++l) p[l] = dot_torch_order(qf, krows[n0 + l], dim, nullptr) * scale;
     const float new_max = std::max(*std::max_element(p, p + nl), run_max);
     Vec vsum(0.f);
     const int64_t whole = nl - nl % kLanes;
@@ -100,12 +99,12 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
       const int64_t n = std::min<int64_t>(kLanes, dim - d);
       Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
       for (int64_t l = 0; l < nl4; l += 4) {
-        s0 = s0 + load_n(row_ptr(vrows, n0 + l) + d, n) * Vec(p[l]);
-        s1 = s1 + load_n(row_ptr(vrows, n0 + l + 1) + d, n) * Vec(p[l + 1]);
-        s2 = s2 + load_n(row_ptr(vrows, n0 + l + 2) + d, n) * Vec(p[l + 2]);
-        s3 = s3 + load_n(row_ptr(vrows, n0 + l + 3) + d, n) * Vec(p[l + 3]);
+        s0 = s0 + load_n(vrows[n0 + l] + d, n) * Vec(p[l]);
+        s1 = s1 + load_n(vrows[n0 + l + 1] + d, n) * Vec(p[l + 1]);
+        s2 = s2 + load_n(vrows[n0 + l + 2] + d, n) * Vec(p[l + 2]);
+        s3 = s3 + load_n(vrows[n0 + l + 3] + d, n) * Vec(p[l + 3]);
       }
-      for (int64_t l = nl4; l < nl; ++l) s0 = s0 + load_n(row_ptr(vrows, n0 + l) + d, n) * Vec(p[l]);
+      for (int64_t l = nl4; l < nl; ++l) s0 = s0 + load_n(vrows[n0 + l] + d, n) * Vec(p[l]);
       const Vec dotv = ((s0 + s1) + s2) + s3;
       store_n(acc + d, n0 > 0 ? load_n(acc + d, n) + dotv : dotv, n);
     }

@@ -120,19 +120,14 @@ inline void dot4_rows2(const float* x0, const float* x1, const T* w0, int64_t k,
 // (distances of 1-8 KiB were within noise of each other).
 constexpr int64_t kPrefetchBytes = 2048;
 
-// One bf16 weight row's dot product in the order of torch's own bf16 GEMV (ATen's
-// ReducedPrecisionFloatGemvFastPathKernel, "dot_with_fp32_arith"): eight float32 accumulators
-// over 64-element blocks, element 8r + lane of each block into accumulator r, then a pairwise
-// tree over the accumulators and ATen's lane reduction; a tail of whole 16-element chunks into
-// one more accumulator, then scalars. Same order, same bits: a bf16 model decoding one row
-// gets the linear outputs Hugging Face's bf16 model gets.
-// torch_order_finish: the tree, the lane reduction and the tail, given the eight accumulators.
-// torch_order_tree: the pairwise tree over the eight accumulators (into acc[0]).
+// The pairwise tree over dot_torch_order's eight accumulators (into acc[0]).
 inline void torch_order_tree(Vec* acc) {
   for (int offset = 4; offset >= 1; offset /= 2)
     for (int r = 0; r < offset; ++r) acc[r] = acc[r] + acc[offset + r];
 }
 
+// The rest of dot_torch_order given its eight accumulators: the tree, the lane reduction,
+// the tail.
 template <typename T>
 inline float torch_order_finish(Vec* acc, const float* xf, const T* w, int64_t k) {
   torch_order_tree(acc);
@@ -157,6 +152,12 @@ inline void prefetch_ahead(const void* at, const char* prefetch_end) {
   }
 }
 
+// One bf16 weight row's dot product in the order of torch's own bf16 GEMV (ATen's
+// ReducedPrecisionFloatGemvFastPathKernel, "dot_with_fp32_arith"): eight float32 accumulators
+// over 64-element blocks, element 8r + lane of each block into accumulator r, then a pairwise
+// tree over the accumulators and ATen's lane reduction; a tail of whole 16-element chunks into
+// one more accumulator, then scalars. Same order, same bits: a bf16 model decoding one row
+// gets the linear outputs Hugging Face's bf16 model gets.
 template <typename T>
 inline float dot_torch_order(const float* xf, const T* w, int64_t k, const char* prefetch_end) {
   Vec acc[8];
@@ -248,10 +249,10 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t o = tile * 4;
         const int64_t n = std::min<int64_t>(4, n_out - o);
-        int64_t r = 0;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
           // bf16: torch's GEMV order for every row, so decoding matches HF's bits at one row
           // and a row's outputs do not depend on the rest of its batch.
+          int64_t r = 0;
           float pair[2];
           for (; r + 2 <= rows; r += 2) {
             for (int64_t j = 0; j < n; ++j) {
@@ -269,24 +270,25 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                                        r == 0 ? prefetch_end : nullptr);
             emit(r, o, n, acc);
           }
-          continue;
-        }
-        if (n == 4) {
-          for (; r + 2 <= rows; r += 2) {
-            dot4_rows2(xf.data() + r * k, xf.data() + (r + 1) * k, wp + o * k, k, acc, acc + 4,
-                       r == 0 && o + 8 <= n_out);
-            emit(r, o, 4, acc);
-            emit(r + 1, o, 4, acc + 4);
-          }
-        }
-        for (; r < rows; ++r) {
-          const float* xr = xf.data() + r * k;
+        } else {
+          int64_t r = 0;
           if (n == 4) {
-            dot4(xr, wp + o * k, k, k, acc, r == 0 && o + 8 <= n_out);
-          } else {
-            for (int64_t j = 0; j < n; ++j) acc[j] = dot1(xr, wp + (o + j) * k, k);
+            for (; r + 2 <= rows; r += 2) {
+              dot4_rows2(xf.data() + r * k, xf.data() + (r + 1) * k, wp + o * k, k, acc,
+                         acc + 4, r == 0 && o + 8 <= n_out);
+              emit(r, o, 4, acc);
+              emit(r + 1, o, 4, acc + 4);
+            }
           }
-          emit(r, o, n, acc);
+          for (; r < rows; ++r) {
+            const float* xr = xf.data() + r * k;
+            if (n == 4) {
+              dot4(xr, wp + o * k, k, k, acc, r == 0 && o + 8 <= n_out);
+            } else {
+              for (int64_t j = 0; j < n; ++j) acc[j] = dot1(xr, wp + (o + j) * k, k);
+            }
+            emit(r, o, n, acc);
+          }
         }
       }
     });
