@@ -5,8 +5,9 @@ Eager torch spends most of a small model's decode step outside its matmuls: a Ll
 decode batches' attention gathers the context into a padded copy first. These kernels fuse each
 of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``,
 ``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
-K/V through the block table in place), a small-batch ``linear`` (up to a few rows: decoding's
-GEMVs) and ``llama_decode_layer`` (a whole Llama-family layer for a decode step, as one call).
+K/V through the block table in place) and a small-batch ``linear`` (up to a few rows:
+decoding's GEMVs). Each op also has a fake (meta) implementation, so that step graphs
+(``torch.compile``) trace through them as opaque calls.
 Each rounds to the model's dtype exactly where the torch ops of Hugging Face's model round, and
 where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 linear (each
 row in torch's one-row GEMV order) give their bits; bf16 decode attention follows SDPA's flash
@@ -109,4 +110,40 @@ def load_cpu_kernels():
         raise CpuKernelBuildError(f"building llmkit's CPU kernels in {directory} failed: "
                                   f"{_first_error(exc)}") from exc
     logger.info("llmkit CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
+    _register_fakes()
     return getattr(torch.ops, LIBRARY)
+
+
+def _register_fakes() -> None:
+    """Output shapes of each op for tracing (fake tensors): what ``torch.compile`` needs to
+    treat the kernels as opaque calls in a graph."""
+    lib = LIBRARY
+    fake = torch.library.register_fake
+
+    @fake(f"{lib}::rms_norm")
+    def _rms_norm(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @fake(f"{lib}::fused_add_rms_norm")
+    def _fused_add_rms_norm(x, residual, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @fake(f"{lib}::silu_and_mul")
+    def _silu_and_mul(x):
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @fake(f"{lib}::linear")
+    def _linear(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @fake(f"{lib}::rotary_embedding_")
+    def _rotary(x, cos_sin):
+        return None
+
+    @fake(f"{lib}::reshape_and_cache")
+    def _reshape_and_cache(key, value, kv_cache, slot_mapping):
+        return None
+
+    @fake(f"{lib}::paged_decode_attention")
+    def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale):
+        return q.new_empty(q.shape)

@@ -14,6 +14,7 @@ from llmkit.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from llmkit.kernels.testing import tolerances
 from llmkit.models.layers.norm import RMSNorm
 from llmkit.models.layers.rotary import RotaryEmbedding, apply_rotary
+from llmkit.ops.base import ModelOps
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32 = tolerances(torch.float32)
@@ -53,7 +54,7 @@ def test_fused_add_rms_norm(rows, hidden):
 
 def test_rms_norm_matches_model_layer():
     """Same results as llmkit.models.layers.RMSNorm, with and without the residual."""
-    layer = RMSNorm(64, 1e-6, torch.float32).to(DEVICE)
+    layer = RMSNorm(64, 1e-6, torch.float32, ModelOps()).to(DEVICE)
     layer.weight.copy_(randn(64, seed=6))
     x, res = randn(5, 64, seed=7), randn(5, 64, seed=8)
     torch.testing.assert_close(rms_norm(x, layer.weight, 1e-6), layer(x), **F32)

@@ -14,12 +14,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.models.layers.linear import Linear
 from llmkit.attention.cpu_backend import CpuAttentionBackend
 from llmkit.attention.torch_backend import TorchAttentionBackend
-from llmkit.config.schema import ModelConfig
+from llmkit.config.schema import ModelConfig, PlatformConfig
+from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.models import MODELS, UnsupportedModelError, get_model_class
-from llmkit.kernels.cpu_native import load_cpu_kernels
+from llmkit.models.base import ModelContext
 from llmkit.models.loader import build_model, resolve_model_source
+from llmkit.platforms.cpu import CpuPlatform
 from tiny_models import write_tiny_gguf
 
 BLOCK_SIZE = 4
@@ -87,17 +90,26 @@ class PagedRun:
 
 
 def load_llmkit(path: Path, dtype=torch.float32, kernels: str = "torch"):
-    """The model with the torch reference backend and ops, or (``kernels="native"``) with the
-    CPU platform's C++ kernels and the ``cpu`` backend over them, as the engine sets it up."""
+    """The model built as the engine builds it, over one op set and linear method:
+
+    - ``torch``: the torch reference ops and ``F.linear`` with the torch attention backend;
+    - ``packed``: torch ops, the CPU linear method without C++ kernels (oneDNN-packed weights
+      up to 512 rows, MKL above) and the ``cpu`` backend;
+    - ``native``: the CPU platform's choice: its C++ ops and the CPU linear method with the
+      C++ small-batch linear (up to 8 rows) in front of the packed GEMMs.
+    """
     source = resolve_model_source(ModelConfig(path=str(path)))
     if kernels == "torch":
-        return build_model(source, TorchAttentionBackend(), dtype, torch.device("cpu")), source
-    native = load_cpu_kernels()
-    backend = CpuAttentionBackend()
-    backend.use_native_kernels(native)
-    model = build_model(source, backend, dtype, torch.device("cpu"))
-    model.use_native_kernels(native)
-    return model, source
+        ctx = ModelContext(TorchAttentionBackend(), dtype)
+    elif kernels == "packed":
+        ctx = ModelContext(CpuAttentionBackend(), dtype,
+                           linear_method=lambda spec: CpuLinearMethod(None))
+    else:
+        platform = CpuPlatform(PlatformConfig(name="cpu", native_kernels="on"))
+        ops = platform.ops(dtype)
+        ctx = ModelContext(CpuAttentionBackend(ops), dtype, ops,
+                           platform.linear_method_factory(dtype))
+    return build_model(source, ctx, torch.device("cpu")), source
 
 
 def hf_logits(model_dir: Path, seqs: list[list[int]], dtype=torch.float32,
@@ -129,8 +141,8 @@ def case(request, tiny_model_dir, tiny_tokenizer):
                            ref=hf_logits(model_dir, seqs))
 
 
-# Every model test runs with torch ops and with the CPU platform's C++ kernels.
-KERNELS = ("torch", "native")
+# Every model test runs on every op set and linear method this machine has.
+KERNELS = ("torch", "packed", "native")
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -175,53 +187,17 @@ def test_single_sequence_decode_matches_hf(case, kernels):
         assert_close(run.step({0: seq[t:t + 1]})[0], case.ref[1][t:t + 1])
 
 
-class CountingKernels:
-    """``torch.ops.llmkit_cpu`` with a count of whole-layer calls."""
-
-    def __init__(self, kernels) -> None:
-        self.kernels, self.layer_calls = kernels, 0
-
-    def __getattr__(self, name):
-        return getattr(self.kernels, name)
-
-    def llama_decode_layer(self, *args):
-        self.layer_calls += 1
-        return self.kernels.llama_decode_layer(*args)
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_decode_runs_each_layer_as_one_kernel_call(case, num_seqs):
-    """With the C++ kernels a step of a few decoding rows runs each decoder layer as one call
-    (``llama_decode_layer``): the kernels of the layer's Python path in its order, so the
-    logits are the same bits as that path's (and so as close to HF). Qwen3's per-head q/k
-    norms are not in that kernel: its layers never take it."""
+def test_native_build_uses_the_platform_ops_and_methods(case):
+    """The ``native`` model really computes with the C++ kernels: its ops are the CPU ops and
+    every linear layer's method has the C++ small-batch path in front of the packed GEMMs."""
     model = case.models["native"]
-    layers = model.model.layers
-    native = model.model.norm.kernels  # the platform's kernels, as the executor handed them
-    one_call = layers[0].self_attn.q_norm is None  # Qwen3's per-head q/k norms stay per op
-    seqs = case.seqs[:num_seqs]
-    prompt = min(PROMPT_LENS[:num_seqs])
-    steps = min(map(len, seqs)) - prompt
-    logits = {}
-    for path in ("one call", "per op"):
-        counting = CountingKernels(native)
-        for layer in layers:
-            layer.use_native_kernels(counting if path == "one call" else None)
-        try:
-            run = PagedRun(model, num_seqs, max(map(len, seqs)))
-            run.step({i: s[:prompt] for i, s in enumerate(seqs)})
-            logits[path] = [run.step({i: s[t:t + 1] for i, s in enumerate(seqs)})
-                            for t in range(prompt, prompt + steps)]
-        finally:
-            for layer in layers:
-                layer.use_native_kernels(native)
-        expected_calls = steps * len(layers) if path == "one call" and one_call else 0
-        assert counting.layer_calls == expected_calls
-    for t, fused, per_op in zip(range(prompt, prompt + steps), logits["one call"],
-                                logits["per op"]):
-        for i in range(num_seqs):
-            assert torch.equal(fused[i], per_op[i])
-            assert_close(fused[i], case.ref[i][t:t + 1])
+    assert model.ctx.ops.name == "cpu" and model.attn_backend.ops is model.ctx.ops
+    methods = [m.method for m in model.modules() if isinstance(m, Linear)]
+    assert methods and all(isinstance(m, CpuLinearMethod) and m.kernels is not None
+                           and m.packed_weight is not None for m in methods)
+    packed = case.models["packed"]
+    assert all(m.method.kernels is None and m.method.packed_weight is not None
+               for m in packed.modules() if isinstance(m, Linear))
 
 
 def test_model_layout_facts(case):
@@ -232,7 +208,8 @@ def test_model_layout_facts(case):
     attn = m.model.layers[0].self_attn
     assert attn.qkv_proj.weight.shape == ((4 + 2 + 2) * 16, 64)
     assert m.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 128, 64)
-    assert (m.lm_head is None) == bool(m.config.tie_word_embeddings)
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) == bool(
+        m.config.tie_word_embeddings)
 
 
 def test_sharded_safetensors_give_the_same_logits(tiny_model_dir, tiny_tokenizer):
@@ -309,13 +286,13 @@ def test_sliding_window_caps_max_model_len_and_dynamic_rope_is_refused(tiny_mode
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))))
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported; supported: "
                                          "default, linear, llama3, yarn"):
-        build_model(source, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+        build_model(source, ModelContext(TorchAttentionBackend()), torch.device("cpu"))
 
 
 def test_missing_weight_is_reported(tiny_model_dir):
     source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("llama"))))
-    model = get_model_class(source.hf_config)(source.hf_config, TorchAttentionBackend(),
-                                              torch.float32)
+    model = get_model_class(source.hf_config)(source.hf_config,
+                                              ModelContext(TorchAttentionBackend()))
     weights = [(n, t) for n, t in source.iter_weights() if "layers.1.self_attn.k_proj" not in n]
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
         model.load_weights(weights)
@@ -443,7 +420,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
     ids = tok.encode(prompt)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
-    model = build_model(source, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    model = build_model(source, ModelContext(TorchAttentionBackend()), torch.device("cpu"))
     run = PagedRun(model, 1, len(ids) + 1)
     out = run.step({0: ids})[0]
     # The config is transformers' own reading of the file (cached by llmkit): passing it saves
@@ -451,3 +428,27 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
     [ref] = hf_logits(smollm2_gguf.parent, [ids], gguf_file=smollm2_gguf.name,
                       config=source.hf_config)
     assert_close(out, ref, atol=1e-3)
+
+
+def test_triton_ops_model_matches_hf(tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """The CUDA platform's ops (Triton norm, rotary, SiLU-and-mul, KV write, attention), here
+    under Triton's interpreter: logits of a prefill and decodes equal HF's."""
+    from llmkit.attention.triton_backend import TritonAttentionBackend
+    from llmkit.kernels import count_launches
+    from llmkit.ops.triton_ops import TritonOps
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model_dir = tiny_model_dir("qwen2")
+    source = resolve_model_source(ModelConfig(path=str(model_dir)))
+    ops = TritonOps()
+    model = build_model(source, ModelContext(TritonAttentionBackend(ops), torch.float32, ops))
+    seq = random_seqs(len(tiny_tokenizer), [9])[0]
+    ref = hf_logits(model_dir, [seq])[0]
+    run = PagedRun(model, 1, len(seq))
+    with count_launches() as launches:
+        assert_close(run.step({0: seq[:7]})[0], ref[:7], atol=2e-4)
+        for t in (7, 8):
+            assert_close(run.step({0: seq[t:t + 1]})[0], ref[t:t + 1], atol=2e-4)
+    assert {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+            "_reshape_and_cache_kernel"} <= set(launches)

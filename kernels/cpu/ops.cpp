@@ -5,7 +5,6 @@
 #include "activation.h"
 #include "cache.h"
 #include "decode_attention.h"
-#include "decoder_layer.h"
 #include "linear.h"
 #include "norm.h"
 #include "rotary.h"
@@ -20,12 +19,6 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
-  m.def("llama_decode_layer(Tensor x, Tensor(a!) residual, bool first, Tensor input_norm, "
-        "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor? o_bias, "
-        "Tensor post_norm, Tensor gate_up_weight, Tensor? gate_up_bias, Tensor down_weight, "
-        "Tensor? down_bias, float eps, Tensor cos_sin, Tensor(b!) kv_cache, "
-        "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, int num_heads, "
-        "int num_kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
@@ -36,5 +29,4 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
-  m.impl("llama_decode_layer", &llmkit_cpu::llama_decode_layer);
 }

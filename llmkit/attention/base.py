@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmkit.ops.base import ModelOps
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -42,6 +44,10 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
+    def __init__(self, ops: ModelOps | None = None) -> None:
+        # The platform's ops (KV write, paged decode attention); the torch reference if None.
+        self.ops = ops if ops is not None else ModelOps()
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
@@ -58,18 +64,6 @@ class AttentionBackend(ABC):
     def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Backends that need more per-step data (split plans, tile maps) extend it here."""
         return metadata
-
-    def use_native_kernels(self, kernels) -> None:
-        """The platform's C++ kernels (``torch.ops.llmkit_cpu``): a backend with a path over
-        them takes them here; the others (the portable torch reference, Triton) keep their own
-        kernels."""
-
-    def native_decode_args(self, metadata: AttentionMetadata
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(slot_mapping, block_table, seq_lens)`` for the C++ kernels' paged decode
-        attention when every row of this step decodes through them (a model may then run a
-        whole layer as one kernel call); None otherwise, and the model calls ``forward``."""
-        return None
 
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """Called once the KV cache exists: compile or load kernels here, not in the first

@@ -1,5 +1,8 @@
 """Attention over the paged cache for CPUs: decode rows read K/V in place through the block
-table, in one compiled kernel; prefill rows use the CPU flash SDPA kernel.
+table; prefill rows use the CPU flash SDPA kernel.
+
+With the CPU platform's C++ kernels (``ops.paged_decode_in_place``) every decode row goes to
+the ops' paged decode attention and K/V are written by the ops. Without them (torch ops):
 
 The portable ``torch`` backend gathers every decode row's whole context into a padded tensor per
 layer and step before SDPA reads it again: at batch 64 and 256 tokens of context that copy is
@@ -22,7 +25,8 @@ import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
-                                            gathered_decode_attention, write_kv)
+                                            gathered_decode_attention)
+from llmkit.ops.base import ModelOps, write_kv
 
 logger = logging.getLogger(__name__)
 
@@ -117,22 +121,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
     # and the torch path (gather + SDPA, whose gather then fits in cache) is a little faster.
     min_compiled_decode_rows = 8
 
-    def __init__(self) -> None:
+    def __init__(self, ops: ModelOps | None = None) -> None:
+        super().__init__(ops)
         self._kernel = CompiledPagedDecode()
-        self._native = None  # torch.ops.llmkit_cpu, when the platform provides them
-
-    def use_native_kernels(self, kernels) -> None:
-        """Write K/V and run every decode row's attention with the C++ kernels (they read the
-        block table in place at any batch size, and need no compile at start-up)."""
-        self._native = kernels
+        # The ops read the block table in place at any batch size (the C++ kernels): they
+        # take every decode row, and nothing is compiled at start-up.
+        self._in_place = self.ops.paged_decode_in_place
 
     def build_metadata(self, m: AttentionMetadata) -> CpuAttentionMetadata:
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
         decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
         n = m.num_actual_tokens
-        if self._native is not None:
-            return self._native_metadata(m, fields, decode_rows)
+        if self._in_place:
+            return self._in_place_metadata(m, fields, decode_rows)
         fields["has_skipped_slots"] = bool(n and (m.slot_mapping[:n] < 0).any())
         if len(decode_rows) < self.min_compiled_decode_rows:
             base = super().build_metadata(m)
@@ -148,7 +150,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 
-    def _native_metadata(self, m: AttentionMetadata, fields: dict,
+    def _in_place_metadata(self, m: AttentionMetadata, fields: dict,
                          decode_rows: list[int]) -> CpuAttentionMetadata:
         qsl = m.query_start_loc_cpu
         all_decode = len(decode_rows) == m.num_reqs
@@ -163,14 +165,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 
-    def native_decode_args(self, metadata: AttentionMetadata
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        if (self._native is None or not isinstance(metadata, CpuAttentionMetadata)
-                or not metadata.all_decode):
-            return None
-        d = metadata.decode
-        return metadata.slot_mapping[:metadata.num_actual_tokens], d.block_table, d.seq_lens
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, CpuAttentionMetadata):
@@ -178,23 +172,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if metadata.slot_mapping.device != kv_cache.device:
             self._move_plans(metadata, kv_cache.device)
         n = metadata.num_actual_tokens
-        native = self._native
-        if native is not None:
-            native.reshape_and_cache(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
+        in_place = self._in_place
+        if in_place:
+            self.ops.write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
         else:
             write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
                      metadata.has_skipped_slots)
         d = metadata.decode
         if metadata.all_decode:
-            if native is not None:
-                return native.paged_decode_attention(q[:n], kv_cache, d.block_table,
-                                                     d.seq_lens, scale)
+            if in_place:
+                return self.ops.paged_decode_attention(q[:n], kv_cache, d.block_table,
+                                                       d.seq_lens, scale)
             return self._kernel(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
         num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
-        if isinstance(d, PagedDecodePlan) and native is not None:
-            out[d.token_rows] = native.paged_decode_attention(
+        if isinstance(d, PagedDecodePlan) and in_place:
+            out[d.token_rows] = self.ops.paged_decode_attention(
                 q[d.token_rows], kv_cache, d.block_table, d.seq_lens, scale)
         elif isinstance(d, PagedDecodePlan):
             out[d.token_rows] = self._kernel(q[d.token_rows], kv_cache, d.block_table,
@@ -224,7 +218,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Compile the decode kernel now rather than inside the first steps (sizes are
         unbacked, so one call covers every batch and context size). The C++ kernels need no
         compile."""
-        if self._native is not None:
+        if self._in_place:
             return
         t0 = time.perf_counter()
         q = torch.zeros(2, num_heads, kv_cache.shape[-1], dtype=dtype, device=kv_cache.device)

@@ -14,23 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, has_skipped_slots: bool | None = None) -> None:
-    """Store this step's K/V at their slots in the paged cache (slot -1 is skipped).
-    ``has_skipped_slots``: whether any slot is -1, when the caller knows (else it is checked,
-    which costs a host sync per call)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    n = slot_mapping.shape[0]
-    if has_skipped_slots is None:
-        has_skipped_slots = bool(n and (slot_mapping < 0).any())
-    if n and has_skipped_slots:
-        keep = slot_mapping >= 0
-        slot_mapping, k, v = slot_mapping[keep], k[:n][keep], v[:n][keep]
-    flat[0].index_copy_(0, slot_mapping, k[: slot_mapping.shape[0]].to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v[: slot_mapping.shape[0]].to(flat.dtype))
+from llmkit.ops.base import write_kv
 
 
 @dataclass(slots=True)

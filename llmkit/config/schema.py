@@ -37,6 +37,9 @@ class ModelConfig(_Strict):
     served_name: str | None = None
     # Extra end-of-sequence ids (e.g. a chat model's end-of-turn token).
     extra_eos_token_ids: list[int] = Field(default_factory=list)
+    # How linear layers compute: auto = the platform's choice per layer (llmkit/linear/);
+    # a registered name (torch, ...) or a class path (package.module.Class) forces one.
+    linear_method: str = "auto"
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":

@@ -39,6 +39,25 @@ def validate_components(config: EngineConfig) -> None:
             allowed = registry.names() + (["auto"] if section == "attention" else [])
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
+    _check_linear_method(config)
+
+
+def _check_linear_method(config: EngineConfig) -> None:
+    from llmkit.linear import LINEAR_METHODS
+
+    choice = config.model.linear_method
+    if choice == "auto":
+        return
+    try:
+        if "." in choice:
+            LINEAR_METHODS.resolve(None, choice)
+        elif choice not in LINEAR_METHODS:
+            raise ImportError
+    except ImportError as e:
+        allowed = ", ".join(["auto", *LINEAR_METHODS.names()])
+        raise ConfigError("model.linear_method", choice,
+                          f"{allowed} or an importable class path ({e})" if "." in choice
+                          else allowed) from None
 
 
 def _check_attention_available(config: EngineConfig) -> None:

@@ -6,6 +6,8 @@ import torch
 from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import Executor, ModelFacts
+from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.models.base import ModelContext
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -20,23 +22,29 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return platform.default_dtype if name == "auto" else _DTYPES[name]
 
 
+def linear_method_factory(model_config, platform: Platform,
+                          dtype: torch.dtype) -> LinearMethodFactory:
+    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
+    or a class path (``_target_`` style) is one method class, instantiated per layer."""
+    choice = model_config.linear_method
+    if choice == "auto":
+        return platform.linear_method_factory(dtype)
+    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
+    return lambda spec: cls()
+
+
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
         source = model_source or resolve_model_source(config.model)
         dtype = resolve_dtype(config.model.dtype, platform)
-        attn_cls = attention_backend_class(config.attention, platform)
-        attn = attn_cls()
+        ops = platform.ops(dtype)
+        attn = attention_backend_class(config.attention, platform)(ops)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops,
+                           linear_method=linear_method_factory(config.model, platform, dtype))
         torch.manual_seed(config.seed)
-        model = build_model(source, attn, dtype, platform.device)
-        packing = platform.linear_weight_packing(dtype)
-        if packing is not None:
-            model.pack_linear_weights(compute_in_float32=packing == "packed_float32")
-        kernels = platform.native_kernels(dtype)
-        if kernels is not None:
-            model.use_native_kernels(kernels)
-            attn.use_native_kernels(kernels)
+        model = build_model(source, ctx, platform.device)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,

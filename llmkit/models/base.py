@@ -1,27 +1,46 @@
 """The model interface the worker calls: a causal LM over a flat batch of many requests' tokens.
 
-The model owns no KV state: each attention layer receives its cache tensor and the step's
-metadata as arguments and hands both to the attention backend.
+A model is *what* is computed, written once in Python. *How* comes from its
+:class:`ModelContext`: the platform's ops (norm, rotary, activation; the attention backend's
+KV write and paged attention) and a linear method per linear layer. The model owns no KV
+state: each attention layer receives its cache tensor and the step's metadata as arguments.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.linear.base import LinearMethodFactory
+from llmkit.linear.torch_linear import TorchLinearMethod
 from llmkit.models.layers.linear import Linear
+from llmkit.ops.base import ModelOps
+
+
+@dataclass(frozen=True, slots=True)
+class ModelContext:
+    """What a model is built with: its dtype, the attention backend, the platform's ops and the
+    factory of linear methods (one per linear layer it declares)."""
+
+    attn_backend: AttentionBackend
+    dtype: torch.dtype = torch.float32
+    ops: ModelOps = ModelOps()
+    linear_method: LinearMethodFactory = lambda spec: TorchLinearMethod()
 
 
 class CausalLM(nn.Module, ABC):
     """A decoder-only language model built from a Hugging Face config.
 
-    ``forward`` takes ``input_ids`` and ``positions`` (int64 ``[num_tokens]``, the tokens of every
-    scheduled request concatenated), one KV cache tensor per layer (shape
-    ``attn_backend.kv_cache_shape(...)``) and the step's metadata, and returns the final hidden
-    states ``[num_tokens, hidden_size]``; ``compute_logits`` maps selected rows to float32 logits.
+    ``forward`` takes ``input_ids`` (int64 ``[num_tokens]``, the tokens of every scheduled
+    request concatenated) or ``inputs_embeds [num_tokens, hidden]`` (multimodal inputs),
+    ``positions`` (``[num_tokens]``, or ``[sections, num_tokens]`` for M-RoPE), one KV cache
+    tensor per layer (shape ``attn_backend.kv_cache_shape(...)``) and the step's metadata, and
+    returns the final hidden states ``[num_tokens, hidden_size]``; ``compute_logits`` maps
+    selected rows to float32 logits.
     """
 
     # KV layout facts the engine needs to size the cache.
@@ -32,36 +51,33 @@ class CausalLM(nn.Module, ABC):
     hidden_size: int
     vocab_size: int
 
-    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()
         self.config = hf_config
-        self.attn_backend = attn_backend
-        self.dtype = dtype
+        self.ctx = ctx
+        self.attn_backend = ctx.attn_backend
+        self.dtype = ctx.dtype
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor: ...
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
 
-    def pack_linear_weights(self, compute_in_float32: bool = False) -> None:
-        """After loading: add oneDNN-packed copies of every linear layer's weight, computing
-        bf16 layers in float32 if asked (the platform decides, see
-        ``Platform.linear_weight_packing``)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_weight(compute_in_float32=compute_in_float32)
-
-    def use_native_kernels(self, kernels) -> None:
-        """Hand the platform's C++ kernels (``torch.ops.llmkit_cpu``) to every layer that has
-        a fused path for them (norms, activation, rotary)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "use_native_kernels"):
-                module.use_native_kernels(kernels)
+    @abstractmethod
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` -> ``[n, hidden]``: the token embeddings (multimodal processors splice image
+        embeddings into these)."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors, named as in the Hugging Face model, into the parameters."""
+
+    def process_weights_after_loading(self) -> None:
+        """Let every linear layer's method prepare its weights (pack, repack, quantize)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()

@@ -12,6 +12,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from llmkit.config.schema import PlatformConfig
+from llmkit.linear.base import LinearMethodFactory
+from llmkit.linear.torch_linear import TorchLinearMethod
+from llmkit.ops.base import ModelOps
 
 
 class Platform(ABC):
@@ -35,11 +38,15 @@ class Platform(ABC):
     def apply_runtime_settings(self) -> None:
         """Process-wide settings (threads, allocator) made once at engine start."""
 
-    def linear_weight_packing(self, dtype: torch.dtype) -> str | None:
-        """How a model of ``dtype`` should prepare its linear weights after loading
-        (``CausalLM.pack_linear_weights``): ``None`` (leave them), ``"packed"`` (add packed
-        copies) or ``"packed_float32"`` (bf16 layers computed in float32, packed)."""
-        return None
+    def ops(self, dtype: torch.dtype) -> ModelOps:
+        """The ops a model of ``dtype`` is built over (norms, rotary, activation, KV write,
+        paged decode attention): the torch reference unless the platform has faster ones."""
+        return ModelOps()
+
+    def linear_method_factory(self, dtype: torch.dtype) -> LinearMethodFactory:
+        """The linear method for each linear layer of a model of ``dtype`` (the platform's
+        choice from the layer's spec; a method may dispatch by row count inside itself)."""
+        return lambda spec: TorchLinearMethod()
 
     def native_kernels(self, dtype: torch.dtype):
         """llmkit's C++ kernels for this device and ``dtype`` (``torch.ops.llmkit_cpu``), or

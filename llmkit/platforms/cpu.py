@@ -6,6 +6,10 @@ import os
 import torch
 
 from llmkit.kernels.cpu_native import cpu_flags
+from llmkit.linear.base import LinearMethodFactory
+from llmkit.linear.cpu_linear import CpuLinearMethod
+from llmkit.ops.base import ModelOps
+from llmkit.ops.cpu_ops import CpuNativeOps
 from llmkit.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -33,23 +37,34 @@ class CpuPlatform(Platform):
                     "float32; set model.dtype=bfloat16 to force bf16")
         return torch.float32
 
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._native: dict[torch.dtype, object] = {}
+
     @classmethod
     def is_available(cls) -> bool:
         return True
 
-    def linear_weight_packing(self, dtype: torch.dtype) -> str | None:
+    def ops(self, dtype: torch.dtype) -> ModelOps:
+        kernels = self.native_kernels(dtype)
+        return CpuNativeOps(kernels) if kernels is not None else ModelOps()
+
+    def linear_method_factory(self, dtype: torch.dtype) -> LinearMethodFactory:
         # oneDNN packs float32 on any x86 CPU. bf16 it packs only with AVX-512/AVX-NE-CONVERT,
         # and without native bf16 math every bf16 GEMM is emulated: there bf16 linears run in
         # float32 (same products, float32 accumulation, outputs rounded to bf16).
-        if not self.config.packed_linear or not torch.backends.mkldnn.is_available():
-            return None
-        if dtype == torch.float32:
-            return "packed"
-        if dtype == torch.bfloat16 and not has_native_bf16():
-            return "packed_float32"
-        return None
+        kernels = self.native_kernels(dtype)
+        pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
+        widen = pack and dtype == torch.bfloat16 and not has_native_bf16()
+        return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen)
 
     def native_kernels(self, dtype: torch.dtype):
+        # Asked by ops() and linear_method_factory(): build (or warn about a failed build) once.
+        if dtype not in self._native:
+            self._native[dtype] = self._load_native_kernels(dtype)
+        return self._native[dtype]
+
+    def _load_native_kernels(self, dtype: torch.dtype):
         mode = self.config.native_kernels
         if mode == "off":
             return None

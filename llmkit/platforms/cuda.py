@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 
+from llmkit.ops.base import ModelOps
 from llmkit.platforms.base import Platform
 
 
@@ -16,3 +17,7 @@ class CudaPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    def ops(self, dtype: torch.dtype) -> ModelOps:
+        from llmkit.ops.triton_ops import TritonOps
+        return TritonOps()

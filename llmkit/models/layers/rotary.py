@@ -8,10 +8,10 @@ reference. Variants whose frequencies change with the sequence length at run tim
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+
+from llmkit.ops.base import ModelOps, RotaryTables
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -53,20 +53,42 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 class RotaryEmbedding(nn.Module):
     """Holds ``cos_sin_cache [max_position, head_dim]``: cos of each frequency in the first half,
-    sin in the second, already multiplied by the attention scaling."""
+    sin in the second, already multiplied by the attention scaling.
+
+    ``mrope_section`` (Qwen2-VL's M-RoPE): the half head dim is cut into sections (temporal,
+    height, width), each rotated by its own row of ``positions [len(sections), tokens]``."""
 
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 attention_scaling: float, dtype: torch.dtype) -> None:
+                 attention_scaling: float, dtype: torch.dtype,
+                 mrope_section: list[int] | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_position = head_dim, max_position
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
         cache = torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], -1)
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
+        self.section_of_column: torch.Tensor | None = None
+        if mrope_section:
+            half = cache.shape[-1] // 2
+            if sum(mrope_section) != half:
+                raise ValueError(f"mrope_section {mrope_section} must sum to half the rotary "
+                                 f"dim ({half})")
+            section = torch.repeat_interleave(torch.arange(len(mrope_section)),
+                                              torch.tensor(mrope_section))
+            self.register_buffer("section_of_column", torch.cat([section, section]),
+                                 persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> "RotaryTables":
-        """The step's tables, looked up once and shared by every layer."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
+    def lookup(self, positions: torch.Tensor) -> RotaryTables:
+        """The step's tables, looked up once and shared by every layer; ``positions`` is
+        ``[tokens]``, or ``[sections, tokens]`` with M-RoPE."""
+        if positions.dim() == 1:
+            cos_sin = self.cos_sin_cache.index_select(0, positions)
+        else:
+            if self.section_of_column is None:
+                raise ValueError("per-section positions need a model with mrope_section")
+            per_section = self.cos_sin_cache[positions]  # [sections, tokens, rot_dim]
+            index = self.section_of_column.view(1, 1, -1).expand(1, *per_section.shape[1:])
+            cos_sin = per_section.gather(0, index)[0]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return RotaryTables(cos_sin, cos, sin)
 
@@ -74,24 +96,7 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
 
 
-@dataclass(slots=True)
-class RotaryTables:
-    """One step's rotary tables: ``cos_sin [num_tokens, head_dim]`` (what the C++ kernel reads)
-    and its halves as ``cos, sin [num_tokens, 1, head_dim // 2]`` views (``apply_rotary``)."""
-
-    cos_sin: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [num_tokens, num_heads, head_dim]`` (any strides) into a new contiguous tensor:
-    ``x1' = x1 cos - x2 sin``, ``x2' = x2 cos + x1 sin`` over the two halves of the head dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)
-    return out
+    """Rotate ``x [num_tokens, num_heads, head_dim]`` (any strides) into a new tensor (the
+    reference's numerics, ``ModelOps.rotary``)."""
+    return ModelOps().rotary(x, RotaryTables(torch.empty(0), cos, sin))

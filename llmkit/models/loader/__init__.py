@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from llmkit.attention.base import AttentionBackend
-from llmkit.models.base import CausalLM
+from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.max_model_len import cap_max_model_len
 
 if TYPE_CHECKING:
@@ -110,16 +109,18 @@ def resolve_model_source(model_config: "ModelConfig") -> ModelSource:
     return source
 
 
-def build_model(source: ModelSource, attn_backend: AttentionBackend, dtype: torch.dtype,
-                device: torch.device | str) -> CausalLM:
-    """Instantiate the architecture's implementation on ``device`` in ``dtype`` and load the
-    weights into it."""
+def build_model(source: ModelSource, ctx: ModelContext,
+                device: torch.device | str = "cpu") -> CausalLM:
+    """Instantiate the architecture's implementation on ``device`` with ``ctx`` (dtype,
+    attention backend, ops, linear methods), load the weights into it and let each linear
+    method prepare its weights."""
     from llmkit.models import get_model_class
 
     cls = get_model_class(source.hf_config)
     with torch.device(device):
-        model = cls(source.hf_config, attn_backend, dtype)
+        model = cls(source.hf_config, ctx)
     model.load_weights(source.iter_weights())
+    model.process_weights_after_loading()
     return model.eval()
 
 

@@ -1,0 +1,86 @@
+"""The CPU platform's linear method: one layer, three kernels, chosen by the step's row count.
+
+- up to ``small_batch_max_rows`` rows (decoding a few sequences): llmkit's C++ small-batch
+  linear (``torch.ops.llmkit_cpu.linear``), which streams the weight once in its own dtype and
+  sums each row in torch's GEMV order, so a row's bits do not depend on its batch;
+- up to ``packed_max_rows``: oneDNN's GEMM on a packed (blocked) copy of the weight, faster than
+  MKL on the plain layout for decoding-sized batches;
+- beyond (prefill-sized batches): MKL on the plain weight, ~10% faster there.
+
+With ``widen_bf16`` (bf16 models on CPUs without native bf16, where torch emulates bf16 GEMMs
+5-8x slower than float32) the GEMM paths keep a float32 copy of the bf16 weight (exact: every
+bf16 value is a float32 value), widen the input and round the output back to bf16: the same
+products as a bf16 GEMM with float32 accumulation, in another order. One row without the C++
+kernel stays on torch's bf16 GEMV, which reads half the bytes.
+
+The crossovers were measured on this project's 2-core AVX2 machine
+(``benchmarks/test_linear_methods_bench.py`` prints every path at each row count).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmkit.linear.base import LinearMethod
+
+
+class CpuLinearMethod(LinearMethod):
+    name = "cpu"
+    #: Rows up to which the C++ small-batch linear runs (SmolLM2-135M's bf16 decode step at 4 /
+    #: 8 rows: 26 / 54 ms that way vs 45 / 74 ms through the packed float32 copies).
+    small_batch_max_rows = 8
+    #: Rows up to which the packed oneDNN weight is used (MKL on the plain one above).
+    packed_max_rows = 512
+
+    def __init__(self, kernels=None, *, pack: bool = True, widen_bf16: bool = False) -> None:
+        self.kernels = kernels  # torch.ops.llmkit_cpu, or None
+        self.pack = pack
+        self.widen_bf16 = widen_bf16
+        self.packed_weight: torch.Tensor | None = None
+        # widen_bf16: float32 copies of weight and bias for the GEMM paths
+        self.weight_float32: torch.Tensor | None = None
+        self.bias_float32: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.detach()
+        widen = self.widen_bf16 and w.dtype == torch.bfloat16
+        if widen:
+            w = self.weight_float32 = w.float()
+            if layer.bias is not None:
+                self.bias_float32 = layer.bias.detach().float()
+        else:
+            self.widen_bf16 = False
+        if self.pack and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        weight = layer.weight
+        if (self.kernels is not None and rows <= self.small_batch_max_rows
+                and x.dtype == weight.dtype):
+            return self.kernels.linear(x, weight, layer.bias)
+        if not self.widen_bf16:
+            if self.packed_weight is not None and rows <= self.packed_max_rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, layer.bias,
+                                                          "none", [], "")
+            return F.linear(x, weight, layer.bias)
+        if rows == 1:
+            return F.linear(x, weight, layer.bias)
+        xf = x.float()
+        if self.packed_weight is not None and rows <= self.packed_max_rows:
+            y = torch.ops.mkldnn._linear_pointwise(xf, self.packed_weight, self.bias_float32,
+                                                   "none", [], "")
+        else:
+            y = F.linear(xf, self.weight_float32, self.bias_float32)
+        return y.to(x.dtype)
+
+    def describe(self) -> str:
+        parts = [self.name]
+        if self.kernels is not None:
+            parts.append(f"c++<={self.small_batch_max_rows}")
+        if self.packed_weight is not None:
+            parts.append(f"onednn<={self.packed_max_rows}")
+        if self.widen_bf16:
+            parts.append("bf16-in-float32")
+        return "+".join(parts)

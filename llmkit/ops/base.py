@@ -1,0 +1,118 @@
+"""Platform ops: the small operators a model and its attention backend are written over.
+
+``ModelOps`` is the interface *and* the portable torch reference (the numerics of Hugging Face's
+op sequence); a platform hands a model its own subclass: llmkit's C++ kernels on CPUs
+(``cpu_ops.py``), Triton kernels on CUDA (``triton_ops.py``). A model never asks which machine
+it runs on: it calls ``self.ops.<op>``.
+
+Conventions: activations are ``[tokens, hidden]`` (or ``[tokens, heads, head_dim]``); the KV
+cache of a layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class RotaryTables:
+    """One step's rotary tables, looked up once and shared by every layer: ``cos_sin
+    [tokens, rot_dim]`` (cos of each frequency in the first half, sin in the second) and its
+    halves as ``cos, sin [tokens, 1, rot_dim // 2]`` views."""
+
+    cos_sin: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class ModelOps:
+    """The torch reference of every op (also the interface platforms override)."""
+
+    name = "torch"
+    #: True when ``paged_decode_attention`` reads K/V in place through the block table at any
+    #: batch size (a backend may then send every decode row to it); the reference gathers.
+    paged_decode_in_place = False
+
+    # -- norms -------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Hugging Face's RMSNorm: normalise in float32, cast back, then scale by ``weight``."""
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        h = x.float()
+        scale = torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))
+        h = h.mul_(scale) if h.data_ptr() != x.data_ptr() else h * scale
+        return h.to(x.dtype).mul_(weight)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` in place, then ``(rms_norm(residual), residual)``."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps), residual
+
+    # -- rotary, activation ----------------------------------------------------------------
+    def rotary(self, x: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+        """``x [tokens, heads, head_dim]`` rotated (neox layout), in place where the platform
+        can (then ``x`` itself is returned); the reference returns a new tensor."""
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.mul(x1, rope.cos, out=o1)
+        o1.addcmul_(x2, rope.sin, value=-1)
+        torch.mul(x2, rope.cos, out=o2)
+        o2.addcmul_(x1, rope.sin)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2d``."""
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]).mul_(x[..., d:])
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store ``k, v [tokens, kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
+        write_kv(k, v, kv_cache, slot_mapping)
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+        """One query token per row over its paged context: ``q [B, H, D]`` -> ``[B, H, D]``;
+        grouped-query heads share their K/V head; float32 math like SDPA's CPU kernel."""
+        return paged_decode_attention_reference(q, kv_cache, block_table, seq_lens, scale)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, has_skipped_slots: bool | None = None) -> None:
+    """Store this step's K/V at their slots in the paged cache (slot -1 is skipped).
+    ``has_skipped_slots``: whether any slot is -1, when the caller knows (else it is checked,
+    which costs a host sync per call)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    n = slot_mapping.shape[0]
+    if has_skipped_slots is None:
+        has_skipped_slots = bool(n and (slot_mapping < 0).any())
+    if n and has_skipped_slots:
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[:n][keep], v[:n][keep]
+    flat[0].index_copy_(0, slot_mapping, k[: slot_mapping.shape[0]].to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v[: slot_mapping.shape[0]].to(flat.dtype))
+
+
+def paged_decode_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
+                                     block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Decode attention with K/V gathered through the block table (the reference: simple, and
+    as fast as anything in torch ops for a few rows). ``block_table [B, nb]`` entries past a
+    row's length may be any valid block."""
+    b, h, d = q.shape
+    hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
+    nb = block_table.shape[1]
+    k = kv_cache[0][block_table.long()].reshape(b, nb * bs, hkv, d)
+    v = kv_cache[1][block_table.long()].reshape(b, nb * bs, hkv, d)
+    valid = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens.view(b, 1).long()
+    o = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=h != hkv)
+    return o.squeeze(2).to(q.dtype)

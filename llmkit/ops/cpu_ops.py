@@ -1,0 +1,46 @@
+"""The CPU platform's ops: llmkit's C++ kernels (``torch.ops.llmkit_cpu``, ``kernels/cpu/``).
+
+Each rounds exactly where the reference's op sequence rounds (RMSNorm, SiLU-and-mul and rotary
+give its bits in float32 and bf16; bf16 decode attention follows SDPA's flash kernel), one call
+instead of several dispatched ops each. ``paged_decode_attention`` reads K/V in place through
+the block table, at any batch size.
+"""
+from __future__ import annotations
+
+import torch
+
+from llmkit.ops.base import ModelOps, RotaryTables
+
+
+class CpuNativeOps(ModelOps):
+    name = "cpu"
+    paged_decode_in_place = True
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.kernels.rms_norm(x, weight, eps)
+        shape = x.shape
+        return self.kernels.rms_norm(x.reshape(-1, shape[-1]), weight, eps).view(shape)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.fused_add_rms_norm(x, residual, weight, eps), residual
+
+    def rotary(self, x: torch.Tensor, rope: RotaryTables) -> torch.Tensor:
+        self.kernels.rotary_embedding_(x, rope.cos_sin)
+        return x
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(x)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.kernels.reshape_and_cache(k, v, kv_cache, slot_mapping)
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
