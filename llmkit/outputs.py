@@ -38,7 +38,8 @@ class LogprobsLists(msgspec.Struct, array_like=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's result. ``sampled_token_ids[i]`` belongs to ``req_ids[i]``; it is empty for a
+    """One step's result. ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: the tokens the
+    request gained (one, or with draft tokens its accepted drafts plus one); it is empty for a
     request whose prefill chunk did not reach the end of its prompt (nothing to sample yet).
 
     ``logprobs[req_id]`` has one position per sampled token of requests that asked for
@@ -50,6 +51,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
+    # Speculative decoding: draft tokens proposed for the next step, per request.
+    draft_token_ids: dict[str, list[int]] = {}
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -72,7 +72,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "cache_salt", "lora_id", "mm_hashes", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
-        "times", "block_hashes", "max_tokens", "arrival_index",
+        "times", "block_hashes", "max_tokens", "arrival_index", "spec_token_ids",
     )
 
     def __init__(
@@ -109,6 +109,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.max_tokens = self.sampling_params.max_tokens
         self.arrival_index = 0  # set by the scheduler: ties in priority break by arrival
+        # Draft tokens proposed for the next step (speculative decoding): verified, never
+        # part of all_token_ids until accepted.
+        self.spec_token_ids: list[int] = []
 
     # -- state machine -------------------------------------------------------------------
     def set_status(self, new: RequestStatus) -> None:

@@ -156,7 +156,7 @@ def test_engine_batch_invariance(engine):
 def test_sampler_step_timings():
     from llmkit.scheduler.base import NewRequestData
     from llmkit.worker.input_batch import InputBatch
-    from llmkit.worker.sampling_inputs import build_sampling_metadata
+    from llmkit.worker.sampling_inputs import LogitsLayout, build_sampling_metadata
 
     rows, vocab = (256, 151_936) if DEVICE.type == "cuda" else (64, 32_000)
     g = torch.Generator().manual_seed(0)
@@ -197,8 +197,8 @@ def test_sampler_step_timings():
             batch.add_request(NewRequestData(f"r{i}", list(range(5, 305)), 100, sp, [], 0,
                                              eos_token_id=2), gen)
         idx = np.arange(rows)
-        meta_ms = bench(lambda: build_sampling_metadata(batch, idx, {}, vocab, DEVICE))
-        meta = build_sampling_metadata(batch, idx, {}, vocab, DEVICE)
+        meta_ms = bench(lambda: build_sampling_metadata(batch, LogitsLayout.one_each(idx), vocab, DEVICE))
+        meta = build_sampling_metadata(batch, LogitsLayout.one_each(idx), vocab, DEVICE)
         flat_ms = bench(lambda: sampler.sample(flat, meta))
         peaked_ms = bench(lambda: sampler.sample(peaked, meta))
         print(f"  {name:12s} metadata {meta_ms:7.3f}  flat logits {flat_ms:8.3f}  "

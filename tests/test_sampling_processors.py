@@ -13,7 +13,8 @@ from llmkit.sampling.logits_processors import apply_penalties, apply_token_const
 from llmkit.sampling.metadata import PenaltyInputs
 from llmkit.scheduler.base import NewRequestData
 from llmkit.worker.input_batch import InputBatch
-from llmkit.worker.sampling_inputs import build_sampling_metadata, record_sampled_tokens
+from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
+                                          record_sampled_tokens)
 
 V = 50
 EOS = 2
@@ -29,8 +30,26 @@ def make_batch(rows: list[tuple[list[int], list[int], SamplingParams]]) -> Input
     return batch
 
 
+def pack_masks(masks: list[torch.Tensor]) -> np.ndarray:
+    """bool [V] masks -> xgrammar's int32 bitmask rows (bit i of word j = token 32 j + i)."""
+    words = -(-V // 32)
+    out = np.zeros((len(masks), words), dtype=np.uint32)
+    for r, m in enumerate(masks):
+        for t in m.nonzero().flatten().tolist():
+            out[r, t // 32] |= np.uint32(1 << (t % 32))
+    return out.view(np.int32)
+
+
 def processed(batch: InputBatch, logits: torch.Tensor, token_masks=None) -> torch.Tensor:
-    meta = build_sampling_metadata(batch, np.arange(batch.num_reqs), token_masks or {}, V, CPU)
+    """The constraints and penalties of a step; ``token_masks`` {req_id: bool [V]} travel as
+    the scheduler sends them: a packed grammar bitmask, one row per constrained request."""
+    rows = {}
+    bitmask = None
+    if token_masks:
+        rows = {rid: i for i, rid in enumerate(token_masks)}
+        bitmask = pack_masks(list(token_masks.values()))
+    meta = build_sampling_metadata(batch, LogitsLayout.one_each(np.arange(batch.num_reqs)), V,
+                                   CPU, rows, bitmask)
     out = logits.clone()
     apply_token_constraints(out, meta)
     if meta.penalties is not None:
@@ -120,7 +139,7 @@ def test_penalty_counts_follow_sampled_tokens(logits):
     assert torch.equal(processed(batch, logits[:2]), logits[:2])  # no output yet
     for tok in (9, 9, 4):
         # As the runner does after sampling: record the token, append it to the row.
-        record_sampled_tokens(batch, rows, [tok, tok])
+        record_sampled_tokens(batch, rows, [[tok], [tok]])
         for r in rows:
             batch.token_ids[r, batch.num_tokens[r]] = tok
             batch.num_tokens[r] += 1
@@ -167,7 +186,7 @@ def test_greedy_sampling_uses_processed_logits(logits):
     top = int(row.argmax())
     sp = SamplingParams(temperature=0.0, logit_bias={top: -100.0})
     batch = make_batch([(PROMPT, [], sp), (PROMPT, [], SamplingParams(temperature=0.0))])
-    meta = build_sampling_metadata(batch, np.arange(2), {}, V, CPU)
+    meta = build_sampling_metadata(batch, LogitsLayout.one_each(np.arange(2)), V, CPU)
     tokens = TorchSampler()(logits[:2], meta)
     assert int(tokens[0]) == int(processed(batch, logits[:2])[0].argmax()) != top
     assert int(tokens[1]) == int(logits[1].argmax())
@@ -176,7 +195,7 @@ def test_greedy_sampling_uses_processed_logits(logits):
 def test_plain_batches_skip_every_processing_step(logits, monkeypatch):
     batch = make_batch([(PROMPT, OUTPUT, SamplingParams(temperature=0.0))] * 3
                        + [(PROMPT, OUTPUT, SamplingParams(temperature=0.8))])
-    greedy = build_sampling_metadata(batch, np.arange(3), {}, V, CPU)
+    greedy = build_sampling_metadata(batch, LogitsLayout.one_each(np.arange(3)), V, CPU)
     assert greedy.all_greedy and not greedy.has_processors
     assert (greedy.top_k, greedy.top_p, greedy.min_p, greedy.max_num_logprobs) == (None,) * 4
     sampler = TorchSampler()
@@ -186,20 +205,20 @@ def test_plain_batches_skip_every_processing_step(logits, monkeypatch):
 
     monkeypatch.setattr(sampler, "_sample_mixed", boom)
     assert torch.equal(sampler(logits[:3], greedy), logits[:3].argmax(-1))
-    mixed = build_sampling_metadata(batch, np.arange(4), {}, V, CPU)
+    mixed = build_sampling_metadata(batch, LogitsLayout.one_each(np.arange(4)), V, CPU)
     assert not mixed.all_greedy and not mixed.has_processors
     assert (mixed.top_k, mixed.top_p, mixed.min_p) == (None,) * 3  # nobody filters
     # top-k / top-p / min-p of greedy rows do not turn the filters on.
     batch2 = make_batch([(PROMPT, [], SamplingParams(temperature=0.0, top_k=5, top_p=0.5)),
                          (PROMPT, [], SamplingParams(temperature=1.0))])
-    meta2 = build_sampling_metadata(batch2, np.arange(2), {}, V, CPU)
+    meta2 = build_sampling_metadata(batch2, LogitsLayout.one_each(np.arange(2)), V, CPU)
     assert (meta2.top_k, meta2.top_p) == (None, None)
 
 
 def test_sampler_never_modifies_its_input(logits):
     batch = make_batch([(PROMPT, OUTPUT, SamplingParams(repetition_penalty=1.4, top_k=3,
                                                         logit_bias={1: 2.0}, logprobs=2))])
-    meta = build_sampling_metadata(batch, np.arange(1), {}, V, CPU)
+    meta = build_sampling_metadata(batch, LogitsLayout.one_each(np.arange(1)), V, CPU)
     before = logits[:1].clone()
     out = TorchSampler().sample(logits[:1], meta)
     assert torch.equal(logits[:1], before)

@@ -125,11 +125,13 @@ class EngineCore:
                 runner_output = self.executor.execute_model(scheduler_output)
         else:
             runner_output = self.executor.execute_model(scheduler_output)
-        if trace is None:
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
-        trace.executed()
+        if trace is not None:
+            trace.executed()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        trace.end_step(self.scheduler)
+        if runner_output.draft_token_ids:
+            self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
+        if trace is not None:
+            trace.end_step(self.scheduler)
         return outputs
 
     def stats(self) -> SchedulerStats:

@@ -63,7 +63,8 @@ class KVCacheManagerBase(ABC):
     2. right after, ``allocate_slots(req, num_new_tokens, num_lookahead_tokens,
        new_computed_blocks=blocks, num_new_computed_tokens=n)``; ``None`` means "not enough
        free blocks, nothing changed" (and the lookup is not counted in the stats);
-    3. ``free(req)`` when it finishes, is aborted or is preempted.
+    3. ``shrink_slots(req, n)`` when draft tokens were rejected: only ``n`` tokens' slots stay;
+    4. ``free(req)`` when it finishes, is aborted or is preempted.
     """
 
     block_size: int
@@ -89,6 +90,11 @@ class KVCacheManagerBase(ABC):
     @abstractmethod
     def free(self, request: Request) -> None:
         """Release every block the request holds; safe to call twice."""
+
+    @abstractmethod
+    def shrink_slots(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks past the request's first ``num_tokens`` tokens (the slots of
+        rejected draft tokens); the number of blocks freed."""
 
     @abstractmethod
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:

@@ -323,6 +323,26 @@ class KVCacheManager(KVCacheManagerBase):
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def shrink_slots(self, request: Request, num_tokens: int) -> int:
+        """Keep slots for the request's first ``num_tokens`` tokens only: the blocks past them
+        (reserved for draft tokens that were rejected) go back to the pool, tail first.
+        Returns how many blocks were freed. Those blocks never hold cached content: only full
+        blocks of known (accepted) tokens are registered, and every kept token lies before
+        them."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(blocks):
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        rid = request.request_id
+        if self.num_cached_blocks.get(rid, 0) > keep:
+            self.num_cached_blocks[rid] = keep
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self.req_to_blocks.get(request_id, ()))
 

@@ -50,6 +50,17 @@ class PenaltyInputs:
 
 
 @dataclass(slots=True)
+class SpecDecodeMetadata:
+    """Draft tokens to verify (speculative decoding). The logits rows are grouped by request,
+    ``num_logits[i]`` consecutive rows for request i: its K drafts and a bonus position.
+    ``draft_token_ids[r]`` is the draft that logits row ``r`` verifies (-1 for the last row of
+    each request, which only samples). Drafts are given as tokens (a one-hot proposal q)."""
+
+    draft_token_ids: torch.Tensor  # int64 [R]
+    num_logits: list[int]
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Per-row parameters for the rows being sampled this step (``B`` rows, vocabulary ``V``)."""
 
@@ -69,6 +80,8 @@ class SamplingMetadata:
     penalties: PenaltyInputs | None = None
     # Top-k logprobs to return for every row (the batch's largest k); None = no logprobs.
     max_num_logprobs: int | None = None
+    # Draft tokens to verify; None = one independent sample per row.
+    spec: SpecDecodeMetadata | None = None
 
     @property
     def has_processors(self) -> bool:

@@ -24,6 +24,7 @@ from llmkit.sampling.logits_processors import apply_penalties, apply_token_const
 from llmkit.sampling.logprobs import LogprobsTensors, compute_logprobs
 from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
 from llmkit.sampling import topk_topp
+from llmkit.sampling.rejection import verify_drafts
 
 _GREEDY_EPS = 1e-5
 
@@ -32,14 +33,18 @@ __all__ = ["PenaltyInputs", "Sampler", "SamplerOutput", "SamplingMetadata", "Tor
 
 @dataclass(slots=True)
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # int64 [B]
-    logprobs: LogprobsTensors | None = None  # [B, max_num_logprobs + 1]; None if not asked
+    # int64 [R]: per logits row, the token it stands for in the output
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None  # [R, max_num_logprobs + 1]; None if not asked
+    # With draft tokens (metadata.spec): per request, its accepted drafts plus one token.
+    output_token_ids: list[list[int]] | None = None
 
 
 class Sampler(ABC):
     @abstractmethod
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of float32 ``logits`` ``[B, V]`` (never modified)."""
+        """Sample one token per row of float32 ``logits`` ``[R, V]`` (never modified); with
+        ``metadata.spec``, verify draft tokens too (``SamplerOutput.output_token_ids``)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Token ids ``[B]`` (int64)."""
@@ -69,14 +74,29 @@ class TorchSampler(Sampler):
             apply_token_constraints(logits, metadata)
             if metadata.penalties is not None:
                 apply_penalties(logits, metadata.penalties)
-        if metadata.all_greedy:
+        outputs = None
+        if metadata.spec is not None:
+            tokens, outputs = self._verify(logits, metadata)
+        elif metadata.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_mixed(logits, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = compute_logprobs(raw, tokens, metadata.max_num_logprobs)
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(tokens, logprobs, outputs)
+
+    def _verify(self, logits: torch.Tensor,
+                meta: SamplingMetadata) -> tuple[torch.Tensor, list[list[int]]]:
+        def probs(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t[idx]
+            return self.filtered_probs(rows / meta.temperature[idx].unsqueeze(1),
+                                       pick(meta.top_k), pick(meta.top_p), pick(meta.min_p))
+
+        return verify_drafts(logits, meta.temperature, meta.spec.draft_token_ids,
+                             meta.spec.num_logits, meta.generators, probs,
+                             self._generator(logits.device))
 
     def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         is_random = meta.temperature >= _GREEDY_EPS

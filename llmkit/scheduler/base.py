@@ -36,6 +36,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Where ``new_block_ids`` start in the request's block list: the blocks the runner holds
+    # past it were given back (slots of rejected draft tokens).
+    block_ids_offset: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -48,15 +51,59 @@ class SchedulerOutput:
     # the runner drops their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
-    # Seam for structured output and other constraints: per request, a bool mask over the
-    # vocabulary (True = allowed) applied before sampling.
-    token_masks: dict[str, object] = field(default_factory=dict)
-    # Seam for speculative decoding: draft tokens to verify per request.
+    # Speculative decoding: the draft tokens each request verifies this step (its scheduled
+    # tokens are its next token plus these); its logits are computed at all 1 + K positions.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured output (vLLM's names): the requests whose logits are constrained, in the
+    # order of ``grammar_bitmask``'s rows, one row per logits position (1 + K per request);
+    # int32 [rows, ceil(vocab / 32)], bit i of word j allows token 32 * j + i.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: object | None = None  # numpy.ndarray
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding counters since start-up (definitions in API.md).
+
+    - ``num_drafts``: verify steps of requests that had draft tokens;
+    - ``num_draft_tokens``: draft tokens proposed (and verified);
+    - ``num_accepted_tokens``: draft tokens accepted;
+    - ``accepted_per_position[j]``: drafts accepted at position j (0-based) of their run;
+    - ``acceptance_rate`` = accepted / draft tokens;
+    - ``mean_acceptance_length`` = 1 + accepted / drafts: tokens a drafted request gains per
+      verify step (the +1 is the token the target itself samples).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_position
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def snapshot(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
 
 
 @dataclass(slots=True)
@@ -71,6 +118,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     step_num_scheduled_tokens: int = 0
     step_num_preemptions: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class Scheduler(ABC):
@@ -97,3 +145,9 @@ class Scheduler(ABC):
 
     @abstractmethod
     def stats(self) -> SchedulerStats: ...
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Draft tokens proposed for the next step (speculative decoding). A scheduler that
+        cannot verify drafts refuses them."""
+        if any(draft_token_ids.values()):
+            raise NotImplementedError(f"{type(self).__name__} does not schedule draft tokens")

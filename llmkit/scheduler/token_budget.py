@@ -16,7 +16,7 @@ from llmkit.kv_cache.base import KVCacheManagerBase
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
-                                   SchedulerOutput, SchedulerStats)
+                                   SchedulerOutput, SchedulerStats, SpecDecodeStats)
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 
@@ -46,6 +46,7 @@ class TokenBudgetScheduler(Scheduler):
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         self._step_tokens = 0
+        self._spec_stats = SpecDecodeStats()
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,6 +101,8 @@ class TokenBudgetScheduler(Scheduler):
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._schedulable_drafts(req, n, budget)
+            n += len(drafts)
             while True:
                 new_blocks = kv.allocate_slots(req, n, lookahead)
                 if new_blocks is not None:
@@ -123,9 +126,13 @@ class TokenBudgetScheduler(Scheduler):
                 continue  # req itself was preempted; `i` already points at the next one
             num_scheduled[req.request_id] = n
             budget -= n
+            if drafts:
+                spec_tokens[req.request_id] = drafts
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.block_ids_offset.append(len(kv.get_block_ids(req.request_id))
+                                           - len(new_blocks))
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt (blocks are scarce).
@@ -208,7 +215,25 @@ class TokenBudgetScheduler(Scheduler):
         n = min(n, budget, self.max_model_len - req.num_computed_tokens)
         return n
 
+    def _schedulable_drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's draft tokens that fit this step: only while it decodes (one new
+        token), within the budget and within max_model_len / max_tokens (tokens past either
+        could never be kept)."""
+        drafts = req.spec_token_ids
+        if not drafts or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(budget - 1, self.max_model_len - req.num_tokens,
+                   req.max_tokens - req.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Draft tokens for the next step, per request (a proposer's output); requests not
+        named keep none."""
+        for req in self.running:
+            req.spec_token_ids = list(draft_token_ids.get(req.request_id, ()))
+
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self.kv.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
@@ -232,6 +257,16 @@ class TokenBudgetScheduler(Scheduler):
             new_tokens = sampled[i] if i is not None else []
             if not new_tokens:
                 continue  # a prefill chunk short of the prompt's end samples nothing
+            drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
+            if drafts:
+                # 1 + K tokens were computed; the KV of the rejected drafts' positions is
+                # garbage: those tokens are no longer computed, and their slots go back.
+                num_rejected = len(drafts) + 1 - len(new_tokens)
+                req.num_computed_tokens -= num_rejected
+                req.spec_token_ids = []
+                if num_rejected:
+                    self.kv.shrink_slots(req, req.num_computed_tokens)
+                self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
             for tok in new_tokens:
                 req.append_output_token(tok)
@@ -311,4 +346,5 @@ class TokenBudgetScheduler(Scheduler):
             prefix_cache_hits=pc.hits,
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
+            spec_decode=self._spec_stats.snapshot(),
         )

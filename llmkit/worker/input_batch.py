@@ -17,7 +17,7 @@ from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import NewRequestData
 
 
-class _GrowingIds:
+class GrowingIds:
     """Distinct token ids in first-seen order, with a count each, as numpy arrays that grow
     by doubling: a step reads them as slices (no per-step conversion), a new token is O(1)."""
 
@@ -42,17 +42,21 @@ class _GrowingIds:
             self.n += 1
         self.counts[i] += 1
 
+    def position(self, token: int) -> int | None:
+        """The token's index in ``ids`` (None if never seen)."""
+        return self._pos.get(token)
+
 
 @dataclass(slots=True)
 class PenaltyState:
     """A row's token statistics for penalties, kept up to date as it samples (O(1) a token)."""
 
-    output: _GrowingIds  # output tokens and their counts (frequency, presence)
-    seen: _GrowingIds | None  # prompt + output tokens (repetition only)
+    output: GrowingIds  # output tokens and their counts (frequency, presence)
+    seen: GrowingIds | None  # prompt + output tokens (repetition only)
 
     @classmethod
     def build(cls, prompt: list[int], output: list[int], repetition: bool) -> "PenaltyState":
-        return cls(_GrowingIds(output), _GrowingIds(prompt + output) if repetition else None)
+        return cls(GrowingIds(output), GrowingIds(prompt + output) if repetition else None)
 
     def add(self, token: int) -> None:
         self.output.add(token)

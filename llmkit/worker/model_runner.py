@@ -15,10 +15,12 @@ from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.spec_decode.base import Proposer
 from llmkit.worker import prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
-from llmkit.worker.sampling_inputs import build_sampling_metadata, record_sampled_tokens
+from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
+                                          record_sampled_tokens)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,8 +38,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of hidden states to sample from
-    sample_rows: np.ndarray  # batch rows that sample this step
+    logits_indices: torch.Tensor  # rows of hidden states to compute logits at
+    logits: LogitsLayout  # which batch rows sample, and at how many positions each
     req_ids: list[str]  # scheduled requests, in batch-row order
     rows: np.ndarray  # their batch rows
     query_starts: np.ndarray  # per scheduled row: its first token's index in the flat batch
@@ -64,6 +66,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # Requests still owed their prompt logprobs, accumulated across prefill chunks.
         self._prompt_logprobs: dict[str, PromptLogprobsState] = {}
+        # Speculative decoding: proposes draft tokens after each step's sampling.
+        self.proposer: Proposer | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -104,10 +108,20 @@ class ModelRunner:
                 self._prompt_logprobs[new.req_id] = PromptLogprobsState(
                     sp.prompt_logprobs, new.num_prompt_tokens)
         c = so.scheduled_cached_reqs
-        for rid, block_ids, n_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+        offsets = c.block_ids_offset or [None] * len(c.req_ids)
+        for rid, block_ids, n_computed, offset in zip(c.req_ids, c.new_block_ids,
+                                                      c.num_computed_tokens, offsets):
             row = b.req_id_to_row[rid]
+            if offset is not None:
+                b.num_blocks[row] = offset  # blocks past it were given back
             b.append_block_ids(row, block_ids)
             b.num_computed_tokens[row] = n_computed
+        # Draft tokens sit after the known tokens while they are verified; accepted ones are
+        # written again (the same ids) when the step's output is recorded.
+        for rid, drafts in so.scheduled_spec_tokens.items():
+            row = b.req_id_to_row[rid]
+            n = b.num_tokens[row]
+            b.token_ids[row, n:n + len(drafts)] = drafts
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         b = self.batch
@@ -130,8 +144,19 @@ class ModelRunner:
         seq_lens = computed + num_sched
         query_start_loc = np.concatenate(([0], cu))
         max_blocks = int(b.num_blocks[rows].max())
-        # Rows whose step reaches the end of their known tokens produce a new token.
+        # Rows whose step reaches the end of their known tokens produce a new token; a row
+        # verifying K drafts computes logits at its last 1 + K positions.
         samples = seq_lens >= b.num_tokens[rows]
+        spec = so.scheduled_spec_tokens
+        req_ids = [b.req_ids[r] for r in rows]
+        sample_idx = np.flatnonzero(samples)
+        drafts = [spec.get(req_ids[i], []) for i in sample_idx.tolist()] if spec else \
+            [[] for _ in range(len(sample_idx))]
+        num_logits = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64,
+                                 count=len(drafts))
+        ends = cu[sample_idx]
+        logits_indices = (np.repeat(ends - num_logits, num_logits)
+                          + LogitsLayout(sample_idx, num_logits, drafts).offsets)
         metadata = AttentionMetadata(
             num_reqs=len(rows),
             num_actual_tokens=total,
@@ -149,9 +174,9 @@ class ModelRunner:
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
             attn_metadata=self.attn_backend.build_metadata(metadata),
-            logits_indices=torch.from_numpy(cu[samples] - 1),
-            sample_rows=rows[samples],
-            req_ids=[b.req_ids[r] for r in rows],
+            logits_indices=torch.from_numpy(logits_indices),
+            logits=LogitsLayout(rows[sample_idx], num_logits, drafts),
+            req_ids=req_ids,
             rows=rows,
             query_starts=starts,
             computed=computed,
@@ -168,43 +193,65 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device),
                             self.kv_caches, inputs.attn_metadata)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
-        sampled_by_row: dict[int, int] = {}
+        sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
-        if len(inputs.sample_rows):
+        layout = inputs.logits
+        if len(layout.rows):
             logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
-            rows = inputs.sample_rows
-            meta = build_sampling_metadata(self.batch, rows, so.token_masks, logits.shape[-1],
-                                           self.device)
+            bitmask_rows = None
+            if so.grammar_bitmask is not None:
+                bitmask_rows = self._bitmask_rows(so)
+            meta = build_sampling_metadata(self.batch, layout, logits.shape[-1], self.device,
+                                           bitmask_rows, so.grammar_bitmask)
             out = self.sampler.sample(logits.float(), meta)
-            sampled_by_row = self._record(rows, out, logprobs)
+            sampled_by_row = self._record(layout, out, logprobs)
+        drafts = {}
+        if self.proposer is not None and len(layout.rows):
+            drafts = self.proposer.propose(self.batch, layout.rows)
         rows = inputs.rows.tolist()
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
-            sampled_token_ids=[[sampled_by_row[r]] if r in sampled_by_row else [] for r in rows],
+            sampled_token_ids=[sampled_by_row.get(r, []) for r in rows],
             logprobs=logprobs,
             prompt_logprobs=prompt_lps,
+            draft_token_ids=drafts,
         )
 
-    def _record(self, rows: np.ndarray, out: SamplerOutput,
-                logprobs: dict[str, LogprobsLists]) -> dict[int, int]:
-        """Append the sampled tokens to the batch; collect logprobs of rows that asked."""
+    @staticmethod
+    def _bitmask_rows(so: SchedulerOutput) -> dict[str, int]:
+        """Each constrained request's first bitmask row (1 + its drafts rows each)."""
+        rows, start = {}, 0
+        for rid in so.structured_output_request_ids:
+            rows[rid] = start
+            start += 1 + len(so.scheduled_spec_tokens.get(rid, ()))
+        return rows
+
+    def _record(self, layout: LogitsLayout, out: SamplerOutput,
+                logprobs: dict[str, LogprobsLists]) -> dict[int, list[int]]:
+        """Append the new tokens to the batch; collect logprobs of rows that asked."""
         b = self.batch
-        tokens = out.sampled_token_ids.tolist()
+        rows = layout.rows
         row_list = rows.tolist()
-        for row, tok in zip(row_list, tokens):
+        if out.output_token_ids is not None:
+            tokens = out.output_token_ids
+        else:
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+        for row, toks in zip(row_list, tokens):
             n = b.num_tokens[row]
-            if n < self.max_model_len:
-                b.token_ids[row, n] = tok
-            b.num_tokens[row] = n + 1
+            end = min(n + len(toks), self.max_model_len)
+            b.token_ids[row, n:end] = toks[:end - n]
+            b.num_tokens[row] = n + len(toks)
         record_sampled_tokens(b, rows, tokens)
         if out.logprobs is not None:
             num_lp = b.num_logprobs[rows]
-            wanted = np.flatnonzero(num_lp >= 0)
             lists = out.logprobs.to_lists()
-            for i in wanted.tolist():
+            starts = np.cumsum(layout.num_logits) - layout.num_logits
+            for i in np.flatnonzero(num_lp >= 0).tolist():
                 k = int(num_lp[i]) + 1  # rows were computed with the batch's largest k
+                s0, n = int(starts[i]), len(tokens[i])
                 logprobs[b.req_ids[row_list[i]]] = LogprobsLists(
-                    [lists.token_ids[i][:k]], [lists.logprobs[i][:k]], [lists.ranks[i]])
+                    [ids[:k] for ids in lists.token_ids[s0:s0 + n]],
+                    [lps[:k] for lps in lists.logprobs[s0:s0 + n]], lists.ranks[s0:s0 + n])
         return dict(zip(row_list, tokens))
 
     def _score_prompts(self, inputs: StepInputs,

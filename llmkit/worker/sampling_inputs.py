@@ -1,63 +1,136 @@
-"""Per-step sampling inputs from the persistent batch.
+"""Per-step sampling inputs from the persistent batch, one row per logits position.
+
+A request samples at one position (its next token), or at 1 + K when it verifies K draft tokens:
+logits row ``(request, j)`` sees the request's tokens plus its first ``j`` drafts, so penalties,
+bad words and ``min_tokens`` are applied with that position's own history.
 
 Every part of :class:`SamplingMetadata` is built only when a row of this step needs it: the
-per-row numpy columns answer "does any row need X" with one vectorised check, and a batch of
+per-request numpy columns answer "does any row need X" with one vectorised check, and a batch of
 plain greedy rows costs a temperature slice and nothing more. Ragged data (bias, allow-lists,
 bad words, min_tokens stop ids) is gathered by a Python loop over the rows that have it only.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from llmkit.sampling.bad_words import banned_next_tokens
-from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
-from llmkit.worker.input_batch import InputBatch, PenaltyState
+from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata, SpecDecodeMetadata
+from llmkit.worker.input_batch import InputBatch, PenaltyState, GrowingIds
 
 _GREEDY_EPS = 1e-5
 
 
-def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, token_masks: dict[str, object],
-                            vocab_size: int, device: torch.device) -> SamplingMetadata:
-    """Metadata for sampling the step's ``rows`` (batch rows, in logits order)."""
-    temperature = batch.temperature[rows]
+@dataclass(slots=True)
+class LogitsLayout:
+    """Which logits row belongs to which request: ``rows[i]`` (a batch row) owns
+    ``num_logits[i]`` consecutive logits rows, the last ``num_logits[i]`` positions it
+    computed; ``drafts[i]`` are its ``num_logits[i] - 1`` draft tokens."""
+
+    rows: np.ndarray
+    num_logits: np.ndarray
+    drafts: list[list[int]]
+
+    @classmethod
+    def one_each(cls, rows: np.ndarray) -> "LogitsLayout":
+        return cls(rows, np.ones(len(rows), dtype=np.int64), [[] for _ in range(len(rows))])
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(len(self.num_logits)) and int(self.num_logits.max()) > 1
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """The batch row of every logits row."""
+        return np.repeat(self.rows, self.num_logits)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Each logits row's position within its request's run (0 = the next token)."""
+        starts = np.cumsum(self.num_logits) - self.num_logits
+        return np.arange(int(self.num_logits.sum())) - np.repeat(starts, self.num_logits)
+
+
+def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size: int,
+                            device: torch.device, req_bitmask_rows: dict[str, int] | None = None,
+                            grammar_bitmask: np.ndarray | None = None) -> SamplingMetadata:
+    """Metadata for the step's logits rows (``layout``). ``req_bitmask_rows`` maps a
+    constrained request to its first row of ``grammar_bitmask`` (one row per logits
+    position)."""
+    lrows = layout.logits_rows
+    offsets = layout.offsets if layout.has_drafts else None
+    temperature = batch.temperature[lrows]
     random = temperature >= _GREEDY_EPS
     any_random = bool(random.any())
     top_k = top_p = min_p = None
     generators: dict[int, torch.Generator] = {}
     if any_random:
         # Filters are only built when a random row uses them (greedy rows ignore them).
-        k, p, mp = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        k, p, mp = batch.top_k[lrows], batch.top_p[lrows], batch.min_p[lrows]
         if ((k[random] > 0) & (k[random] < vocab_size)).any():
             top_k = _tensor(k, device)
         if (p[random] < 1.0).any():
             top_p = _tensor(p, device)
         if (mp[random] > 0.0).any():
             min_p = _tensor(mp, device)
-        for i in np.flatnonzero(batch.has_seed[rows] & random).tolist():
-            generators[i] = batch.generators[rows[i]]
-    num_lp = batch.num_logprobs[rows]
+        for i in np.flatnonzero(batch.has_seed[lrows] & random).tolist():
+            generators[i] = batch.generators[lrows[i]]
+    num_lp = batch.num_logprobs[lrows]
     max_lp = int(num_lp.max())
+    history = _DraftHistory(layout, offsets)
+    spec = None
+    if offsets is not None:
+        draft_ids = np.full(len(lrows), -1, dtype=np.int64)
+        for i, d in enumerate(layout.drafts):
+            if d:
+                start = int(history.starts[i])
+                draft_ids[start:start + len(d)] = d
+        spec = SpecDecodeMetadata(draft_token_ids=_tensor(draft_ids, device),
+                                  num_logits=layout.num_logits.tolist())
     return SamplingMetadata(
         temperature=_tensor(temperature, device),
         all_greedy=not any_random,
         top_k=top_k, top_p=top_p, min_p=min_p,
         generators=generators,
-        token_mask=_external_mask(batch, rows, token_masks, vocab_size, device),
-        allowed_token_ids=_allowed(batch, rows, device),
-        banned_token_ids=_banned(batch, rows, device),
-        logit_bias=_bias(batch, rows, device),
-        penalties=_penalties(batch, rows, device),
+        token_mask=_grammar_mask(batch, layout, req_bitmask_rows, grammar_bitmask, vocab_size,
+                                 device),
+        allowed_token_ids=_allowed(batch, lrows, device),
+        banned_token_ids=_banned(batch, lrows, history, device),
+        logit_bias=_bias(batch, lrows, device),
+        penalties=_penalties(batch, lrows, history, device),
         max_num_logprobs=max_lp if max_lp >= 0 else None,
+        spec=spec,
     )
 
 
-def record_sampled_tokens(batch: InputBatch, rows: np.ndarray, tokens: list[int]) -> None:
+class _DraftHistory:
+    """The draft tokens that precede each logits row (empty without drafts)."""
+
+    def __init__(self, layout: LogitsLayout, offsets: np.ndarray | None) -> None:
+        self.layout, self.offsets = layout, offsets
+        self.starts = np.cumsum(layout.num_logits) - layout.num_logits
+        self._owner = (np.repeat(np.arange(len(layout.rows)), layout.num_logits)
+                       if offsets is not None else None)
+
+    def before(self, logits_row: int) -> list[int]:
+        if self.offsets is None:
+            return []
+        j = int(self.offsets[logits_row])
+        return self.layout.drafts[int(self._owner[logits_row])][:j] if j else []
+
+    def offset(self, logits_row: int) -> int:
+        return 0 if self.offsets is None else int(self.offsets[logits_row])
+
+
+def record_sampled_tokens(batch: InputBatch, rows: np.ndarray, tokens: list[list[int]]) -> None:
     """Keep penalty counts current: the rows' new tokens join their outputs."""
     for i in np.flatnonzero(batch.has_penalties[rows]).tolist():
         state = batch.extras[rows[i]].penalty
         if state is not None:
-            state.add(tokens[i])
+            for tok in tokens[i]:
+                state.add(tok)
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -76,83 +149,135 @@ def _pairs(row_idx: list[int], ids: list[np.ndarray], device: torch.device,
     return tuple(out)
 
 
-def _external_mask(batch: InputBatch, rows: np.ndarray, token_masks: dict[str, object],
-                   vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """The structured-output seam: per request a bool ``[V]`` mask (True = allowed)."""
-    if not token_masks:
-        return None
-    masks = [token_masks.get(batch.req_ids[r]) for r in rows]
-    if all(m is None for m in masks):
-        return None
-    out = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
-    for i, m in enumerate(masks):
-        if m is not None:
-            m = torch.as_tensor(m, dtype=torch.bool)
-            out[i, :m.shape[-1]] = m.to(device)
-    return out
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's packed int32 bitmask ``[R, ceil(V / 32)]`` -> bool ``[R, V]`` (True =
+    allowed): bit i of word j is token 32 j + i."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def _allowed(batch: InputBatch, rows: np.ndarray,
+def _grammar_mask(batch: InputBatch, layout: LogitsLayout, req_rows: dict[str, int] | None,
+                  bitmask: np.ndarray | None, vocab_size: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """The structured-output seam: the bitmask rows of the constrained requests, unpacked
+    into a bool ``[logits rows, V]`` mask (unconstrained rows allow everything)."""
+    if bitmask is None or not req_rows:
+        return None
+    src, dst = [], []
+    start = 0
+    for row, n in zip(layout.rows.tolist(), layout.num_logits.tolist()):
+        first = req_rows.get(batch.req_ids[row])
+        if first is not None:
+            src.extend(range(first, first + n))
+            dst.extend(range(start, start + n))
+        start += n
+    if not src:
+        return None
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask[src])).to(device)
+    mask = torch.ones(start, vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor(dst, device=device)] = unpack_bitmask(packed, vocab_size)
+    return mask
+
+
+def _allowed(batch: InputBatch, lrows: np.ndarray,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    idx = np.flatnonzero(batch.has_allowed[rows]).tolist()
-    return _pairs(idx, [batch.extras[rows[i]].allowed_ids for i in idx], device)
+    idx = np.flatnonzero(batch.has_allowed[lrows]).tolist()
+    return _pairs(idx, [batch.extras[lrows[i]].allowed_ids for i in idx], device)
 
 
-def _bias(batch: InputBatch, rows: np.ndarray, device: torch.device):
-    idx = np.flatnonzero(batch.has_bias[rows]).tolist()
-    extras = [batch.extras[rows[i]] for i in idx]
+def _bias(batch: InputBatch, lrows: np.ndarray, device: torch.device):
+    idx = np.flatnonzero(batch.has_bias[lrows]).tolist()
+    extras = [batch.extras[lrows[i]] for i in idx]
     return _pairs(idx, [e.bias_ids for e in extras], device, [e.bias_values for e in extras])
 
 
-def _banned(batch: InputBatch, rows: np.ndarray,
+def _banned(batch: InputBatch, lrows: np.ndarray, history: _DraftHistory,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Bad words completed by the next token, and EOS / stop ids while below min_tokens."""
+    """Bad words completed by the next token, and EOS / stop ids while below min_tokens,
+    each with the logits row's own history (its request's output plus earlier drafts)."""
     row_idx: list[int] = []
     ids: list[np.ndarray] = []
-    for i in np.flatnonzero(batch.has_bad_words[rows]).tolist():
-        r = rows[i]
-        banned = banned_next_tokens(batch.extras[r].bad_words, batch.output_token_ids(r))
+    for i in np.flatnonzero(batch.has_bad_words[lrows]).tolist():
+        r = lrows[i]
+        output = batch.output_token_ids(r).tolist() + history.before(i)
+        banned = banned_next_tokens(batch.extras[r].bad_words, output)
         if banned:
             row_idx.append(i)
             ids.append(np.asarray(banned, dtype=np.int64))
-    num_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-    for i in np.flatnonzero(num_out < batch.min_tokens[rows]).tolist():
-        stop_ids = batch.extras[rows[i]].min_tokens_stop_ids
+    num_out = batch.num_tokens[lrows] - batch.num_prompt_tokens[lrows]
+    if history.offsets is not None:
+        num_out = num_out + history.offsets
+    for i in np.flatnonzero(num_out < batch.min_tokens[lrows]).tolist():
+        stop_ids = batch.extras[lrows[i]].min_tokens_stop_ids
         if len(stop_ids):
             row_idx.append(i)
             ids.append(stop_ids)
     return _pairs(row_idx, ids, device)
 
 
-def _penalties(batch: InputBatch, rows: np.ndarray,
+def _penalties(batch: InputBatch, lrows: np.ndarray, history: _DraftHistory,
                device: torch.device) -> PenaltyInputs | None:
-    idx = np.flatnonzero(batch.has_penalties[rows])
+    idx = np.flatnonzero(batch.has_penalties[lrows])
     if not len(idx):
         return None
-    pen_rows = rows[idx]
+    pen_rows = lrows[idx]
     states = [_penalty_state(batch, int(r)) for r in pen_rows]
+    # A logits row past its request's first position also counts the drafts before it.
+    views = [_with_drafts(s, history.before(int(i))) for s, i in zip(states, idx.tolist())]
     pen = PenaltyInputs()
     rep = batch.repetition_penalty[pen_rows]
-    has_rep = [s.seen is not None for s in states]
-    if any(has_rep):
-        sel = [k for k, h in enumerate(has_rep) if h]
-        lens = [states[k].seen.n for k in sel]
+    sel = [k for k, v in enumerate(views) if v.seen_ids is not None]
+    if sel:
+        lens = [len(views[k].seen_ids) for k in sel]
         pen.rep_rows = _tensor(np.repeat(idx[sel], lens), device)
-        pen.rep_ids = _tensor(np.concatenate([states[k].seen.ids[:states[k].seen.n]
-                                              for k in sel]), device)
+        pen.rep_ids = _tensor(np.concatenate([views[k].seen_ids for k in sel]), device)
         pen.rep_penalty = _tensor(np.repeat(rep[sel], lens), device)
     freq = batch.frequency_penalty[pen_rows]
     pres = batch.presence_penalty[pen_rows]
-    sel = [k for k in np.flatnonzero((freq != 0) | (pres != 0)).tolist() if states[k].output.n]
+    sel = [k for k in np.flatnonzero((freq != 0) | (pres != 0)).tolist()
+           if len(views[k].out_ids)]
     if sel:
-        lens = [states[k].output.n for k in sel]
-        counts = np.concatenate([states[k].output.counts[:states[k].output.n] for k in sel])
+        lens = [len(views[k].out_ids) for k in sel]
+        counts = np.concatenate([views[k].out_counts for k in sel])
         pen.out_rows = _tensor(np.repeat(idx[sel], lens), device)
-        pen.out_ids = _tensor(np.concatenate([states[k].output.ids[:states[k].output.n]
-                                              for k in sel]), device)
+        pen.out_ids = _tensor(np.concatenate([views[k].out_ids for k in sel]), device)
         pen.out_penalty = _tensor((np.repeat(freq[sel], lens) * counts
                                    + np.repeat(pres[sel], lens)).astype(np.float32), device)
     return pen if pen.rep_rows is not None or pen.out_rows is not None else None
+
+
+@dataclass(slots=True)
+class _PenaltyView:
+    out_ids: np.ndarray
+    out_counts: np.ndarray
+    seen_ids: np.ndarray | None
+
+
+def _with_drafts(state: PenaltyState, drafts: list[int]) -> _PenaltyView:
+    out, seen = state.output, state.seen
+    view = _PenaltyView(out.ids[:out.n], out.counts[:out.n],
+                        seen.ids[:seen.n] if seen is not None else None)
+    if not drafts:
+        return view
+    extra = GrowingIds([])
+    for t in drafts:
+        extra.add(t)
+    new_ids, new_counts = extra.ids[:extra.n], extra.counts[:extra.n]
+    counts = view.out_counts.copy()
+    fresh = []
+    for t, c in zip(new_ids.tolist(), new_counts.tolist()):
+        pos = out.position(t)
+        if pos is None:
+            fresh.append((t, c))
+        else:
+            counts[pos] += c
+    view.out_counts = np.concatenate([counts, np.asarray([c for _, c in fresh], np.int64)])
+    view.out_ids = np.concatenate([view.out_ids, np.asarray([t for t, _ in fresh], np.int64)])
+    if seen is not None:
+        unseen = [t for t in new_ids.tolist() if seen.position(t) is None]
+        view.seen_ids = np.concatenate([view.seen_ids, np.asarray(unseen, np.int64)])
+    return view
 
 
 def _penalty_state(batch: InputBatch, row: int) -> PenaltyState:
