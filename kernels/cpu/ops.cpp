@@ -6,6 +6,7 @@
 #include "cache.h"
 #include "decode_attention.h"
 #include "linear.h"
+#include "lora.h"
 #include "norm.h"
 #include "rotary.h"
 
@@ -19,6 +20,8 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
+        "Tensor ranks, int[] out_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
@@ -29,4 +32,5 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
+  m.impl("lora_add_", &llmkit_cpu::lora_add_);
 }

@@ -7,6 +7,8 @@ from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.lora.base import LoRARequest
+from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
@@ -34,6 +36,8 @@ def linear_method_factory(model_config, platform: Platform,
 
 
 class UniprocExecutor(Executor):
+    supports_lora = True
+
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
@@ -41,8 +45,12 @@ class UniprocExecutor(Executor):
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops,
-                           linear_method=linear_method_factory(config.model, platform, dtype))
+        linear_method = linear_method_factory(config.model, platform, dtype)
+        lora = None
+        if config.lora.enabled:
+            lora = LoRASetup(config.lora, source, platform, dtype)
+            linear_method = lora.wrap(linear_method)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
@@ -60,6 +68,8 @@ class UniprocExecutor(Executor):
             kv_cache_dtype=dtype,
             device=platform.device,
         )
+        if lora is not None:
+            self.runner.lora_manager = lora.manager(model)
 
     @property
     def model_facts(self) -> ModelFacts:
@@ -73,6 +83,18 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove_adapter(lora_id)
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self.runner.lora_manager
+        if manager is None:
+            raise ValueError("LoRA adapters need lora.enabled=true")
+        return manager
 
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()

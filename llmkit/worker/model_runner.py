@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.lora.manager import LoRAManager
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -68,6 +69,8 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, PromptLogprobsState] = {}
         # Speculative decoding: proposes draft tokens after each step's sampling.
         self.proposer: Proposer | None = None
+        # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
+        self.lora_manager: LoRAManager | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -190,6 +193,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
+        if self.lora_manager is None:
+            return self._execute(so, inputs)
+        layout = inputs.logits
+        row_lora = self.batch.lora_id[inputs.rows]
+        self.lora_manager.prepare_step(np.repeat(row_lora, inputs.num_scheduled),
+                                       np.repeat(self.batch.lora_id[layout.rows],
+                                                 layout.num_logits))
+        try:
+            return self._execute(so, inputs)
+        finally:
+            self.lora_manager.end_step()
+
+    def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
         hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device),
                             self.kv_caches, inputs.attn_metadata)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
@@ -263,7 +279,11 @@ class ModelRunner:
             if state is None:
                 continue
             row = int(inputs.rows[i])
-            prompt_logprobs.score_chunk(state, hidden, self.model.compute_logits,
+            compute_logits = self.model.compute_logits
+            if self.lora_manager is not None:  # the rows are this request's: its adapter
+                compute_logits = self.lora_manager.logits_fn(int(self.batch.lora_id[row]),
+                                                             compute_logits)
+            prompt_logprobs.score_chunk(state, hidden, compute_logits,
                                         self.batch.token_ids[row], int(inputs.query_starts[i]),
                                         int(inputs.computed[i]), int(inputs.num_scheduled[i]))
             if prompt_logprobs.finished(state):
