@@ -52,3 +52,12 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     return out
+
+
+from llmkit.linear.torch_linear import TorchLinearMethod  # noqa: E402
+
+
+class NoLoRALinearMethod(TorchLinearMethod):
+    """A linear method that says it cannot be wrapped by LoRA (``supports_lora = False``)."""
+
+    supports_lora = False
