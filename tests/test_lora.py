@@ -408,3 +408,31 @@ def test_lora_request_checks_its_fields():
         LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match="lora_name"):
         LoRARequest("", 1, "/x")
+
+
+# ------------------------------------------------------------------ benchmarks
+
+def test_bench_spreads_requests_over_adapters(adapters):
+    from llmkit.bench.client import ClientOptions, _payload
+    from llmkit.bench.datasets import WorkloadError, build_workload
+    from llmkit.bench.throughput import run_throughput
+    from llmkit.config.compose import build_config
+
+    model_dir, r8, r16 = adapters["llama"]
+    bench = {"num_requests": 6, "input_len": 12, "output_len": 4, "progress": False,
+             "lora_names": ["a", "b"]}
+    cfg = build_config(str(model_dir), dtype="float32", groups={
+        "lora": {"enabled": True, "modules": [f"a={r8}", f"b={r16}"]}, "bench": bench,
+        "kv_cache": {"num_blocks": 128}})
+    from transformers import AutoTokenizer
+
+    workload = build_workload(cfg.bench, AutoTokenizer.from_pretrained(str(model_dir)))
+    assert [r.lora_name for r in workload] == ["a", "b"] * 3
+    assert _payload(workload[1], ClientOptions(), "base")["model"] == "b"
+    result = run_throughput(cfg)
+    assert result["summary"]["completed"] == 6
+    assert result["summary"]["total_output_tokens"] == 24
+    bad = cfg.model_copy(update={"bench": cfg.bench.model_copy(update={"lora_names": ["x"]})})
+    with pytest.raises(WorkloadError, match="not in lora.modules"):
+        run_throughput(bad)
+
