@@ -60,6 +60,8 @@ class UniprocExecutor(Executor):
             kv_cache_dtype=dtype,
             device=platform.device,
         )
+        self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
+            model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
 
     @property
     def model_facts(self) -> ModelFacts:
