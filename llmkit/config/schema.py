@@ -22,6 +22,20 @@ class _Component(_Strict):
     target: str | None = Field(default=None, alias="_target_")
 
 
+class GenerationDefaults(_Strict):
+    """A model's recommended sampling defaults, by ``SamplingParams``' names (vLLM reads the
+    same fields from a model's ``generation_config.json``; ``max_tokens`` is HF's
+    ``max_new_tokens``). A preset states them when its files carry none (a GGUF has no
+    ``generation_config.json``); null = no default of the model's for that field."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
 class ModelConfig(_Strict):
     # A preset's name (conf/model/NAME.yaml); informational once resolved.
     name: str | None = None
@@ -37,6 +51,12 @@ class ModelConfig(_Strict):
     served_name: str | None = None
     # Extra end-of-sequence ids (e.g. a chat model's end-of-turn token).
     extra_eos_token_ids: list[int] = Field(default_factory=list)
+    # Where the sampling defaults of requests that leave a field unset come from (vLLM's
+    # --generation-config): auto = the model's (its folder's generation_config.json, then
+    # generation_defaults below); vllm = none of the model's (SamplingParams' own defaults);
+    # a path = that folder's generation_config.json, or that JSON file.
+    generation_config: str = "auto"
+    generation_defaults: GenerationDefaults = Field(default_factory=GenerationDefaults)
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":

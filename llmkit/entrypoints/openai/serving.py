@@ -77,7 +77,8 @@ class OpenAIServing:
                         logprobs: int | None) -> SamplingParams:
         """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
         return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                  vocab_size=self.vocab_size)
+                                  vocab_size=self.vocab_size,
+                                  defaults=self.engine.default_sampling_fields)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                       prompt_param: str) -> None:
