@@ -177,11 +177,29 @@ def test_models_health_docs(env, client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == env.model
     assert httpx.get(env.server.url("/health")).status_code == 200
-    assert httpx.get(env.server.url("/docs")).status_code == 200
     paths = httpx.get(env.server.url("/openapi.json")).json()["paths"]
     for p in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
               "/detokenize", "/health", "/metrics"):
         assert p in paths
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_need_no_network(env, page):
+    """Swagger UI / ReDoc: every script, style sheet and icon the page loads comes from this
+    server (a CDN would leave a blank page offline), and the server serves them."""
+    resp = httpx.get(env.server.url(page))
+    assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
+    html = resp.text
+    assert "://" not in html, [line for line in html.splitlines() if "://" in line]
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    kinds = {a.rsplit(".", 1)[-1] for a in assets}
+    assert {"js", "png"} <= kinds and (page == "/redoc" or "css" in kinds), assets
+    for asset in assets:
+        assert asset.startswith("/"), asset
+        got = httpx.get(env.server.url(asset))
+        assert got.status_code == 200 and len(got.content) > 1000, asset
+    if page == "/docs":
+        assert "url: '/openapi.json'" in html
 
 
 def test_completion_matches_offline_with_usage(env, client):

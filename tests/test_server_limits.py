@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
 
@@ -105,6 +106,8 @@ def test_api_key_is_required(server, client, model):
     # health, metrics and docs stay open
     for path in ("/health", "/metrics", "/docs"):
         assert httpx.get(server.url(path)).status_code == 200, path
+    script = re.search(r'<script src="([^"]+)"', httpx.get(server.url("/docs")).text).group(1)
+    assert httpx.get(server.url(script)).status_code == 200  # /docs' own assets too
     assert server.metrics()['llmkit:http_request_errors_total{model_name="%s",status="401"}'
                             % model] >= 5
 
