@@ -227,6 +227,33 @@ def test_completion_stream_with_usage(env, client):
     assert chunks[-1].usage.prompt_tokens == len(env.offline.get_tokenizer().encode(PROMPT))
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_count_every_chunk(env, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far, whose
+    growth is the tokens that chunk carried (the load generator counts ITLs with it)."""
+    import json
+
+    body = {"model": env.model, "max_tokens": 12, "temperature": 0, "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if endpoint == "chat":
+        body["messages"] = MESSAGES
+    else:
+        body["prompt"] = PROMPT
+    with httpx.stream("POST", env.server.url(f"/v1/{'chat/' if endpoint == 'chat' else ''}"
+                                             "completions"), json=body, timeout=60) as resp:
+        chunks = [json.loads(line[5:]) for line in resp.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    output = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                     c["choices"][0].get("delta", {}).get(
+                                                         "content")
+                                                     or c["choices"][0].get("finish_reason"))]
+    assert output and all("usage" in c for c in output)
+    so_far = [c["usage"]["completion_tokens"] for c in output]
+    assert so_far == sorted(so_far) and so_far[-1] == 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_completion_prompt_forms(env, client):
     tok = env.offline.get_tokenizer()
     ids = tok.encode(PROMPT)
