@@ -124,7 +124,8 @@ class PlatformConfig(_Component):
 
 
 class SamplingDefaults(_Strict):
-    """Defaults that `llmkit generate` / `chat` use for their SamplingParams."""
+    """Defaults that `llmkit generate` / `chat` use for their SamplingParams (chat's reply
+    length is ``chat.max_tokens``)."""
 
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0)
@@ -132,6 +133,15 @@ class SamplingDefaults(_Strict):
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = None
+
+
+class ChatConfig(_Strict):
+    """``llmkit chat``: a reply stops after ``max_tokens`` tokens (and says so), or earlier
+    where the context (``model.max_model_len``) is full; the oldest turns are dropped (and
+    the chat says so) when the conversation no longer leaves a reply
+    ``min(max_tokens, max_model_len / 2)`` tokens of room."""
+
+    max_tokens: int = Field(default=1024, ge=1)
 
 
 class ServerConfig(_Strict):
@@ -332,6 +342,7 @@ class EngineConfig(_Strict):
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
