@@ -138,7 +138,14 @@ def _cmd_config(args: CliArgs) -> int:
     texts = []
     for overrides in runs:
         cfg = load_config(args, overrides)
-        text = config_to_yaml(cfg)
+        # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
+        # runs here: shown only when asked for (hardware=NAME, hardware.x=...).
+        asked = any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "hardware"
+                    for o in overrides)
+        text = config_to_yaml(cfg, exclude=() if asked else ("hardware",))
+        if not asked and cfg.hardware is not None:
+            text += (f"# hardware ({cfg.hardware.name}): what `llmkit sim` models; "
+                     "`llmkit config hardware=NAME` shows it\n")
         if args.multirun:
             text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
         texts.append(text)
