@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from llmkit.config.paths import cache_dir
+from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,13 @@ def load_cpu_kernels():
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
-            extra_cflags=flags, extra_ldflags=LINK_FLAGS, extra_include_paths=[str(SOURCE_DIR)],
-            build_directory=str(directory), is_python_module=False, with_cuda=False,
-            verbose=False)
+        with startup_step("building llmkit's C++ CPU kernels (once per environment; "
+                          "20-40 s on 2 cores)"):
+            cpp_extension.load(
+                name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
+                extra_cflags=flags, extra_ldflags=LINK_FLAGS,
+                extra_include_paths=[str(SOURCE_DIR)], build_directory=str(directory),
+                is_python_module=False, with_cuda=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error
         raise CpuKernelBuildError(f"building llmkit's CPU kernels in {directory} failed: "
                                   f"{_first_error(exc)}") from exc

@@ -18,6 +18,7 @@ from llmkit.outputs import RequestOutput
 from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
+from llmkit.startup import startup_step
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | list[int] | Mapping[str, Any]
@@ -50,10 +51,11 @@ class LLM:
         return llm
 
     def _init_from_config(self, config: EngineConfig) -> None:
-        source: ModelSource = resolve_model_source(config.model)
+        with startup_step("reading the model's config and tokenizer"):
+            source: ModelSource = resolve_model_source(config.model)
+            self.tokenizer = source.load_tokenizer()
         self.config = config
         self.model_source = source
-        self.tokenizer = source.load_tokenizer()
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)

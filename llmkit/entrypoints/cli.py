@@ -125,9 +125,12 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
     from llmkit.config.compose import build_config
 
     from llmkit.engine.components import validate_components
+    from llmkit.startup import startup_step
 
-    cfg = build_config(args.model, overrides=args.overrides if overrides is None else overrides)
-    validate_components(cfg)
+    with startup_step("reading the configuration"):
+        cfg = build_config(args.model,
+                           overrides=args.overrides if overrides is None else overrides)
+        validate_components(cfg)
     return cfg
 
 
@@ -153,6 +156,13 @@ def _cmd_config(args: CliArgs) -> int:
     return 0
 
 
+def _show_progress() -> None:
+    """The terminal commands print their slow start-up steps on stderr (llmkit.startup)."""
+    from llmkit.startup import show_startup_progress
+
+    show_startup_progress()
+
+
 def _offline(name: str):
     # Looked up at call time so that tests can put a fake offline module in its place.
     return getattr(importlib.import_module("llmkit.entrypoints.offline"), name)
@@ -168,12 +178,14 @@ def _cmd_generate(args: CliArgs) -> int:
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     _no_multirun(args)
+    _show_progress()
     cfg = load_config(args)
     return int(_offline("run_generate")(cfg, args.prompt) or 0)
 
 
 def _cmd_chat(args: CliArgs) -> int:
     _no_multirun(args)
+    _show_progress()
     cfg = load_config(args)
     return int(_offline("run_chat")(cfg) or 0)
 

@@ -14,10 +14,17 @@ def sampling_params_from(config: EngineConfig) -> SamplingParams:
                           top_k=d.top_k, min_p=d.min_p, seed=d.seed)
 
 
-def run_generate(config: EngineConfig, prompt: str) -> int:
-    from llmkit.engine.llm import LLM
+def _start_llm(config: EngineConfig):
+    """The engine (the CLI shows its slow start-up steps on stderr)."""
+    from llmkit.startup import startup_step
 
-    llm = LLM.from_config(config)
+    with startup_step("loading torch and transformers"):
+        from llmkit.engine.llm import LLM
+    return LLM.from_config(config)
+
+
+def run_generate(config: EngineConfig, prompt: str) -> int:
+    llm = _start_llm(config)
     params = sampling_params_from(config)
     start = time.perf_counter()
     n = 0
@@ -34,10 +41,9 @@ def run_generate(config: EngineConfig, prompt: str) -> int:
 def run_chat(config: EngineConfig) -> int:
     import dataclasses
 
-    from llmkit.engine.llm import LLM
     from llmkit.entrypoints.chat_history import ChatHistory
 
-    llm = LLM.from_config(config)
+    llm = _start_llm(config)
     params = sampling_params_from(config)
     limit, max_reply = llm.max_model_len, config.chat.max_tokens
     # A reply always has room for min(chat.max_tokens, half the context).
