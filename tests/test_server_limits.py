@@ -184,6 +184,13 @@ def test_model_sampling_defaults_fill_unset_fields(server, client, model):
     assert set(unrestricted.values()) != {greedy}, unrestricted
 
 
+def test_engine_process_waits_passively(server):
+    """The engine-core process set its OpenMP wait policy before torch loaded (unless the
+    environment had one)."""
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        assert "OpenMP: OMP_WAIT_POLICY=PASSIVE" in server.log()
+
+
 # --------------------------------------------------------------------------- engine death (last)
 
 def test_engine_death_fails_requests_and_health(server, client, model):

@@ -156,6 +156,20 @@ def _cmd_config(args: CliArgs) -> int:
     return 0
 
 
+def _set_engine_openmp_env(args: CliArgs) -> None:
+    """generate and chat run the engine in this process: its OpenMP wait policy must be in the
+    environment before torch loads (``llmkit.config.openmp_env``), i.e. before the config is
+    validated (which imports the components)."""
+    from llmkit.config.openmp_env import apply_engine_openmp_env
+
+    platform = "auto"
+    for o in args.overrides:
+        key, _, value = o.partition("=")
+        if key in ("platform", "platform.name"):
+            platform = value
+    apply_engine_openmp_env(platform)
+
+
 def _show_progress() -> None:
     """The terminal commands print their slow start-up steps on stderr (llmkit.startup)."""
     from llmkit.startup import show_startup_progress
@@ -178,6 +192,7 @@ def _cmd_generate(args: CliArgs) -> int:
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     _no_multirun(args)
+    _set_engine_openmp_env(args)
     _show_progress()
     cfg = load_config(args)
     return int(_offline("run_generate")(cfg, args.prompt) or 0)
@@ -185,6 +200,7 @@ def _cmd_generate(args: CliArgs) -> int:
 
 def _cmd_chat(args: CliArgs) -> int:
     _no_multirun(args)
+    _set_engine_openmp_env(args)
     _show_progress()
     cfg = load_config(args)
     return int(_offline("run_chat")(cfg) or 0)
