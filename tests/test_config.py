@@ -101,6 +101,13 @@ def test_recipe_cpu_default():
     assert cfg.scheduler.max_num_seqs == 64 and cfg.scheduler.max_num_batched_tokens == 2048
 
 
+@pytest.mark.parametrize("recipe", ["cpu-default", "cpu-chat"])
+def test_recipes_use_the_fast_attention_backend(recipe):
+    """attention=torch is the slow reference: a recipe leaves the platform's choice (auto =
+    the cpu backend over the C++ kernels)."""
+    assert compose_config([f"recipe={recipe}"]).attention.name == "auto"
+
+
 def test_recipe_cpu_chat_and_command_line_wins():
     cfg = compose_config(["recipe=cpu-chat"])
     assert cfg.sampling.temperature == 0.7 and cfg.scheduler.max_num_seqs < 64

@@ -305,3 +305,29 @@ def test_cache_folder_has_one_variable_and_the_old_name_warns(tmp_path, monkeypa
     monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "new"))
     assert cache_dir() == tmp_path / "new"
     assert cpu_native.build_directory("k") == tmp_path / "new" / "cpu_kernels" / "k"
+
+
+def test_auto_dtype_is_the_platforms_one_choice(monkeypatch):
+    """model.dtype=auto: bf16 with native bf16, or with the C++ kernels on an AVX2 CPU (their
+    linear decodes bf16); float32 when the kernels are off or cannot be built."""
+    from llmkit.platforms import cpu as cpu_platform
+
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.bfloat16
+    off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off"))
+    assert off.preferred_dtype() == torch.float32
+
+    def fail():
+        raise CpuKernelBuildError("no compiler")
+
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", fail)
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: True)
+    assert off.preferred_dtype() == torch.bfloat16
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
+    from llmkit.executor.uniproc import resolve_dtype
+    assert resolve_dtype("auto", off) == torch.float32
+    assert resolve_dtype("bfloat16", off) == torch.bfloat16
