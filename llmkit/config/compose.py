@@ -294,6 +294,13 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
             hydra_overrides.append(f"{key}={value}")
         elif value is None and key == RECIPE_GROUP:
             continue
+        elif isinstance(value, Mapping) and "name" in value and key in group_names:
+            # {"name": impl, ...}: select that implementation's file, then merge the rest.
+            name = value["name"]
+            options = group_options(key)
+            if name in options:
+                hydra_overrides.append(f"{key}={name}")
+            merges[key] = _plain(value)
         elif isinstance(value, Mapping):
             merges[key] = _plain(value)
         else:
@@ -314,11 +321,12 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
 
 # --------------------------------------------------------------------------- printing
 
-def config_to_yaml(cfg: EngineConfig) -> str:
-    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries."""
+def config_to_yaml(cfg: EngineConfig, *, exclude: Sequence[str] = ()) -> str:
+    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries and
+    without the top-level sections in ``exclude``."""
     from omegaconf import OmegaConf
 
-    data = cfg.model_dump(by_alias=True, mode="json")
+    data = cfg.model_dump(by_alias=True, mode="json", exclude=set(exclude) or None)
 
     def strip(node: Any) -> Any:
         if isinstance(node, dict):

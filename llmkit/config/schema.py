@@ -22,6 +22,20 @@ class _Component(_Strict):
     target: str | None = Field(default=None, alias="_target_")
 
 
+class GenerationDefaults(_Strict):
+    """A model's recommended sampling defaults, by ``SamplingParams``' names (vLLM reads the
+    same fields from a model's ``generation_config.json``; ``max_tokens`` is HF's
+    ``max_new_tokens``). A preset states them when its files carry none (a GGUF has no
+    ``generation_config.json``); null = no default of the model's for that field."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
 class ModelConfig(_Strict):
     # A preset's name (conf/model/NAME.yaml); informational once resolved.
     name: str | None = None
@@ -40,6 +54,12 @@ class ModelConfig(_Strict):
     # How linear layers compute: auto = the platform's choice per layer (llmkit/linear/);
     # a registered name (torch, ...) or a class path (package.module.Class) forces one.
     linear_method: str = "auto"
+    # Where the sampling defaults of requests that leave a field unset come from (vLLM's
+    # --generation-config): auto = the model's (its folder's generation_config.json, then
+    # generation_defaults below); vllm = none of the model's (SamplingParams' own defaults);
+    # a path = that folder's generation_config.json, or that JSON file.
+    generation_config: str = "auto"
+    generation_defaults: GenerationDefaults = Field(default_factory=GenerationDefaults)
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":
@@ -168,8 +188,28 @@ class LoRAConfig(_Strict):
         return [tuple(item.split("=", 1)) for item in self.modules]  # type: ignore[misc]
 
 
+class CompilationConfig(_Strict):
+    """Step graphs (``llmkit/compilation/``): decode steps run as a compiled graph (CPU:
+    ``torch.compile`` with the C++ kernels as opaque ops) or a captured CUDA graph, one per
+    batch-size bucket; every other step, and ``mode=eager`` always, runs the eager model (the
+    reference)."""
+
+    # graphs = where the platform supports them (the default; conf/compilation/default.yaml
+    # reads LLMKIT_COMPILATION_MODE for it, which the test suite sets to eager)
+    mode: Literal["eager", "graphs"] = "graphs"
+    # CUDA: the batch sizes to capture (null = 1, 2, 4, 8, then multiples of 8 up to 256 and
+    # max_num_seqs); a decode step runs the smallest captured size >= its rows, padded.
+    cudagraph_capture_sizes: list[int] | None = None
+    # Where compiled graphs are cached (null = <llmkit cache>/compile).
+    cache_dir: str | None = None
+    # CPU: inductor's C++ wrapper (the graph's op calls from C++, not Python): ~3x less
+    # overhead per op, a longer first compile.
+    cpp_wrapper: bool = True
+
+
 class SamplingDefaults(_Strict):
-    """Defaults that `llmkit generate` / `chat` use for their SamplingParams."""
+    """Defaults that `llmkit generate` / `chat` use for their SamplingParams (chat's reply
+    length is ``chat.max_tokens``)."""
 
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0)
@@ -177,6 +217,15 @@ class SamplingDefaults(_Strict):
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = None
+
+
+class ChatConfig(_Strict):
+    """``llmkit chat``: a reply stops after ``max_tokens`` tokens (and says so), or earlier
+    where the context (``model.max_model_len``) is full; the oldest turns are dropped (and
+    the chat says so) when the conversation no longer leaves a reply
+    ``min(max_tokens, max_model_len / 2)`` tokens of room."""
+
+    max_tokens: int = Field(default=1024, ge=1)
 
 
 class ServerConfig(_Strict):
@@ -379,7 +428,9 @@ class EngineConfig(_Strict):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
+    compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     slo: SloConfig = Field(default_factory=SloConfig)

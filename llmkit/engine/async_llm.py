@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import uuid
 from typing import Any, AsyncGenerator, Mapping, Sequence
 
@@ -48,6 +49,7 @@ from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.base import LoRARequest
+from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
@@ -57,6 +59,8 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartu
 
 PromptType = str | list[int]
 Message = Mapping[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -109,6 +113,11 @@ class AsyncLLM:
             source = resolve_model_source(engine_config.model)
             self.model_source = source
             self.tokenizer = source.load_tokenizer()
+            # What requests that leave a sampling field unset get (vLLM's generation config).
+            self.default_sampling_fields = default_sampling_fields(engine_config.model,
+                                                                   source.path)
+            logger.info("%s", describe_defaults(engine_config.model,
+                                                self.default_sampling_fields))
             self.vocab_size = int(getattr(source.hf_config, "vocab_size", None)
                                   or len(self.tokenizer))
             self._extra_stop_ids = list(source.eos_token_ids[1:])
@@ -161,6 +170,11 @@ class AsyncLLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: the model's recommended defaults
+        (``model.generation_config``) over ``SamplingParams``' own (as ``LLM``'s)."""
+        return SamplingParams(**self.default_sampling_fields)
 
     # -- requests ---------------------------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -230,7 +244,7 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._tracker.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if n is not None and n != params.n:
             params = dataclasses.replace(params, n=n)
         text, ids = self._tokenize(prompt)

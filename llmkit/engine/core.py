@@ -16,6 +16,7 @@ from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.platforms import resolve_platform
 from llmkit.request import Request
 from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerStats
+from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,15 @@ class EngineCore:
         self.platform.apply_runtime_settings()
         if executor is None:
             exec_cls = EXECUTORS.resolve(config.executor.name, config.executor.target)
-            executor = exec_cls(config, self.platform, **executor_kwargs)
+            with startup_step("loading the model"):
+                executor = exec_cls(config, self.platform, **executor_kwargs)
         self.executor = executor
         facts = executor.model_facts
         self.max_model_len = facts.max_model_len
         self.eos_token_id = facts.eos_token_id
         self.num_blocks = self._num_kv_blocks()
-        executor.initialize_kv_cache(self.num_blocks)
+        with startup_step("allocating the KV cache"):
+            executor.initialize_kv_cache(self.num_blocks)
         kv_cfg = config.kv_cache
         kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
         self.kv_cache_manager = kv_cls(self.num_blocks, kv_cfg.block_size,

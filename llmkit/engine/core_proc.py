@@ -326,12 +326,18 @@ def run_engine_core(config: dict, input_address: str, output_address: str,
     ``model.path`` already names the resolved model (the API process fetched it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Before torch loads (EngineCore below imports it): this process computes, and its
+    # OpenMP threads must not spin against whatever else runs on the cores.
+    from llmkit.config.openmp_env import apply_engine_openmp_env
+    omp_env = apply_engine_openmp_env(config.get("platform", {}).get("name", "auto"))
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(levelname)s %(asctime)s [engine-core pid={os.getpid()}] "
                                "%(name)s: %(message)s")
     proc = None
     exit_code = 0
-    logger.info("engine core process started (parent pid %s)", parent_pid)
+    logger.info("engine core process started (parent pid %s)%s", parent_pid,
+                f"; OpenMP: {' '.join(f'{k}={v}' for k, v in omp_env.items())}" if omp_env
+                else "")
     try:
         from llmkit.config.schema import EngineConfig
 

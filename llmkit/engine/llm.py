@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from typing import Any, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
@@ -12,15 +13,19 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.lora.base import LoRARequest
+from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
 from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
+from llmkit.startup import startup_step
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -30,6 +35,9 @@ class LLM:
     is a preset name or a path (HF folder or .gguf); each keyword names a config group, a
     ``str`` picks its implementation and a ``dict`` sets its fields. Bad values raise
     ``ConfigError`` naming the key.
+
+    ``sampling_params=None`` means the model's recommended defaults
+    (``get_default_sampling_params()``, from ``model.generation_config``), as in vLLM.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
@@ -44,10 +52,13 @@ class LLM:
         return llm
 
     def _init_from_config(self, config: EngineConfig) -> None:
-        source: ModelSource = resolve_model_source(config.model)
+        with startup_step("reading the model's config and tokenizer"):
+            source: ModelSource = resolve_model_source(config.model)
+            self.tokenizer = source.load_tokenizer()
         self.config = config
         self.model_source = source
-        self.tokenizer = source.load_tokenizer()
+        self.default_sampling_fields = default_sampling_fields(config.model, source.path)
+        logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
         # vLLM's rule: the first EOS id is the EOS (ignore_eos turns it off); further ones from
         # the model's generation config act as stop tokens.
@@ -57,6 +68,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: the model's recommended defaults
+        (``model.generation_config``) over ``SamplingParams``' own. Change a field with
+        ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
+        return SamplingParams(**self.default_sampling_fields)
 
     @property
     def max_model_len(self) -> int:
@@ -125,6 +142,8 @@ class LLM:
         """``lora_request``: one adapter for every prompt, or one per prompt (``None`` = the
         base model); an adapter is loaded (and checked) the first time it is named."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
         loras = _as_lora_list(lora_request, len(prompt_list))
         rids: list[str] = []
@@ -169,8 +188,9 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
                lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding each step's new text and tokens (delta outputs)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), RequestOutputKind.DELTA,
-                        lora_request)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        rid = self._add(prompt, sampling_params, RequestOutputKind.DELTA, lora_request)
         try:
             while True:
                 for out in self._step():

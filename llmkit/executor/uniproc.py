@@ -21,7 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    return platform.default_dtype if name == "auto" else _DTYPES[name]
+    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
 
 
 def linear_method_factory(model_config, platform: Platform,
@@ -68,6 +68,8 @@ class UniprocExecutor(Executor):
             kv_cache_dtype=dtype,
             device=platform.device,
         )
+        self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
+            model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
         if lora is not None:
             self.runner.lora_manager = lora.manager(model)
 

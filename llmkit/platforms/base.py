@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import logging
+
 import torch
 
-from llmkit.config.schema import PlatformConfig
+from llmkit.compilation.base import StepGraphs
+from llmkit.config.schema import CompilationConfig, PlatformConfig
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.torch_linear import TorchLinearMethod
 from llmkit.ops.base import ModelOps
+
+logger = logging.getLogger(__name__)
 
 
 class Platform(ABC):
@@ -35,6 +40,11 @@ class Platform(ABC):
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def preferred_dtype(self) -> torch.dtype:
+        """What ``model.dtype=auto`` means on this platform: its faster dtype for the job.
+        The one place that choice is made."""
+        return self.default_dtype
+
     def apply_runtime_settings(self) -> None:
         """Process-wide settings (threads, allocator) made once at engine start."""
 
@@ -47,6 +57,15 @@ class Platform(ABC):
         """The linear method for each linear layer of a model of ``dtype`` (the platform's
         choice from the layer's spec; a method may dispatch by row count inside itself)."""
         return lambda spec: TorchLinearMethod()
+
+    def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                    config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
+        """The step graphs for ``model`` (``compilation.mode=graphs``), or None: decode
+        steps then run eagerly (this platform has none)."""
+        if config.mode == "graphs":
+            logger.info("compilation.mode=graphs: platform %r has no step graphs; decode steps "
+                        "run eagerly", self.name)
+        return None
 
     def native_kernels(self, dtype: torch.dtype):
         """llmkit's C++ kernels for this device and ``dtype`` (``torch.ops.llmkit_cpu``), or

@@ -105,6 +105,12 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+        chunk carries the usage so far, so a client can count the tokens of each chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 # --------------------------------------------------------------------------- completions
 

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmkit.config.schema import EngineConfig
@@ -145,8 +146,10 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
         engine.fail_in_flight()
         await asyncio.to_thread(engine.shutdown, engine_stop_timeout)
 
-    app = FastAPI(title="llmkit OpenAI-compatible server", lifespan=lifespan,
-                  description="OpenAI-compatible API served by llmkit.")
+    # Swagger UI (/docs) and ReDoc (/redoc) from assets inside the fastapi-offline package:
+    # FastAPI's own pages load them from a CDN, a blank page on a machine without internet.
+    app = FastAPIOffline(title="llmkit OpenAI-compatible server", lifespan=lifespan,
+                         description="OpenAI-compatible API served by llmkit.")
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics

@@ -84,7 +84,8 @@ class OpenAIServing:
                         logprobs: int | None) -> SamplingParams:
         """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
         return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                  vocab_size=self.vocab_size)
+                                  vocab_size=self.vocab_size,
+                                  defaults=self.engine.default_sampling_fields)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                       prompt_param: str) -> None:
@@ -222,7 +223,8 @@ class OpenAIServing:
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield sse({**base, "choices": [choice]})
+                    yield sse({**base, "choices": [choice],
+                               **_usage_so_far(usage, req.continuous_usage)})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, sum(cached.values()))
@@ -325,7 +327,8 @@ class OpenAIServing:
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     yield sse({**base, "object": "chat.completion.chunk",
-                                "choices": [choice]})
+                                "choices": [choice],
+                                **_usage_so_far(usage, req.continuous_usage)})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, cached)
@@ -356,6 +359,15 @@ class OpenAIServing:
 
 
 # --------------------------------------------------------------------------- usage
+
+def _usage_so_far(usage: Usage, continuous: bool) -> dict[str, Any]:
+    """``{"usage": ...}`` for a chunk of a ``continuous_usage_stats`` stream, else nothing."""
+    if not continuous:
+        return {}
+    return {"usage": {"prompt_tokens": usage.prompt_tokens,
+                      "completion_tokens": usage.completion_tokens,
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
+
 
 def _add_cached(usage: Usage, ro: RequestOutput) -> None:
     _set_cached(usage, (usage.prompt_tokens_details.cached_tokens
