@@ -5,8 +5,9 @@ the run of rows of one slot. Two kernels, one launch each per layer, every segme
 
 - ``shrink``: ``t[row] = x[row] @ A[slot]^T`` for all shards of the layer together
   (``A [slots, S*R, in]``: shard s's rank-R rows at ``s*R``), float32 ``t [rows, S*R]``;
-- ``expand``: ``y[row, o] += t[row, s*R:(s+1)*R] @ B[slot, o, :]`` for the output rows ``o`` of
-  shard ``s`` (``B [slots, out, R]``): fused q/k/v and gate/up take one stacked adapter each.
+- ``expand``: ``y[row, o] += t[row, s*R:(s+1)*R] @ B^T[slot, :, o]`` for the output columns
+  ``o`` of shard ``s`` (``B^T [slots, R, out]``): fused q/k/v and gate/up take one stacked
+  adapter each.
 
 A program covers up to ``BLOCK_M`` rows of one segment (gathered through the sorted order) and
 one tile of outputs, so each weight tile is read once per block of rows, not once per row as in
@@ -56,7 +57,7 @@ def _lora_shrink_kernel(
 @jit
 def _lora_expand_kernel(
     t_ptr, b_ptr, y_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, out_offsets_ptr,
-    R, tiles_per_shard, stride_t, stride_bs, stride_bo, stride_y,
+    R, tiles_per_shard, stride_t, stride_bs, stride_br, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -81,7 +82,7 @@ def _lora_expand_kernel(
     r_mask = r < R
     ts = tl.load(t_ptr + rows[:, None] * stride_t + shard * R + r[None, :],
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    b = tl.load(b_ptr + slot * stride_bs + o[None, :] * stride_bo + r[:, None],
+    b = tl.load(b_ptr + slot * stride_bs + r[:, None] * stride_br + o[None, :],
                 mask=o_mask[None, :] & r_mask[:, None], other=0.0)
     delta = tl.dot(ts, b.to(tl.float32))
     y_ptrs = y_ptr + rows[:, None] * stride_y + o[None, :]
@@ -95,10 +96,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
              seg_len: torch.Tensor, seg_slot: torch.Tensor, max_seg_len: int) -> None:
     """``y [rows, out] += x A[slot]^T B[slot]^T`` per segment, in place.
 
-    ``x [rows, in]``, ``lora_a [slots, S*R, in]``, ``lora_b [slots, out, R]``, ``out_offsets``
-    int32 ``[S + 1]`` (shard s's outputs are ``[off[s], off[s+1])``); ``order``, ``seg_*``
-    int32 from ``RowSlots.sorted_segments``. Zero-padded ranks (an adapter of rank < R) add
-    zeros."""
+    ``x [rows, in]``, ``lora_a [slots, S*R, in]``, ``lora_b`` (B^T) ``[slots, R, out]``,
+    ``out_offsets`` int32 ``[S + 1]`` (shard s's outputs are ``[off[s], off[s+1])``);
+    ``order``, ``seg_*`` int32 from ``RowSlots.sorted_segments``. Zero-padded ranks (an
+    adapter of rank < R) add zeros."""
     num_segs = seg_len.shape[0]
     if num_segs == 0 or max_seg_len == 0:
         return
@@ -106,7 +107,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     assert lora_a.is_contiguous() and lora_b.is_contiguous()
     rows, k = x.shape
     n = lora_a.shape[1]
-    r = lora_b.shape[2]
+    r = lora_b.shape[1]
     num_shards = out_offsets.shape[0] - 1
     t = torch.zeros(rows, n, dtype=torch.float32, device=x.device)
     block_m = 16 if max_seg_len <= 16 else 32
@@ -129,7 +130,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  out_offsets: torch.Tensor, row_slots: torch.Tensor) -> None:
     """Torch reference of :func:`add_lora` (float32 math): ``row_slots [rows]`` int, -1 = base."""
-    r = lora_b.shape[2]
+    r = lora_b.shape[1]
     offs = out_offsets.tolist()
     for slot in torch.unique(row_slots).tolist():
         if slot < 0:
@@ -138,5 +139,5 @@ def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
         t = x[idx].float() @ lora_a[slot].float().T
         for s in range(len(offs) - 1):
             o0, o1 = offs[s], offs[s + 1]
-            d = t[:, s * r:(s + 1) * r] @ lora_b[slot, o0:o1].float().T
+            d = t[:, s * r:(s + 1) * r] @ lora_b[slot, :, o0:o1].float()
             y[idx, o0:o1] = (y[idx, o0:o1].float() + d).to(y.dtype)

@@ -104,6 +104,15 @@ def test_mixed_batch_equals_each_alone(adapters, tmp_path):
     manager = llm.engine.executor.runner.lora_manager
     assert sorted(manager.resident_ids) == [1, 2, 3]
     llm.shutdown()
+    # Preempted and recomputed under a small KV pool: still each request's own tokens.
+    small = LLM(str(model_dir), dtype="float32", kv_cache={"num_blocks": 12, "block_size": 4},
+                scheduler={"max_num_seqs": 8},
+                lora={"enabled": True, "max_loras": 3, "max_lora_rank": 16})
+    again = small.generate([p for p, _ in batch], greedy(), lora_request=[lr for _, lr in batch],
+                           use_tqdm=False)
+    assert small.engine.stats().num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in mixed]
+    small.shutdown()
 
 
 def test_more_adapters_than_slots_complete_in_arrival_order(adapters, tmp_path, monkeypatch):
@@ -146,6 +155,43 @@ def test_more_adapters_than_slots_complete_in_arrival_order(adapters, tmp_path, 
     assert manager.num_loads > loads_before  # evicted from memory, read again
     assert len(manager.loaded_ids) <= 2 and len(manager.resident_ids) <= 2
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_step_graphs_with_adapters_equal_eager(adapters, monkeypatch):
+    """Decode steps mixing adapters and base rows run through the inductor step graph (the C++
+    LoRA kernel inside it, slots read from the mapping's tensor) with the bits of eager steps;
+    this compiles (tens of seconds on 2 cores, cached on disk afterwards)."""
+    from llmkit.compilation.inductor import InductorStepGraphs
+
+    model_dir, r8, r16 = adapters["llama"]
+    runs = {"graph": 0}
+    run = InductorStepGraphs.run
+
+    def counting_run(self, *args):
+        runs["graph"] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(InductorStepGraphs, "run", counting_run)
+    loras = [LoRARequest("r8", 1, str(r8)), None, LoRARequest("r16", 2, str(r16))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    results = {}
+    for mode in ("eager", "graphs"):
+        llm = LLM(str(model_dir), dtype="float32", compilation={"mode": mode},
+                  kv_cache={"num_blocks": 128},
+                  lora={"enabled": True, "max_loras": 2, "max_lora_rank": 16})
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(p) for p in PROMPTS[:3]]
+        results[mode] = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        if mode == "graphs":
+            assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+        llm.shutdown()
+    assert runs["graph"] >= 11  # every decode step went through the graph
+    for e, g in zip(results["eager"], results["graphs"]):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lp_g.items()} == \
+                {t: v.logprob for t, v in lp_e.items()}
 
 
 # ------------------------------------------------------------------ prefix caching
@@ -330,7 +376,7 @@ def _stack(num_slots=4, rank=8, inp=48, outs=(32, 16, 16), seed=0, dtype=torch.f
         for sh, r in enumerate(rs):
             o0, o1 = w.out_offsets[sh], w.out_offsets[sh + 1]
             w.a[s, sh * rank:sh * rank + r] = torch.randn(r, inp, generator=g).to(dtype)
-            w.b[s, o0:o1, :r] = torch.randn(o1 - o0, r, generator=g).to(dtype)
+            w.b[s, :r, o0:o1] = torch.randn(r, o1 - o0, generator=g).to(dtype)
         w.set_ranks(s, rs)
     return w
 
@@ -392,7 +438,7 @@ def test_embedding_lora_matches_peft_formula():
     w = StackedLoRA.empty(2, 8, vocab, (hidden,), torch.float32, embedding=True)
     a, b = torch.randn(rank, vocab, generator=g), torch.randn(hidden, rank, generator=g)
     w.a[1, :, :rank] = a.T
-    w.b[1, :, :rank] = b
+    w.b[1, :rank] = b.T
     w.set_ranks(1, [rank])
     ids = torch.tensor([3, 7, 7, 39, 0])
     slots = np.array([1, -1, 1, 1, -1], dtype=np.int32)

@@ -48,7 +48,8 @@ class UniprocExecutor(Executor):
         linear_method = linear_method_factory(config.model, platform, dtype)
         lora = None
         if config.lora.enabled:
-            lora = LoRASetup(config.lora, source, platform, dtype)
+            lora = LoRASetup(config.lora, source, platform, dtype,
+                             max_num_tokens=config.scheduler.max_num_batched_tokens)
             linear_method = lora.wrap(linear_method)
         ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
         torch.manual_seed(config.seed)

@@ -85,7 +85,7 @@ class RowSlots:
     """The slot of each row of one matmul input (token rows, or logits rows), with the
     per-slot segments the batched LoRA ops need, computed once per step on first use."""
 
-    __slots__ = ("slots", "_tensor", "_segments", "_sorted", "device")
+    __slots__ = ("slots", "_tensor", "_segments", "_sorted", "_sorted_rows", "device")
 
     def __init__(self, slots: np.ndarray, device: torch.device) -> None:
         self.slots = np.ascontiguousarray(slots, dtype=np.int32)
@@ -94,6 +94,7 @@ class RowSlots:
         self._segments: list[tuple[int, slice | torch.Tensor]] | None = None
         self._sorted: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None \
             = None
+        self._sorted_rows: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -128,6 +129,20 @@ class RowSlots:
         return self._segments
 
     @property
+    def sorted_rows(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The rows with a slot sorted by slot (int64 on the device, for one gather and one
+        scatter-add per layer) and each slot's ``(slot, lo, hi)`` range in that order."""
+        if self._sorted_rows is None:
+            rows = np.flatnonzero(self.slots >= 0)
+            order = rows[np.argsort(self.slots[rows], kind="stable")]
+            slots, starts, lens = np.unique(self.slots[order], return_index=True,
+                                            return_counts=True)
+            bounds = [(int(s), int(a), int(a + n)) for s, a, n in zip(slots, starts, lens)]
+            self._sorted_rows = (torch.from_numpy(order.astype(np.int64)).to(self.device),
+                                 bounds)
+        return self._sorted_rows
+
+    @property
     def sorted_segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        int]:
         """For the Triton kernels (punica's SGMV over a sorted permutation): the LoRA rows
@@ -149,17 +164,31 @@ class LoRAMapping:
     """The step's rows -> slots, owned by the runner's LoRA manager and referenced by every
     LoRA layer: ``tokens`` for the layers applied to the step's tokens, ``logits`` for the LM
     head (applied to the rows logits are computed at). ``None`` outside a step, or when no row
-    of the step uses an adapter: the layers then add nothing."""
+    of the step uses an adapter: the layers then add nothing.
 
-    __slots__ = ("tokens", "logits")
+    ``token_slots`` holds the same token rows' slots in one persistent int32 tensor (``-1`` past
+    the step's rows and for base rows), written every step: a step graph reads it as an input
+    (a compiled graph has no Python state to consult)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("tokens", "logits", "token_slots")
+
+    def __init__(self, max_num_tokens: int = 0, device: torch.device | str = "cpu") -> None:
         self.tokens: RowSlots | None = None
         self.logits: RowSlots | None = None
+        self.token_slots = torch.full((max_num_tokens,), NO_SLOT, dtype=torch.int32,
+                                      device=device)
 
     def set(self, tokens: RowSlots | None, logits: RowSlots | None) -> None:
         self.tokens = tokens if tokens is not None and tokens.any else None
         self.logits = logits if logits is not None and logits.any else None
+
+    def write_token_slots(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        if n > self.token_slots.shape[0]:
+            raise RuntimeError(f"the step has {n} tokens, more than the LoRA mapping holds "
+                               f"({self.token_slots.shape[0]}: scheduler.max_num_batched_tokens)")
+        self.token_slots[:n].copy_(torch.from_numpy(np.ascontiguousarray(slots,
+                                                                         dtype=np.int32)))
 
     def clear(self) -> None:
         self.tokens = self.logits = None

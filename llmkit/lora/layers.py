@@ -82,7 +82,7 @@ class LoRALinearMethod(LinearMethod):
                     continue
                 r = weights.rank
                 w.a[slot, s * R:s * R + r] = weights.lora_a
-                w.b[slot, offs[s]:offs[s + 1], :r] = weights.lora_b
+                w.b[slot, :r, offs[s]:offs[s + 1]] = weights.lora_b.T
                 ranks.append(r)
         w.set_ranks(slot, ranks)
 
@@ -92,6 +92,14 @@ class LoRALinearMethod(LinearMethod):
     # -- compute ---------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, x)
+        if torch.compiler.is_compiling():
+            # Traced into a step graph: no Python state, the slots come as a tensor. Ops that
+            # cannot run inside a graph add nothing here; the runner then graphs only steps
+            # without adapters (LoRAManager.step_graphs_allowed).
+            if self.ops.supports_step_graphs and not self.on_logits:
+                self.ops.add_lora_slots(y, x, self.stack,
+                                        self.mapping.token_slots[:x.shape[0]])
+            return y
         rows = self.mapping.logits if self.on_logits else self.mapping.tokens
         if rows is None:
             return y
@@ -137,7 +145,7 @@ class LoRAVocabEmbedding(nn.Module):
                 return
             r = weights.rank
             w.a[slot, :, :r] = weights.lora_a.T
-            w.b[slot, :, :r] = weights.lora_b
+            w.b[slot, :r] = weights.lora_b.T
         w.set_ranks(slot, [r])
 
     def clear_slot(self, slot: int) -> None:
@@ -145,6 +153,11 @@ class LoRAVocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         y = self.base(input_ids)
+        if torch.compiler.is_compiling():  # a step graph: the slots as a tensor
+            if self.ops.supports_step_graphs:
+                self.ops.add_embedding_lora_slots(y, input_ids, self.stack,
+                                                  self.mapping.token_slots[:input_ids.shape[0]])
+            return y
         rows = self.mapping.tokens
         if rows is None:
             return y

@@ -70,6 +70,7 @@ class LoRAManager:
                  max_rank: int, max_cpu_loras: int, dtype: torch.dtype,
                  device: torch.device, ops: TorchLoRAOps) -> None:
         self.mapping = mapping
+        self.ops = ops
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
@@ -245,14 +246,23 @@ class LoRAManager:
         needed |= {int(i) for i in np.unique(logits_lora_ids) if i > 0}
         if not needed:
             self.mapping.clear()
+            self.mapping.write_token_slots(np.full(len(token_lora_ids), NO_SLOT, np.int32))
             return
         if len(needed) > self.num_slots:
             raise RuntimeError(f"the step uses {len(needed)} distinct LoRA adapters but there "
                                f"are {self.num_slots} slots (lora.max_loras); the scheduler "
                                "must not do that")
         slot_of = {i: self._slot_for(i, needed) for i in sorted(needed)}
-        self.mapping.set(self._slots(token_lora_ids, slot_of),
-                         self._slots(logits_lora_ids, slot_of))
+        tokens = self._slots(token_lora_ids, slot_of)
+        self.mapping.set(tokens, self._slots(logits_lora_ids, slot_of))
+        self.mapping.write_token_slots(tokens.slots)
+
+    @property
+    def step_graphs_allowed(self) -> bool:
+        """Whether this step may run through a step graph: always where the LoRA ops work
+        inside graphs (they read ``mapping.token_slots``), else only when no token row of the
+        step uses an adapter (the graph then computes the base model, as it was captured)."""
+        return self.ops.supports_step_graphs or self.mapping.tokens is None
 
     def end_step(self) -> None:
         self.mapping.clear()
@@ -287,15 +297,15 @@ class LoRASetup:
     """What ``lora.enabled`` adds to the model: every linear method wrapped by the LoRA method
     (all sharing one mapping and one set of batched ops), then the manager of its slots."""
 
-    def __init__(self, lora_config, source, platform,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, lora_config, source, platform, dtype: torch.dtype, *,
+                 max_num_tokens: int) -> None:
         from llmkit.lora.punica import lora_ops_for
         from llmkit.models import get_model_class
 
         self.config = lora_config
         self.platform = platform
         self.dtype = dtype
-        self.mapping = LoRAMapping()
+        self.mapping = LoRAMapping(max_num_tokens, platform.device)
         self.ops = lora_ops_for(platform.device, platform.native_kernels(dtype))
         self.packed = dict(getattr(get_model_class(source.hf_config), "packed_modules_mapping",
                                    {}))

@@ -5,9 +5,9 @@ shards of a fused projection at once: A stacks them) and ``y += t B^T`` per shar
 implementations of the same arithmetic:
 
 - :class:`TorchLoRAOps`: one GEMM pair per (slot, shard) group with torch ops (the reference,
-  and what large CPU batches run: their GEMMs dominate the per-op overhead);
-- :class:`CpuLoRAOps`: llmkit's C++ ``lora_add_`` for up to ``small_batch_max_rows`` rows
-  (decoding): every row and shard of a layer in one call;
+  CPUs without llmkit's kernels, and batches above the C++ kernel's limit);
+- :class:`CpuLoRAOps`: llmkit's C++ ``lora_add_`` for up to ``small_batch_max_rows`` rows:
+  every row and shard of a layer in one call;
 - :class:`TritonLoRAOps`: the SGMV kernels of ``llmkit.kernels.lora`` (GPUs; tested under
   ``TRITON_INTERPRET=1``).
 """
@@ -25,10 +25,12 @@ from llmkit.lora.base import RowSlots
 class StackedLoRA:
     """One layer's adapters, one per slot, as the ops read them.
 
-    ``a [slots, S*R, in]`` (shard s's rows at ``s*R``; an embedding's is ``[slots, vocab, R]``,
-    A transposed for row lookups), ``b [slots, out, R]`` (scaled), ``ranks [slots, S]`` (0 = no
-    weights for that shard: nothing is computed) on the host and as an int32 tensor on the
-    device, ``out_offsets`` (shard s's outputs are ``[off[s], off[s+1])``)."""
+    ``a [slots, S*R, in]``: A of shard s at rows ``s*R`` (an embedding's is ``[slots, vocab,
+    R]``, A transposed for row lookups); ``b [slots, R, out]``: B transposed and scaled, shard
+    s's output columns ``[off[s], off[s+1])`` multiplying ``t[:, s*R:(s+1)*R]`` (rows of
+    ``b`` are contiguous along the output: the expand is rank-many axpys); ``ranks [slots, S]``
+    (0 = no weights for that shard: nothing is computed) on the host and as an int32 tensor on
+    the device; ``out_offsets``."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -47,7 +49,7 @@ class StackedLoRA:
         a_shape = ((num_slots, in_features, max_rank) if embedding
                    else (num_slots, shards * max_rank, in_features))
         return cls(a=torch.zeros(a_shape, dtype=dtype),
-                   b=torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype),
+                   b=torch.zeros(num_slots, max_rank, offsets[-1], dtype=dtype),
                    ranks=np.zeros((num_slots, shards), dtype=np.int32),
                    ranks_device=torch.zeros(num_slots, shards, dtype=torch.int32),
                    out_offsets=offsets,
@@ -55,7 +57,7 @@ class StackedLoRA:
 
     @property
     def max_rank(self) -> int:
-        return int(self.b.shape[2])
+        return int(self.b.shape[1])
 
     @property
     def nbytes_per_slot(self) -> int:
@@ -67,35 +69,46 @@ class StackedLoRA:
 
 
 class TorchLoRAOps:
-    """Per (slot, shard) group, torch GEMMs (see the module docstring)."""
+    """Per adapter, torch GEMMs (see the module docstring). Rows of one adapter that are not
+    contiguous in the batch are gathered once per layer (sorted by slot) and their deltas
+    added back with one scatter-add."""
 
     name = "torch"
+    #: Whether ``add_lora_slots`` / ``add_embedding_lora_slots`` exist: LoRA inside step
+    #: graphs (their inputs are tensors only).
+    supports_step_graphs = False
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, w: StackedLoRA,
                  rows: RowSlots) -> None:
         """``y[row] += x[row] A[slot]^T B[slot]^T`` for every row with a slot, in place."""
-        R = w.max_rank
-        offs = w.out_offsets
-        for slot, seg in rows.segments:
-            ranks = w.ranks[slot]
-            top = int(ranks.max())
-            if top == 0:
-                continue  # the adapter in this slot has no weights for this layer
-            xs = x[seg]
-            if len(ranks) == 1:
-                t = xs @ w.a[slot, :top].T
-            else:
-                t = xs @ w.a[slot].T
-            for s, rank in enumerate(ranks.tolist()):
-                if rank == 0:
-                    continue
+        segments = rows.segments
+        if all(isinstance(seg, slice) for _, seg in segments):
+            for slot, seg in segments:
+                self._add_segment(y[seg], x[seg], w, slot)
+            return
+        order, bounds = rows.sorted_rows
+        xs = x.index_select(0, order)
+        delta = torch.zeros(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+        for slot, lo, hi in bounds:
+            self._add_segment(delta[lo:hi], xs[lo:hi], w, slot)
+        y.index_add_(0, order, delta)
+
+    @staticmethod
+    def _add_segment(y: torch.Tensor, x: torch.Tensor, w: StackedLoRA, slot: int) -> None:
+        """``y += x A[slot]^T B[slot]^T`` for one adapter's rows (``y`` a view, in place)."""
+        ranks = w.ranks[slot]
+        top = int(ranks.max())
+        if top == 0:
+            return  # the adapter in this slot has no weights for this layer
+        R, offs = w.max_rank, w.out_offsets
+        if len(ranks) == 1:
+            y.addmm_(x @ w.a[slot, :top].T, w.b[slot, :top])
+            return
+        t = x @ w.a[slot].T
+        for s, rank in enumerate(ranks.tolist()):
+            if rank:
                 o0, o1 = offs[s], offs[s + 1]
-                ts = t[:, :rank] if len(ranks) == 1 else t[:, s * R:s * R + rank]
-                delta = ts @ w.b[slot, o0:o1, :rank].T
-                if isinstance(seg, slice):
-                    y[seg, o0:o1] += delta
-                else:
-                    y[:, o0:o1].index_add_(0, seg, delta)
+                y[:, o0:o1].addmm_(t[:, s * R:s * R + rank], w.b[slot, :rank, o0:o1])
 
     def add_embedding_lora(self, y: torch.Tensor, ids: torch.Tensor, w: StackedLoRA,
                            rows: RowSlots) -> None:
@@ -104,8 +117,7 @@ class TorchLoRAOps:
             rank = int(w.ranks[slot, 0])
             if rank == 0:
                 continue
-            t = w.a[slot, ids[seg], :rank]
-            delta = t @ w.b[slot, :, :rank].T
+            delta = w.a[slot, ids[seg], :rank] @ w.b[slot, :rank]
             if isinstance(seg, slice):
                 y[seg] += delta
             else:
@@ -113,12 +125,17 @@ class TorchLoRAOps:
 
 
 class CpuLoRAOps(TorchLoRAOps):
-    """The C++ kernel for small batches, torch GEMMs above."""
+    """The C++ kernel up to ``small_batch_max_rows`` rows, torch GEMMs above; inside step
+    graphs the kernel, with the slots as a tensor (``LoRAMapping.token_slots``)."""
 
     name = "cpu"
-    #: Rows up to which ``lora_add_`` runs (``benchmarks/test_lora_bench.py`` measures the
-    #: crossover against the torch groups).
-    small_batch_max_rows = 8
+    supports_step_graphs = True
+    #: Rows up to which ``lora_add_`` runs. ``benchmarks/test_lora_ops_bench.py`` times both
+    #: paths on SmolLM2-135M's layers with four adapters interleaved: on this project's 2-core
+    #: AVX2 machine the kernel was faster at every row count measured (1 to 2048; the torch
+    #: path's gathers, scatter-add and per-group GEMMs cost more than their arithmetic), so
+    #: only batches beyond the default step budget (2048 tokens) take torch's GEMMs.
+    small_batch_max_rows = 2048
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
@@ -131,6 +148,22 @@ class CpuLoRAOps(TorchLoRAOps):
                                    list(w.out_offsets))
             return
         super().add_lora(y, x, w, rows)
+
+    def add_lora_slots(self, y: torch.Tensor, x: torch.Tensor, w: StackedLoRA,
+                       slots: torch.Tensor) -> None:
+        """:meth:`add_lora` with the rows' slots as an int32 tensor (-1 = base): no host
+        state, so a step graph can hold it."""
+        self.kernels.lora_add_(y, x, w.a, w.b, slots, w.ranks_device, list(w.out_offsets))
+
+    @staticmethod
+    def add_embedding_lora_slots(y: torch.Tensor, ids: torch.Tensor, w: StackedLoRA,
+                                 slots: torch.Tensor) -> None:
+        """The embedding's delta from tensors alone (for step graphs: a few rows): each row
+        gathers its slot's A column and B (unused slots and ranks are zeros)."""
+        s = slots.clamp(min=0).long()
+        t = w.a[s, ids]  # [rows, R]
+        delta = torch.bmm(t.unsqueeze(1), w.b[s]).squeeze(1)  # [rows, hidden]
+        y.add_(delta * (slots >= 0).unsqueeze(1).to(delta.dtype))
 
 
 class TritonLoRAOps(TorchLoRAOps):

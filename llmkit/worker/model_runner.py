@@ -254,7 +254,8 @@ class ModelRunner:
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
         if (graphs is not None and md.num_actual_tokens == md.num_reqs
-                and graphs.covers(md.num_reqs)):
+                and graphs.covers(md.num_reqs)
+                and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows
             return graphs.run(ids, positions, md.slot_mapping.to(self.device),
                               torch.from_numpy(self.batch.block_table[rows]).to(self.device),
