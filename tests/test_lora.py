@@ -289,6 +289,16 @@ def test_bad_adapters_fail_their_load_clearly(llama_llm, tmp_path):
     assert all(len(o.outputs[0].token_ids) == 3 for o in out)
     assert [lr.lora_name for lr in llm.list_loras()] == ["good"]
     assert llm.engine.scheduler.get_num_unfinished_requests() == 0
+    # stream and chat take the adapter too
+    good_lr = LoRARequest("good", 1, str(good))
+    whole = llm.generate(["Hello"], greedy(4), lora_request=good_lr, use_tqdm=False)[0]
+    streamed = "".join(d.outputs[0].text for d in llm.stream("Hello", greedy(4),
+                                                             lora_request=good_lr))
+    assert streamed == whole.outputs[0].text
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = llm.chat(msgs, greedy(4), lora_request=good_lr, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids != llm.chat(msgs, greedy(4), use_tqdm=False)[0] \
+        .outputs[0].token_ids
 
 
 def test_unsupported_combinations_fail_at_start(tiny_model_dir):
@@ -305,6 +315,24 @@ def test_unsupported_combinations_fail_at_start(tiny_model_dir):
     with pytest.raises(ValueError, match="lora.enabled=true"):
         llm.generate(["Hi"], greedy(2), lora_request=LoRARequest("a", 1, "/x"), use_tqdm=False)
     llm.shutdown()
+
+
+def test_executor_and_scheduler_must_support_lora():
+    from llmkit.engine.core import EngineCore
+    from llmkit.scheduler.base import Scheduler
+
+    class PlainScheduler(Scheduler):  # no max_loras in its constructor
+        def __init__(self, config, kv, *, max_model_len, eos_token_id=None, clock=None):
+            pass
+
+    class Executor:
+        supports_lora = True
+
+    with pytest.raises(ConfigError, match="does not serve LoRA adapters"):
+        EngineCore._check_lora_support(object(), TokenBudgetScheduler)
+    with pytest.raises(ConfigError, match="cannot limit the adapters of a step"):
+        EngineCore._check_lora_support(Executor(), PlainScheduler)
+    EngineCore._check_lora_support(Executor(), TokenBudgetScheduler)
 
 
 # ------------------------------------------------------------------ the scheduler's slot rule
