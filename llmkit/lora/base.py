@@ -153,11 +153,13 @@ class RowSlots:
             order = rows[np.argsort(self.slots[rows], kind="stable")]
             seg_slots, starts, lens = np.unique(self.slots[order], return_index=True,
                                                 return_counts=True)
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(  # noqa
-                self.device)
-            self._sorted = (t(order), t(starts), t(lens), t(seg_slots),
-                            int(lens.max()) if len(lens) else 0)
+            self._sorted = (self._int32(order), self._int32(starts), self._int32(lens),
+                            self._int32(seg_slots), int(lens.max()) if len(lens) else 0)
         return self._sorted
+
+
+    def _int32(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(self.device)
 
 
 class LoRAMapping:

@@ -34,9 +34,6 @@ class LoRALinearMethod(LinearMethod):
             raise ValueError(f"{spec.prefix}: linear method {base.describe()!r} cannot be "
                              "wrapped by LoRA (lora.enabled=true needs another "
                              "model.linear_method or quantization)")
-        if spec.parallel != "replicated" and getattr(base, "tp_size", 1) > 1:
-            raise ValueError(f"{spec.prefix}: LoRA over tensor-parallel linear methods is not "
-                             "supported yet")
         self.base = base
         self.spec = spec
         self.num_slots = num_slots

@@ -52,9 +52,10 @@ def lora_linear_method_factory(base: LinearMethodFactory, *,
                 raise ValueError(f"{spec.prefix}: packed_modules_mapping names {len(parts)} "
                                  f"modules for {len(spec.shard_ids)} shards")
             names = tuple(f"{head}.{p}" if head else p for p in parts)
-        else:
-            names = (spec.prefix,) * len(spec.shard_ids) if len(spec.shard_ids) == 1 else \
-                tuple(f"{spec.prefix}.{s}" for s in spec.shard_ids)
+        elif len(spec.shard_ids) == 1:
+            names = (spec.prefix,)
+        else:  # a fused layer the model does not map: its shards by id
+            names = tuple(f"{spec.prefix}.{s}" for s in spec.shard_ids)
         return LoRALinearMethod(base(spec), spec, num_slots=num_slots, max_rank=max_rank,
                                 mapping=mapping, ops=ops, module_names=names,
                                 on_logits=spec.prefix == "lm_head")
