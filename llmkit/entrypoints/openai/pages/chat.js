@@ -139,6 +139,7 @@
   // -- sending -----------------------------------------------------------------------------
   async function send(text) {
     conversation.push({ role: "user", content: text });
+    const body = JSON.stringify(requestBody()); // before the reply's placeholder joins it
     const reply = { role: "assistant", content: "", stats: "" };
     conversation.push(reply);
     render();
@@ -155,7 +156,7 @@
       const resp = await fetch("/v1/chat/completions", {
         method: "POST",
         headers: llmkit.headers({ "Content-Type": "application/json" }),
-        body: JSON.stringify(requestBody()),
+        body,
         signal: controller.signal,
       });
       if (!resp.ok) throw new Error(await llmkit.errorMessage(resp));

@@ -96,7 +96,7 @@
   }
 
   function drawChart() {
-    const canvas = $("steps");
+    const canvas = $("steps-chart");
     const dpr = window.devicePixelRatio || 1;
     const w = canvas.clientWidth;
     const h = canvas.clientHeight;
