@@ -85,7 +85,7 @@ def add_engine_view_routes(app: FastAPI, engine: AsyncLLM, *, events_per_s: floa
 
     @app.get("/v1/engine/events", responses={
         **_ERRORS, 200: {"description": "Server-sent events", "content": {
-            "text/event-stream": {"schema": {"type": "string"}}}}})
+            "text/event-stream": {}}}})
     async def engine_events():
         """Server-sent events: one ``step`` event per published step summary."""
         if not engine.is_running:

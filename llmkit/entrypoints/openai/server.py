@@ -56,6 +56,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     500: {"model": ErrorResponse, "description": "The engine is not running"},
     503: {"model": ErrorResponse, "description": "Overloaded; retry after Retry-After seconds"},
 }
+# completions and chat answer JSON, or server-sent events when `stream` is true
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {**_ERRORS, 200: {
+    "description": "A JSON body, or server-sent events when `stream` is true",
+    "content": {"text/event-stream": {}}}}
 
 
 def served_model_names(config: EngineConfig, model_path: str | None = None) -> list[str]:
@@ -189,7 +193,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
                                           type="server_error"))
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is running (an empty body)"},
+        503: {"model": ErrorResponse, "description": "The engine is not running"}})
     async def health():
         if engine.is_running:
             return Response(status_code=200)
@@ -203,7 +209,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
                                           type="service_unavailable_error",
                                           code="engine_dead"))
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def get_metrics():
         if metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
@@ -213,11 +221,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
     async def list_models():
         return serving.list_models()
 
-    @app.post("/v1/completions", responses=_ERRORS)
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await serving.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions", responses=_ERRORS)
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await serving.create_chat_completion(request, raw_request)
 
