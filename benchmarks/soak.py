@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import socket
 import statistics
@@ -98,8 +97,7 @@ class Server:
         return int(stats["engine"]["pid"])
 
     def stop(self) -> None:
-        pids = re.findall(r"engine core process pid=(\d+)|engine core restarted \(pid (\d+)\)",
-                          self.log())
+        engine = self._live_engine_pid()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -107,13 +105,34 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        for pair in pids:  # never leave an engine core behind
-            pid = int(pair[0] or pair[1])
+        # Never leave the engine core behind; a pid is only killed while it is still that
+        # engine (a multiprocessing child of the server, or its orphan), never a reused one.
+        if engine is not None and _is_spawn_child(engine):
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(engine, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self._log.close()
+
+    def _live_engine_pid(self) -> int | None:
+        try:
+            pid = self.engine_pid()
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if ppid == self.proc.pid else None
+
+
+def _is_spawn_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing" in f.read()
+    except OSError:
+        return False
 
 
 def rss_bytes(pid: int) -> int | None:
