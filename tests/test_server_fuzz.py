@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 128
-EXAMPLES_PER_OPERATION = 20  # per mode (valid, invalid): ~300 requests
+EXAMPLES_PER_OPERATION = 16  # per mode (valid, invalid): ~230 requests
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_generated_requests_get_no_5xx_and_openai_errors(server):
                  "/detokenize", "/health", "/metrics", "/v1/engine/stats",
                  "/v1/engine/events"):
         assert path in paths, path  # every operation was exercised
-    assert report.requests >= 250
+    assert report.requests >= 200
     assert report.server_errors == 0 and report.num_failures == 0, "\n".join(report.failures)
     assert report.by_status[200] > 0 and report.by_status[400] > 0
     assert "Traceback" not in server.log()

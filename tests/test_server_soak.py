@@ -39,5 +39,5 @@ def test_soak_short(tiny_model_dir, tmp_path):
     assert load["disconnected"] > 0 and load["aborted"] > 0
     assert load["by_behaviour"].get("slow_stream", 0) > 0
     assert soak.check(figures) == [], soak.check(figures)
-    assert load["health_checks"] >= 20
+    assert load["health_checks"] >= 5  # polled all along (one at a time, 0.2 s apart)
     assert kill["stream_outcomes"] == {"error_event": 16}
