@@ -174,6 +174,17 @@ class ServerConfig(_Strict):
     # On SIGINT/SIGTERM: seconds that requests in flight may take to finish before they are
     # aborted and the engine process is stopped.
     shutdown_timeout: float = Field(default=10.0, ge=0)
+    # A request body larger than this is refused with 413 before it is read whole.
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # Origins whose pages may call the API from a browser (CORS), e.g. ["http://localhost:3000"];
+    # ["*"] = any. Empty = same origin only (no CORS headers).
+    allowed_origins: list[str] = Field(default_factory=list)
+    # When the engine core process dies: start a new one and serve again (requests in flight
+    # still fail). false = stay down (/health answers 503).
+    restart_engine: bool = False
+    # The engine core publishes at most this many per-step summaries a second (the /engine page,
+    # GET /v1/engine/events); steps in between are counted, not sent. 0 = none.
+    engine_events_per_s: float = Field(default=10.0, ge=0, le=1000)
 
 
 class BenchConfig(_Strict):

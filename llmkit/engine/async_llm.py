@@ -29,6 +29,11 @@ token counts, finish reason; and the engine's stats snapshot after each step.
 
 The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
 routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
+
+Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
+(``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
+with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
+process with a new one (the server does it when ``server.restart_engine`` is set).
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
+from llmkit.engine.step_feed import EngineStepFeed
+from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
@@ -108,6 +115,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.engine_core = engine_core
+        self._starting: MPClient | None = None  # a replacement engine core, while it loads
+        self.num_engine_restarts = 0
+        self.step_feed = EngineStepFeed()
         try:
             source = resolve_model_source(engine_config.model)
             self.model_source = source
@@ -125,7 +135,8 @@ class AsyncLLM:
             # Before wait_ready, which starts the client's reader thread (the engine sends
             # nothing before its first request, so nothing is missed meanwhile).
             engine_core.set_handlers(on_message=self._on_message_threadsafe,
-                                     on_death=self._on_death_threadsafe)
+                                     on_death=self._on_death_threadsafe,
+                                     on_summary=self._on_summary_threadsafe)
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
@@ -140,6 +151,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.engine_core.is_dead
+
+    @property
+    def restarting(self) -> bool:
+        """A new engine core process is loading (``restart_engine_core``)."""
+        return self._starting is not None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -341,8 +357,69 @@ class AsyncLLM:
             return
         try:
             loop.call_soon_threadsafe(self._tracker.fail_all, err)
+            loop.call_soon_threadsafe(self.step_feed.fail, err)
         except RuntimeError:
             pass
+
+    def _on_summary_threadsafe(self, summary: EngineStepSummary) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.step_feed.latest = summary  # nobody listens in a loop yet
+            return
+        try:
+            loop.call_soon_threadsafe(self.step_feed.publish, summary)
+        except RuntimeError:
+            pass
+
+    # -- live views -------------------------------------------------------------------------
+    async def engine_snapshot(self, check_kv: bool = False,
+                              timeout: float = 10.0) -> EngineStepSummary:
+        """The engine core's state now (answered between two steps); with ``check_kv``, also
+        ``KVCacheManager.check_integrity()``'s verdict (``kv_integrity_error`` None = sound).
+        Raises ``EngineDeadError`` if the engine is not running, ``TimeoutError`` if it does
+        not answer within ``timeout`` s."""
+        self._bind_loop()
+        if not self.is_running:
+            raise self.dead_error
+        qid, fut = self.step_feed.new_query(asyncio.get_running_loop())
+        try:
+            self.engine_core.request_snapshot(qid, check_kv)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.step_feed.drop_query(qid)
+
+    async def restart_engine_core(self, startup_timeout: float = 900.0) -> None:
+        """Replace a dead engine core process with a new one (same config, same resolved
+        model) and serve again. Requests in flight have already failed with
+        ``EngineDeadError``; new ones are refused until the new core is ready. Raises
+        ``EngineStartupError`` if it fails to start (the old, dead one stays in place)."""
+        self._bind_loop()
+        old = self.engine_core
+        if self._shutdown:
+            raise EngineDeadError("the engine is shutting down")
+        if not old.is_dead:
+            raise RuntimeError("the engine core is alive; nothing to restart")
+        if self._starting is not None:
+            raise RuntimeError("a restart is already under way")
+        new = MPClient(old.config, wait=False)
+        self._starting = new
+        try:
+            new.set_handlers(on_message=self._on_message_threadsafe,
+                             on_death=self._on_death_threadsafe,
+                             on_summary=self._on_summary_threadsafe)
+            await asyncio.to_thread(new.wait_ready, startup_timeout)
+            if self._shutdown:  # the server stopped while the new core loaded
+                await asyncio.to_thread(new.shutdown, 2.0)
+                raise EngineDeadError("the engine is shutting down")
+        finally:
+            self._starting = None
+        self._tracker.fail_all(old.dead_error)  # nothing should be left; be sure
+        self.engine_core = new
+        self._tracker.engine_core = new
+        self._tracker.last_stats = None
+        self.max_model_len = new.max_model_len
+        self.num_engine_restarts += 1
+        await asyncio.to_thread(old.shutdown, 1.0)
 
     # -- shutdown ---------------------------------------------------------------------------
     def fail_in_flight(self, message: str = "the server is shutting down") -> None:
@@ -360,6 +437,9 @@ class AsyncLLM:
         """Stop the engine process (ask, wait ``timeout`` s, terminate, kill). Idempotent;
         blocking: from a coroutine use ``await asyncio.to_thread(llm.shutdown)``."""
         self._shutdown = True
+        starting = self._starting
+        if starting is not None:
+            starting.shutdown(timeout=1.0)
         self.engine_core.shutdown(timeout=timeout)
 
     def __enter__(self) -> "AsyncLLM":

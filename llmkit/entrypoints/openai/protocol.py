@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # torch.Generator seeds are 64-bit.
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+# Integers cross to the engine core as msgpack: beyond 64 bits they cannot (a 400, not a 500).
+_I64 = 2 ** 63 - 1
 
 
 class _Request(BaseModel):
@@ -60,12 +62,12 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_I64)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    priority: int = 0
+    min_tokens: int = Field(0, ge=0, le=_I64)
+    priority: int = Field(0, ge=-_I64, le=_I64)
     # vLLM's: requests with different salts share no prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1)
     stop_token_ids: list[int] | None = None
@@ -81,7 +83,7 @@ class SamplingFields(_Request):
         if v is None:
             return v
         for key, bias in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")

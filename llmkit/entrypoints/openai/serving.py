@@ -70,6 +70,15 @@ class OpenAIServing:
             self._warned_fields |= extra
             logger.warning("ignored unknown request fields: %s", ", ".join(sorted(extra)))
 
+    def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Token ids of ``text``; a 400 naming ``param`` for text the tokenizer cannot take
+        (JSON allows lone UTF-16 surrogates, which are not Unicode text)."""
+        try:
+            return self.tokenizer.encode(text, **kwargs)
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise bad_request(f"the text cannot be tokenized (is it valid Unicode, without "
+                              f"lone surrogates?): {e}", param) from None
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         check_token_ids(ids, param, self.vocab_size)
 
@@ -116,7 +125,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             abort_all(streams)
             raise engine_dead(e) from None
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             abort_all(streams)
             raise bad_request(str(e), param_of(str(e))) from None
         return streams
@@ -140,7 +149,7 @@ class OpenAIServing:
         ids_list, texts = [], []
         for item in items:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item)
+                ids = self.encode(item, "prompt")
                 if not ids:
                     raise bad_request("the prompt is empty (no tokens)", "prompt")
                 ids_list.append(ids)
@@ -247,7 +256,7 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise bad_request(f"the chat template failed on these messages: {e}",
                               "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode(text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
@@ -339,7 +348,7 @@ class OpenAIServing:
         if req.messages is not None:
             ids = self.chat_prompt(req)
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
                                 tokens=ids)
 
