@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
+
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
@@ -53,6 +55,12 @@ class SchedulerOutput:
     token_masks: dict[str, object] = field(default_factory=dict)
     # Seam for speculative decoding: draft tokens to verify per request.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured output: the step's requests whose logits are constrained, in bitmask order,
+    # and their packed bitmask (xgrammar's layout: int32 [rows, ceil(V / 32)], bit i of word j
+    # allows token 32 * j + i), one row per logits position of each listed request in order
+    # (1 + K rows for a request verifying K draft tokens). None when no request is constrained.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

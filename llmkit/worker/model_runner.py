@@ -15,6 +15,7 @@ from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.structured_output.bitmask import legacy_token_masks  # TEMPORARY (issue 19)
 from llmkit.worker import prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
@@ -173,7 +174,10 @@ class ModelRunner:
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
             rows = inputs.sample_rows
-            meta = build_sampling_metadata(self.batch, rows, so.token_masks, logits.shape[-1],
+            # TEMPORARY (issue 19): the grammar bitmask as today's dense-mask seam, until the
+            # issue-17 sampler applies so.grammar_bitmask itself.
+            token_masks = so.token_masks or legacy_token_masks(so, logits.shape[-1])
+            meta = build_sampling_metadata(self.batch, rows, token_masks, logits.shape[-1],
                                            self.device)
             out = self.sampler.sample(logits.float(), meta)
             sampled_by_row = self._record(rows, out, logprobs)
