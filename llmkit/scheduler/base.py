@@ -82,7 +82,13 @@ class SchedulerStats:
 
 
 class Scheduler(ABC):
-    """What the engine core drives: add, schedule, update, abort."""
+    """What the engine core drives: add, schedule, update, abort.
+
+    The engine core builds a scheduler as ``cls(config, kv_cache_manager, max_model_len=...,
+    eos_token_id=..., clock=..., structured_output_manager=...)``; a scheduler that admits
+    requests with ``sampling_params.structured_outputs`` holds them until the manager's
+    grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
+    """
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...

@@ -16,8 +16,8 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     """bool ``[rows, vocab_size]`` (True = allowed) of an int32 ``[rows, ceil(V / 32)]``
     bitmask whose bit ``i`` of word ``j`` allows token ``32 * j + i``."""
     words = np.ascontiguousarray(np.atleast_2d(bitmask), dtype="<i4")
-    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
-    return bits[:, :vocab_size].astype(bool)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+    return bits.view(bool)  # unpackbits writes 0 / 1 bytes: already bools
 
 
 def legacy_token_masks(so: SchedulerOutput, vocab_size: int) -> dict[str, np.ndarray]:
