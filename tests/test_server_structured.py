@@ -10,13 +10,18 @@ force the calls by grammar, so they are tested end to end here, and the Hermes p
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
+from structured_backends import FAILS_IN_ENGINE
 from test_server import SERVER_THREADS, ServerProcess, error_body
+
+TESTS = Path(__file__).resolve().parent
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
@@ -46,9 +51,13 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris tomorrow?"
 def server(tiny_model_dir, tmp_path_factory):
     # A longer context than the default tiny model's: the tool prompt lists the functions.
     model_dir = tiny_model_dir("llama", max_position_embeddings=2048)
+    # xgrammar, but one marked regex fails to compile inside the engine core
+    backend = "structured_output._target_=structured_backends.FailInEngineBackend"
+    pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     srv = ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
-                        "structured_output.disable_any_whitespace=true",
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
+                        "structured_output.disable_any_whitespace=true", backend,
+                        log_path=tmp_path_factory.mktemp("server") / "server.log",
+                        env={"PYTHONPATH": pythonpath})
     try:
         srv.wait_ready()
         yield srv
@@ -152,6 +161,19 @@ def test_bad_specs_are_400_naming_the_field(server, model, body, param, match):
     # the engine goes on
     ok = post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_compile_failure_in_the_engine_is_that_requests_400(server, model):
+    body = {"model": model, "prompt": "Hi", "max_tokens": 4,
+            "structured_outputs": {"regex": f"a+{FAILS_IN_ENGINE}"}}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 400, resp.text
+    assert "a test's failure" in error_body(resp)["message"]
+    stream = httpx.post(server.url("/v1/completions"), json={**body, "stream": True},
+                        timeout=60).text
+    assert "a test's failure" in stream and stream.rstrip().endswith("data: [DONE]")
+    ok = post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200 and server.proc.poll() is None
 
 
 # --------------------------------------------------------------------------- tools
