@@ -301,8 +301,8 @@ class TokenBudgetScheduler(Scheduler):
                     req.append_output_token(req.eos_token_id)
                     kept.append(req.eos_token_id)
                     req.times.token_times.append(now)
-                    self._advance_grammar(req, req.eos_token_id)
-                    self._check_stop(req, req.eos_token_id)
+                    if not self._advance_grammar(req, req.eos_token_id):
+                        self._check_stop(req, req.eos_token_id)
             if req.times.first_token is None:
                 req.times.first_token = now
             if req.is_finished:

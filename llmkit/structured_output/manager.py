@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -59,8 +60,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[StructuredOutputKey, Future[Any]] = OrderedDict()
         # Draft tokens a matcher may have to take back (speculative decoding's K).
         self.max_rollback_tokens = max_rollback_tokens
-        # Seconds each finished compilation took in the pool (key -> s), for benchmarks.
-        self.compile_times: dict[StructuredOutputKey, float] = {}
+        # Seconds the latest compilations took in the pool (key -> s, at most cache_size of
+        # them), for benchmarks; written by the pool's threads.
+        self.compile_times: OrderedDict[StructuredOutputKey, float] = OrderedDict()
+        self._times_lock = threading.Lock()
 
     # -- the backend -----------------------------------------------------------------------------
     @property
@@ -77,10 +80,6 @@ class StructuredOutputManager:
         return self.backend_cls(tokenizer=self._tokenizer_loader(), vocab_size=self.vocab_size,
                                 disable_any_whitespace=self.config.disable_any_whitespace,
                                 num_threads=self.num_threads)
-
-    def validate(self, request: Request) -> None:
-        """Raise ``GrammarCompileError`` for a spec that cannot become a grammar (no compile)."""
-        self.backend_cls.validate(request.sampling_params.structured_outputs)
 
     # -- admission ---------------------------------------------------------------------------------
     def grammar_init(self, request: Request) -> None:
@@ -100,7 +99,10 @@ class StructuredOutputManager:
     def _compile(self, backend: Future[StructuredOutputBackend], key: StructuredOutputKey) -> Any:
         t0 = time.perf_counter()
         compiled = backend.result().compile(key)
-        self.compile_times[key] = time.perf_counter() - t0
+        with self._times_lock:
+            self.compile_times[key] = time.perf_counter() - t0
+            while len(self.compile_times) > self.config.cache_size:
+                self.compile_times.popitem(last=False)
         return compiled
 
     def is_ready(self, request: Request) -> bool:
