@@ -108,6 +108,20 @@ class SamplerConfig(_Component):
     name: str = "torch"
 
 
+class StructuredOutputConfig(_Component):
+    """Grammar-constrained decoding (``SamplingParams.structured_outputs``, the server's
+    ``response_format``, ``structured_outputs`` and forced tool calls)."""
+
+    name: str = "xgrammar"
+    # JSON outputs without free whitespace between tokens (vLLM's disable_any_whitespace):
+    # fewer tokens, and a weak model cannot wander off into endless spaces.
+    disable_any_whitespace: bool = False
+    # Threads compiling grammars in the background; 0 = half the CPU cores (at least 1).
+    max_compile_threads: int = Field(default=0, ge=0)
+    # Compiled grammars kept for reuse, keyed by the spec (least recently used go first).
+    cache_size: int = Field(default=256, ge=1)
+
+
 class ExecutorConfig(_Component):
     name: str = "uniproc"
 
@@ -185,6 +199,10 @@ class ServerConfig(_Strict):
     # The engine core publishes at most this many per-step summaries a second (the /engine page,
     # GET /v1/engine/events); steps in between are counted, not sent. 0 = none.
     engine_events_per_s: float = Field(default=10.0, ge=0, le=1000)
+    # How chat outputs become `tool_calls` (llmkit/entrypoints/openai/tool_parsers/): a
+    # parser's name, or auto = the one for the model's format (Hermes `<tool_call>` when the
+    # model names none).
+    tool_call_parser: str = "auto"
 
 
 class BenchConfig(_Strict):
@@ -372,6 +390,7 @@ class EngineConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)

@@ -59,6 +59,7 @@ from llmkit.models.generation_config import default_sampling_fields, describe_de
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
+from llmkit.structured_output.validation import validate_structured_outputs
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
@@ -228,6 +229,9 @@ class AsyncLLM:
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name}: at most the vocabulary size ({self.vocab_size}), "
                                  f"got {value}")
+        if getattr(params, "structured_outputs", None) is not None:
+            # A bad spec is a ValueError (a 400) here, before the engine sees the request.
+            validate_structured_outputs(self.config, params.structured_outputs)
         changes: dict[str, Any] = {}
         if self._extra_stop_ids:
             changes["stop_token_ids"] = list(params.stop_token_ids or []) + self._extra_stop_ids

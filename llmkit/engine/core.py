@@ -15,6 +15,7 @@ from llmkit.platforms import resolve_platform
 from llmkit.request import Request
 from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerStats
 from llmkit.startup import startup_step
+from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,16 @@ class EngineCore:
                                        max_model_len=self.max_model_len,
                                        eviction_policy=kv_cfg.eviction_policy,
                                        pinned_prefixes=self._pinned_prefix_ids())
+        # Grammars compile in its thread pool; its tokenizer loads with the first grammar.
+        model_source = executor_kwargs.get("model_source")
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_output, vocab_size=facts.vocab_size,
+            tokenizer_loader=lambda: self._tokenizer(model_source))
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
-        self.scheduler: Scheduler = sched_cls(config.scheduler, self.kv_cache_manager,
-                                              max_model_len=self.max_model_len,
-                                              eos_token_id=self.eos_token_id, clock=clock)
+        self.scheduler: Scheduler = sched_cls(
+            config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id, clock=clock,
+            structured_output_manager=self.structured_output_manager)
         self.clock = clock
         # Per-step stats as a Chrome trace (observability.trace_file); None = off.
         self.step_trace: StepTrace | None = StepTrace.from_config(
@@ -74,6 +81,12 @@ class EngineCore:
             else:
                 ids.append(list(p))
         return ids
+
+    def _tokenizer(self, model_source=None):
+        if model_source is None:
+            from llmkit.models.loader import resolve_model_source
+            model_source = resolve_model_source(self.config.model)
+        return model_source.load_tokenizer()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (pinned ones stay). Refused, returning False with a
@@ -143,4 +156,5 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.step_trace is not None:
             self.step_trace.close()
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -271,8 +271,16 @@ class EngineCoreProc:
                 break
             if core.has_unfinished_requests():
                 outputs = core.step()
+                # Requests the engine could not serve (a grammar that failed to compile) go
+                # back as errors: the API process answers them as refused requests.
+                errors = {o.request_id: str(o.stop_reason) for o in outputs
+                          if o.finish_reason == "error"}
+                if errors:
+                    outputs = [o for o in outputs if o.finish_reason != "error"]
+                    for rid in errors:
+                        self.requests.pop(rid, None)
                 self.send(EngineCoreOutputs(outputs=outputs, stats=core.stats(),
-                                            timings=self.pop_timings(outputs)))
+                                            timings=self.pop_timings(outputs), errors=errors))
             if not self.parent_alive():
                 logger.warning("engine core: the API process (pid %s) is gone; exiting",
                                self.parent_pid)

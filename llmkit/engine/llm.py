@@ -19,6 +19,7 @@ from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
 from llmkit.startup import startup_step
+from llmkit.structured_output.validation import validate_structured_outputs
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | list[int] | Mapping[str, Any]
@@ -119,6 +120,8 @@ class LLM:
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"SamplingParams.prompt_logprobs: at most the vocabulary size "
                              f"({vocab}), got {params.prompt_logprobs}")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(self.config, params.structured_outputs)
         changes: dict[str, Any] = {}
         if self._extra_stop_ids:
             changes["stop_token_ids"] = list(params.stop_token_ids) + self._extra_stop_ids
