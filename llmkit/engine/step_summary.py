@@ -26,6 +26,7 @@ from typing import Any, Callable
 import msgspec
 
 from llmkit.engine.step_trace import split_prefill_decode
+from llmkit.request import RequestStatus
 
 __all__ = ["EngineSnapshotQuery", "EngineStepSummary", "MAX_LISTED_REQUESTS", "RequestSummary",
            "StepSummaryPublisher"]
@@ -88,7 +89,8 @@ class EngineSnapshotQuery(msgspec.Struct, array_like=True, tag="snapshot"):
     check_kv: bool = False
 
 
-_STATUS_NAMES = {0: "waiting", 1: "running", 2: "preempted"}
+_STATUS_NAMES = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_FSM: "waiting",
+                 RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
 
 
 class StepSummaryPublisher:
@@ -210,10 +212,10 @@ class StepSummaryPublisher:
     def _requests(scheduler: Any, kv: Any) -> tuple[list[RequestSummary], int]:
         table = getattr(scheduler, "requests", None) or {}
         listed: list[RequestSummary] = []
-        reqs = sorted(table.values(), key=lambda r: (int(r.status) != 1, r.arrival_index))
+        reqs = sorted(table.values(), key=lambda r: (r.status != RequestStatus.RUNNING, r.arrival_index))
         for req in reqs[:MAX_LISTED_REQUESTS]:
             listed.append(RequestSummary(
-                request_id=req.request_id, status=_STATUS_NAMES.get(int(req.status), "finished"),
+                request_id=req.request_id, status=_STATUS_NAMES.get(req.status, "finished"),
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_computed_tokens=req.num_computed_tokens,
                 num_output_tokens=req.num_output_tokens,
