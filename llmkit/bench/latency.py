@@ -4,8 +4,9 @@ of every engine step.
 One batch of ``bench.batch_size`` requests (``bench.dataset``, ``input_len`` / ``output_len``;
 a fresh seed per iteration so that no iteration hits the prefix cache of another) is generated
 ``bench.num_iters_warmup`` times untimed, then ``bench.num_iters`` times timed. Each engine step
-is timed by the same ``StepTrace`` that ``observability.trace_file`` writes; steps are
-**prefill** steps when they compute any prompt token, else **decode** steps.
+is timed by a ``StepTrace`` (the step observer that ``observability.trace_file`` writes with),
+registered on the engine for the run; steps are **prefill** steps when they compute any prompt
+token, else **decode** steps.
 """
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         llm = LLM.from_config(cfg)
     tokenizer = llm.get_tokenizer()
     engine = llm.engine
-    saved_trace = engine.step_trace
     trace = StepTrace()
-    engine.step_trace = trace
+    engine.add_step_observer(trace)
     latencies: list[float] = []
     steps: list[dict[str, Any]] = []
     last_steps: list[dict[str, Any]] = []
@@ -52,7 +52,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             last_steps = [s.to_dict() for s in trace.steps]
             steps.extend(last_steps)
     finally:
-        engine.step_trace = saved_trace
+        engine.remove_step_observer(trace)
         if own:
             llm.shutdown()
     prefill = [s["step_ms"] for s in steps if s["prefill_tokens"]]

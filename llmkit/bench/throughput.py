@@ -20,12 +20,13 @@ __all__ = ["format_throughput", "run_throughput"]
 
 
 def _engine_facts(llm: Any) -> dict[str, Any]:
+    import dataclasses
+
     import torch
 
-    from llmkit.executor.uniproc import resolve_dtype
-
-    return {"dtype": resolve_dtype(llm.config.model.dtype, llm.engine.platform),
-            "num_threads": torch.get_num_threads(), "device": llm.engine.platform.device}
+    info = llm.engine.backend_info
+    return {"dtype": getattr(torch, info.dtype), "num_threads": torch.get_num_threads(),
+            "device": torch.device(info.device), "backend": dataclasses.asdict(info)}
 
 
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
@@ -62,7 +63,7 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                "total_token_throughput": (in_tok + out_tok) / elapsed,
                "total_input_tokens": in_tok, "total_output_tokens": out_tok,
                "dtype": str(facts["dtype"]), "num_threads": facts["num_threads"],
-               "device": str(facts["device"])}
+               "device": str(facts["device"]), "backend": facts["backend"]}
     baseline = ratio = None
     if b.baseline == "hf":
         model_path = llm.model_source.path

@@ -88,7 +88,7 @@ class LLM:
     def _prepare_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids against the vocabulary; add the model's extra EOS ids as stop ids;
         tokenize bad words."""
-        vocab = self.engine.executor.model_facts.vocab_size
+        vocab = self.engine.model_facts.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}),
                           ("allowed_token_ids", params.allowed_token_ids or []),
                           ("stop_token_ids", params.stop_token_ids)):

@@ -1,5 +1,5 @@
 """Executors, picked by ``executor=NAME``."""
-from llmkit.executor.base import Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.registry import Registry
 
 EXECUTORS: Registry[Executor] = Registry("executor")
@@ -7,4 +7,4 @@ EXECUTORS.register_lazy("uniproc", "llmkit.executor.uniproc.UniprocExecutor")
 # No model: steps priced by a hardware cost model (`llmkit sim`, llmkit/sim/).
 EXECUTORS.register_lazy("sim", "llmkit.executor.sim.SimExecutor")
 
-__all__ = ["EXECUTORS", "Executor", "ModelFacts"]
+__all__ = ["EXECUTORS", "BackendInfo", "Executor", "ModelFacts"]

@@ -25,7 +25,7 @@ import random
 from typing import Any, Callable
 
 from llmkit.config.schema import EngineConfig
-from llmkit.executor.base import Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.sim.cost_model import CostModel, StepCost
@@ -91,7 +91,8 @@ class SimExecutor(Executor):
         eos = self.model.eos_token_ids
         self._facts = ModelFacts(max_model_len=self.model.max_model_len,
                                  vocab_size=shape.vocab_size,
-                                 eos_token_id=eos[0] if eos else None)
+                                 eos_token_id=eos[0] if eos else None,
+                                 eos_token_ids=tuple(eos))
         self._banned = frozenset(eos)
         self._rng = random.Random(f"llmkit-sim-{config.seed}")
         self._num_tokens: dict[str, int] = {}
@@ -106,6 +107,12 @@ class SimExecutor(Executor):
     @property
     def model_facts(self) -> ModelFacts:
         return self._facts
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        """No kernels run: the cost model prices each step for the hardware profile."""
+        return BackendInfo(attention="sim", ops="sim", linear_methods=(), dtype=self.dtype,
+                           device=f"{self.hardware.name} x{self.cost_model.tp} (simulated)")
 
     def kv_cache_bytes_per_block(self) -> int:
         """One block of every layer on every rank (KV heads replicate when fewer than ranks)."""

@@ -113,7 +113,7 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
     queued: deque[WorkloadRequest] = deque()  # arrived, waiting for a concurrency slot
     inflight: dict[str, tuple[WorkloadRequest, Any, float]] = {}
     records: dict[str, RequestRecord] = {}
-    scheduler = core.scheduler
+    max_model_len = core.model_facts.max_model_len
     steps = 0
     idle_steps = 0
     peak_kv = 0.0
@@ -125,7 +125,7 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
         n_out = req.num_output_tokens
         if error is None and req.status == RequestStatus.FINISHED_IGNORED:
             error = (f"prompt of {req.num_prompt_tokens} tokens is longer than max_model_len="
-                     f"{core.max_model_len}")
+                     f"{max_model_len}")
         elif error is None and req.status == RequestStatus.FINISHED_ABORTED:
             error = "aborted by the engine"
         end = times.finished if times.finished is not None else clock()
@@ -173,8 +173,9 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
         for out in outputs:
             if out.finished and out.request_id in inflight:
                 finish(out.request_id)
-        peak_kv = max(peak_kv, core.kv_cache_manager.usage)
-        peak_running = max(peak_running, len(getattr(scheduler, "running", ())))
+        stats = core.stats()
+        peak_kv = max(peak_kv, stats.kv_usage)
+        peak_running = max(peak_running, stats.num_running)
         if clock() == before and not outputs:
             idle_steps += 1
             if idle_steps > 3:
@@ -247,7 +248,7 @@ def sim_block(core: Any, executor: Any, run: SimRun) -> dict[str, Any]:
         "hardware": executor.hardware.as_dict(),
         "hardware_file": executor.hardware.source_path,
         "model": executor.model.shape.summary(cm.dtype),
-        "max_model_len": core.max_model_len,
+        "max_model_len": core.model_facts.max_model_len,
         "cost_model": cm.describe(),
         "num_kv_blocks": core.num_blocks,
         "kv_capacity_tokens": core.num_blocks * core.config.kv_cache.block_size,
