@@ -27,7 +27,7 @@ def strip_wall(result: dict) -> dict:
 def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     from llmkit.engine.core import EngineCore
     from llmkit.executor import EXECUTORS
-    from llmkit.executor.sim import SimExecutor
+    from llmkit.sim.executor import SimExecutor
     from llmkit.kv_cache import KV_CACHE_MANAGERS
     from llmkit.kv_cache.manager import KVCacheManager
     from llmkit.scheduler import SCHEDULERS
@@ -44,6 +44,18 @@ def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     assert type(executor) is SimExecutor and EXECUTORS.get("sim") is SimExecutor
     assert core.executor is executor and executor.clock is clock
     assert core.scheduler.clock is clock  # the scheduler's timestamps are virtual
+
+
+def test_sim_executor_registers_through_the_entry_point_group():
+    """executor/ imports nothing of sim/: ``sim`` comes from pyproject.toml's
+    ``llmkit.executor`` entry points (a stale install needs ``pip install -e .`` again)."""
+    from importlib.metadata import entry_points
+
+    from llmkit.executor import EXECUTORS
+    from llmkit.sim.executor import SimExecutor
+
+    (ep,) = [e for e in entry_points(group="llmkit.executor") if e.name == "sim"]
+    assert ep.load() is SimExecutor and EXECUTORS.get("sim") is SimExecutor
 
 
 def test_no_scheduler_or_kv_manager_is_reimplemented_in_llmkit_sim():

@@ -61,7 +61,7 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
     KV pool sized from the hardware unless ``kv_cache.num_blocks`` is set."""
     from llmkit.config.errors import ConfigError
     from llmkit.engine.core import EngineCore
-    from llmkit.executor.sim import SimExecutor
+    from llmkit.sim.executor import SimExecutor
     from llmkit.platforms import resolve_platform
 
     clock = clock or VirtualClock()
