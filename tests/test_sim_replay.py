@@ -6,14 +6,16 @@ import pytest
 
 from llmkit.bench.datasets import WorkloadRequest, build_workload
 from llmkit.bench.metrics import summarize
-from llmkit.config.compose import compose_config
+from llmkit.config.compose import compose_tool_config
+from llmkit.config.schema import SimToolConfig
 from llmkit.sim.cost_model import StepCost
 from llmkit.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.sim.virtual_clock import VirtualClock
 
 
-def cfg_of(*overrides: str):
-    return compose_config(["sim.model=llama-2-7b", "bench.progress=false", *overrides])
+def cfg_of(*overrides: str) -> SimToolConfig:
+    return compose_tool_config(SimToolConfig,
+                               ["sim.model=llama-2-7b", "bench.progress=false", *overrides])
 
 
 def strip_wall(result: dict) -> dict:
@@ -37,9 +39,9 @@ def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     core, executor, clock = build_sim_engine(cfg)
     assert type(core) is EngineCore
     assert type(core.scheduler) is TokenBudgetScheduler
-    assert type(core.scheduler) is SCHEDULERS.get(cfg.scheduler.name)
+    assert type(core.scheduler) is SCHEDULERS.get(cfg.engine.scheduler.name)
     assert type(core.kv_cache_manager) is KVCacheManager
-    assert type(core.kv_cache_manager) is KV_CACHE_MANAGERS.get(cfg.kv_cache.name)
+    assert type(core.kv_cache_manager) is KV_CACHE_MANAGERS.get(cfg.engine.kv_cache.name)
     assert core.scheduler.kv is core.kv_cache_manager
     assert type(executor) is SimExecutor and EXECUTORS.get("sim") is SimExecutor
     assert core.executor is executor and executor.clock is clock
@@ -257,7 +259,8 @@ def test_executor_sim_by_name_in_a_plain_engine_core():
     from llmkit.request import Request
     from llmkit.sampling.params import SamplingParams
 
-    core = EngineCore(cfg_of("executor=sim", "kv_cache.num_blocks=64"))
+    cfg = cfg_of("executor=sim", "kv_cache.num_blocks=64")
+    core = EngineCore(cfg.engine, settings=cfg)
     core.add_request(Request("r", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)))
     tokens = []
     while core.has_unfinished_requests():

@@ -28,7 +28,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     b = cfg.bench
     own = llm is None
     if own:
-        llm = LLM.from_config(cfg)
+        llm = LLM.from_config(cfg.engine)
     tokenizer = llm.get_tokenizer()
     engine = llm.engine
     trace = StepTrace()
@@ -66,7 +66,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         "decode_tokens_per_s": (sum(s["decode_tokens"] for s in steps)
                                 / (sum(decode) / 1e3) if decode else None),
     }
-    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
     return make_result(config, summary, [{"latency_s": x, "ok": True} for x in latencies],
                        simulated=False, kind="latency", steps=last_steps)
 

@@ -31,14 +31,14 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
 
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                    llm: Any = None) -> dict[str, Any]:
-    """Run the benchmark for ``cfg`` (an ``EngineConfig``); returns the result document."""
+    """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
     from llmkit import LLM, SamplingParams
     from llmkit.bench.results import make_result
 
     b = cfg.bench
     own = llm is None
     if own:
-        llm = LLM.from_config(cfg)
+        llm = LLM.from_config(cfg.engine)
     tokenizer = llm.get_tokenizer()
     workload = build_workload(b, tokenizer)
     prompts = [r.payload_prompt for r in workload]
@@ -89,7 +89,7 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                  for k in ("output_throughput", "request_throughput")}
     if own and llm is not None:
         llm.shutdown()
-    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
     return make_result(config, summary, records, simulated=False, kind="throughput",
                        baseline=baseline, ratio=ratio)
 

@@ -119,26 +119,49 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
     return args
 
 
-def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
+def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
+                tool: type | None = None):
     """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
-    component name is registered (``llmkit.engine.components.validate_components``)."""
-    from llmkit.config.compose import build_config
+    component name is registered (``llmkit.engine.components.validate_components``). ``tool``
+    (``BenchToolConfig``, ``SimToolConfig``): that tool's config, the engine's inside."""
+    from llmkit.config.compose import build_config, build_tool_config
 
     from llmkit.engine.components import validate_components
 
-    cfg = build_config(args.model, overrides=args.overrides if overrides is None else overrides)
+    overrides = args.overrides if overrides is None else overrides
+    if tool is not None:
+        cfg = build_tool_config(tool, args.model, overrides=overrides)
+        validate_components(cfg.engine)
+        return cfg
+    cfg = build_config(args.model, overrides=overrides)
     validate_components(cfg)
     return cfg
 
 
+def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
+    """The tools' sections (bench, slo, hardware, sim) that ``overrides`` set."""
+    from llmkit.config.schema import TOOL_SECTIONS
+
+    named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]
+             for o in overrides}
+    return [s for s in TOOL_SECTIONS if s in named]
+
+
 def _cmd_config(args: CliArgs) -> int:
+    """The engine's config; with the tools' sections that the command line sets (``llmkit
+    config hardware=h100-sxm`` shows the hardware profile too)."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
+    from llmkit.config.schema import SimToolConfig
 
     runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
     texts = []
     for overrides in runs:
-        cfg = load_config(args, overrides)
-        text = config_to_yaml(cfg)
+        sections = _tool_sections_named(overrides)
+        if sections:
+            text = config_to_yaml(load_config(args, overrides, tool=SimToolConfig),
+                                  tool_sections=sections)
+        else:
+            text = config_to_yaml(load_config(args, overrides))
         if args.multirun:
             text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
         texts.append(text)

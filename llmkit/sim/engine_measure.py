@@ -130,8 +130,8 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
                    decode_steps: int = DECODE_STEPS, prefill_reps: int = PREFILL_REPS,
                    mixed: bool = True, budget_s: float = 120.0,
                    log: Callable[[str], None] | None = None) -> EngineMeasurement:
-    """Time the real engine of ``cfg`` (an ``EngineConfig``) on steps of known shapes (see the
-    module's docstring). Shapes are capped by the model's ``max_model_len`` and
+    """Time the real engine of ``cfg`` (a ``SimToolConfig``: its engine, and ``bench.temperature``)
+    on steps of known shapes (see the module's docstring). Shapes are capped by the model's ``max_model_len`` and
     ``scheduler.max_num_seqs``; phases left when ``budget_s`` is spent are skipped (named in
     ``skipped``)."""
     import torch
@@ -140,26 +140,26 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
 
     log = log or (lambda s: None)
     # prefix caching gives each decode batch its shared context without recomputing it
-    cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(
+    engine_cfg = cfg.engine.model_copy(update={"kv_cache": cfg.engine.kv_cache.model_copy(
         update={"enable_prefix_caching": True})})
     t_load = time.perf_counter()
-    llm = LLM.from_config(cfg)
+    llm = LLM.from_config(engine_cfg)
     load_s = time.perf_counter() - t_load
     core = llm.engine
     source = llm.model_source
-    name = cfg.model.served_name or cfg.model.name or source.path.stem
+    name = engine_cfg.model.served_name or engine_cfg.model.name or source.path.stem
     if name == "custom":
         name = source.path.stem if source.is_gguf else source.path.name
     shape = ModelShape.from_hf_config(source.hf_config, name=name)
-    dtype = engine_dtype(cfg)
+    dtype = engine_dtype(engine_cfg)
     attention = core.backend_info.attention
     log(f"engine: {name} ({shape.num_params / 1e6:.0f} M params, {dtype}, "
         f"{torch.get_num_threads()} threads), loaded in {load_s:.1f} s")
 
     max_len = core.model_facts.max_model_len
-    block = cfg.kv_cache.block_size
-    max_seqs = cfg.scheduler.max_num_seqs
-    drv = _Driver(core, shape.vocab_size, cfg.bench.temperature, cfg.seed)
+    block = engine_cfg.kv_cache.block_size
+    max_seqs = engine_cfg.scheduler.max_num_seqs
+    drv = _Driver(core, shape.vocab_size, cfg.bench.temperature, engine_cfg.seed)
     core.add_step_observer(drv.recorder)
     t0 = time.perf_counter()
     skipped: list[str] = []
