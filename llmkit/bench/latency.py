@@ -21,7 +21,8 @@ __all__ = ["format_latency", "run_latency"]
 
 def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                 llm: Any = None) -> dict[str, Any]:
-    from llmkit import LLM, SamplingParams
+    from llmkit.engine.llm import LLM
+    from llmkit.sampling.params import SamplingParams
     from llmkit.bench.results import make_result
     from llmkit.engine.step_trace import StepTrace
 

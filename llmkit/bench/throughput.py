@@ -32,7 +32,8 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                    llm: Any = None) -> dict[str, Any]:
     """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
-    from llmkit import LLM, SamplingParams
+    from llmkit.engine.llm import LLM
+    from llmkit.sampling.params import SamplingParams
     from llmkit.bench.results import make_result
 
     b = cfg.bench

@@ -6,9 +6,9 @@ import os
 import torch
 
 from llmkit.compilation.base import StepGraphs
+from llmkit.config.paths import cache_dir
 from llmkit.config.schema import CompilationConfig
 from llmkit.kernels.cpu_native import cpu_flags
-from llmkit.models.default_model import cache_dir
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps

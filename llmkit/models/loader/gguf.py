@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 import torch
 
-from llmkit.models.default_model import cache_dir
+from llmkit.config.paths import cache_dir
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
