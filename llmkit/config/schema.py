@@ -387,10 +387,6 @@ class SimToolConfig(BenchToolConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
 
 
-#: The top-level sections of the composed document that belong to tools, not to the engine.
-TOOL_SECTIONS = ("bench", "slo", "hardware", "sim")
-
-
 class ComposedConfig(EngineConfig):
     """What ``conf/config.yaml`` composes to: the engine's sections and every tool's. Used to
     validate a composition (every key, whichever command runs) and to name keys in errors;
@@ -411,3 +407,7 @@ class ComposedConfig(EngineConfig):
     def tool_config(self, tool: type[BenchToolConfig]) -> BenchToolConfig:
         sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
         return tool(engine=self.engine_config(), **sections)
+
+
+#: The top-level sections of the composed document that belong to tools, not to the engine.
+TOOL_SECTIONS = tuple(n for n in ComposedConfig.model_fields if n not in EngineConfig.model_fields)
