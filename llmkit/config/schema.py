@@ -1,4 +1,11 @@
-"""Typed configs, one per component kind, and the engine config that holds them all.
+"""Typed configs, one per component kind; the engine config that holds the engine's; the tools'
+configs (``bench``, ``sim``) that hold an engine config beside their own sections.
+
+``conf/config.yaml`` composes one document with the engine's sections and the tools' (``bench``,
+``slo``, ``hardware``, ``sim``) at the top level, so every key is typed the same way for every
+command (``scheduler.max_num_seqs=8``, ``bench.rate=4``). ``ComposedConfig`` validates that
+document; the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
+``SimToolConfig``.
 
 Every model forbids unknown keys, so a typo fails at start-up with the dotted key. Implementation
 names are checked against the component's registry by the composer (`compose.py`), which knows
@@ -397,12 +404,7 @@ class EngineConfig(_Strict):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
-    bench: BenchConfig = Field(default_factory=BenchConfig)
-    slo: SloConfig = Field(default_factory=SloConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
-    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
-    hardware: HardwareConfig | None = None
-    sim: SimConfig = Field(default_factory=SimConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None
@@ -417,3 +419,56 @@ class EngineConfig(_Strict):
                 f"model.max_model_len ({self.model.max_model_len}) when "
                 "scheduler.enable_chunked_prefill is false, or long prompts could never run")
         return self
+
+
+class BenchToolConfig(_Strict):
+    """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
+    takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
+
+    engine: EngineConfig
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+    def flat_dump(self, **kwargs) -> dict:
+        """The config as ``llmkit config`` and result files show it: the engine's sections
+        and the tool's side by side, keyed as on the command line (``model_dump`` kwargs)."""
+        data = self.engine.model_dump(**kwargs)
+        for name in type(self).model_fields:
+            if name != "engine":
+                value = getattr(self, name)
+                data[name] = value.model_dump(**kwargs) if value is not None else None
+        return data
+
+
+class SimToolConfig(BenchToolConfig):
+    """``llmkit sim``: a ``bench serve`` workload (``bench``, ``slo``) replayed through the
+    engine's scheduler and KV cache on a modelled accelerator (group ``hardware``)."""
+
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+
+class ComposedConfig(EngineConfig):
+    """What ``conf/config.yaml`` composes to: the engine's sections and every tool's. Used to
+    validate a composition (every key, whichever command runs) and to name keys in errors;
+    nothing past the composer receives it."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's part (already validated: no second validation)."""
+        fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
+        return EngineConfig.model_construct(
+            _fields_set=self.model_fields_set & set(fields), **fields)
+
+    def tool_config(self, tool: type[BenchToolConfig]) -> BenchToolConfig:
+        sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
+        return tool(engine=self.engine_config(), **sections)
+
+
+#: The top-level sections of the composed document that belong to tools, not to the engine.
+TOOL_SECTIONS = tuple(n for n in ComposedConfig.model_fields if n not in EngineConfig.model_fields)

@@ -119,36 +119,56 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
     return args
 
 
-def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
+def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
+                tool: type | None = None):
     """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
-    component name is registered (``llmkit.engine.components.validate_components``)."""
-    from llmkit.config.compose import build_config
+    component name is registered (``llmkit.engine.components.validate_components``). ``tool``
+    (``BenchToolConfig``, ``SimToolConfig``): that tool's config, the engine's inside."""
+    from llmkit.config.compose import build_config, build_tool_config
 
     from llmkit.engine.components import validate_components
     from llmkit.startup import startup_step
 
+    overrides = args.overrides if overrides is None else overrides
     with startup_step("reading the configuration"):
-        cfg = build_config(args.model,
-                           overrides=args.overrides if overrides is None else overrides)
+        if tool is not None:
+            cfg = build_tool_config(tool, args.model, overrides=overrides)
+            validate_components(cfg.engine)
+            return cfg
+        cfg = build_config(args.model, overrides=overrides)
         validate_components(cfg)
     return cfg
 
 
+def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
+    """The tools' sections (bench, slo, hardware, sim) that ``overrides`` set."""
+    from llmkit.config.schema import TOOL_SECTIONS
+
+    named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]
+             for o in overrides}
+    return [s for s in TOOL_SECTIONS if s in named]
+
+
 def _cmd_config(args: CliArgs) -> int:
+    """The engine's config; with the tools' sections that the command line sets (``llmkit
+    config hardware=h100-sxm`` shows the hardware profile too)."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
+    from llmkit.config.schema import SimToolConfig
 
     runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
     texts = []
     for overrides in runs:
-        cfg = load_config(args, overrides)
-        # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
-        # runs here: shown only when asked for (hardware=NAME, hardware.x=...).
-        asked = any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "hardware"
-                    for o in overrides)
-        text = config_to_yaml(cfg, exclude=() if asked else ("hardware",))
-        if not asked and cfg.hardware is not None:
-            text += (f"# hardware ({cfg.hardware.name}): what `llmkit sim` models; "
-                     "`llmkit config hardware=NAME` shows it\n")
+        sections = _tool_sections_named(overrides)
+        tool_cfg = load_config(args, overrides, tool=SimToolConfig)
+        if sections:
+            text = config_to_yaml(tool_cfg, tool_sections=sections)
+        else:
+            # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
+            # runs here: shown only when asked for, named in a closing hint.
+            text = config_to_yaml(tool_cfg.engine)
+            if tool_cfg.hardware is not None:
+                text += (f"# hardware ({tool_cfg.hardware.name}): what `llmkit sim` models; "
+                         "`llmkit config hardware=NAME` shows it\n")
         if args.multirun:
             text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
         texts.append(text)
