@@ -8,6 +8,9 @@
 #include "decoder_layer.h"
 #include "linear.h"
 #include "norm.h"
+#include "quant_activation.h"
+#include "quant_linear.h"
+#include "quant_repack.h"
 #include "rotary.h"
 
 TORCH_LIBRARY(llmkit_cpu, m) {
@@ -26,6 +29,15 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor? down_bias, float eps, Tensor cos_sin, Tensor(b!) kv_cache, "
         "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, int num_heads, "
         "int num_kv_heads, float scale) -> Tensor");
+  // Quantized weights (quant_*.h): repack GGUF blocks / int8 / fp8 rows into the packed x8
+  // layout, read it back as floats, and multiply with it.
+  m.def("quant_repack(Tensor raw, str format, int in_features) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, str format, int out_features, int in_features, "
+        "Tensor? scales=None, Tensor? rows=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, str format, int out_features, "
+        "Tensor? scales=None, Tensor? bias=None, bool float_activations=False, "
+        "bool portable=False) -> Tensor");
+  m.def("quantize_activations_q8(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
@@ -37,4 +49,8 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
   m.impl("llama_decode_layer", &llmkit_cpu::llama_decode_layer);
+  m.impl("quant_repack", &llmkit_cpu::quant::quant_repack);
+  m.impl("quant_dequantize", &llmkit_cpu::quant::quant_dequantize);
+  m.impl("quant_linear", &llmkit_cpu::quant::quant_linear);
+  m.impl("quantize_activations_q8", &llmkit_cpu::quant::quantize_activations_q8);
 }

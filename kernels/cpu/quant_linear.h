@@ -1,0 +1,505 @@
+// y = x W^T (+ b) with W kept in a packed quantized layout (quant_blocks.h), for any number of
+// rows: one kernel serves decoding (1-8 rows: a GEMV that streams the packed weight once) and
+// prefill (a GEMM: each eight-row weight group, a few KiB, stays in L1 while every row of a
+// chunk of activations passes over it).
+//
+// Integer formats (q4_0, q4_1, q4_k, q6_k, q8_0, int8) take the activations quantized to eight
+// bits per 32-input block (quant_activation.h) and multiply them with the weights' integers by
+// AVX2's u8 x s8 -> i16 pair products (maddubs) and i16 -> i32 pair sums (madd); a block's
+// integer sum is then scaled in float32 once per block for all eight rows at once. The 4-bit
+// formats are centred on 8 in the integer sum (sum (q - 8) * qx) and their offset -- Q4_1's
+// minimum plus 8 d, Q4_K's 8 d sc - dmin m -- multiplies the block's float sum of the
+// unquantized activations, so that part carries no activation rounding and the part that does
+// has half the weight magnitude llama.cpp's unsigned sums give it. fp8 takes float32
+// activations (the weights widen to float32 through fp16, exactly). Q4_0/Q4_1 can also take
+// float32 activations (``float_activations``) to compare exactness and speed.
+//
+// Per output the float32 work is one fixed chain of FMAs over the blocks, the same in the AVX2
+// and the portable code (``portable``), so both give the same bits.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "linear.h"
+#include "quant_activation.h"
+#include "quant_blocks.h"
+#include "quant_repack.h"
+#include "vec.h"
+
+namespace llmkit_cpu::quant {
+
+constexpr int kMaxTileRows = 4;     // activation rows per micro-tile
+constexpr int64_t kRowChunk = 64;   // activation rows that pass over a weight group together
+
+// The activation rows of one micro-tile.
+struct TileRows {
+  const int8_t* q[kMaxTileRows];
+  const ActBlock* meta[kMaxTileRows];
+  const float* xf[kMaxTileRows];
+};
+
+// Prefetch a packed block's bytes kPrefetchBytes ahead, while below ``end`` (nullptr: none).
+inline void prefetch_block(const uint8_t* p, int64_t bytes, const char* end) {
+  if (end == nullptr) return;
+  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t off = 0; off < bytes && ahead + off < end; off += 64)
+    __builtin_prefetch(ahead + off);
+}
+
+// ---- portable kernels: the same integer sums and the same float32 FMA chain, per lane ----
+namespace portable {
+
+inline int q4_isum(const uint8_t (*qs)[kRows][4], int64_t r, const int8_t* xq, const ActBlock& m) {
+  int s = 0;
+  for (int i = 0; i < 32; ++i) s += detail::get_nibble(qs, r, i) * xq[i];
+  return s - 8 * (m.b0 + m.b1);
+}
+
+inline int q8_isum(const int8_t (*qs)[kRows][4], int64_t r, const int8_t* xq) {
+  int s = 0;
+  for (int i = 0; i < 32; ++i) s += qs[i / 4][r][i % 4] * xq[i];
+  return s;
+}
+
+// A 4-bit block with float activations: sum of (q - 8) * x over inputs in the AVX2 code's order
+// (for each quad j: inputs 4j..4j+3, then 16+4j..16+4j+3).
+inline float q4_fsum(const uint8_t (*qs)[kRows][4], int64_t r, const float* x) {
+  float a = 0.f;
+  for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 4; ++t) {
+        const int i = 16 * h + 4 * j + t;
+        a = std::fma(static_cast<float>(detail::get_nibble(qs, r, i) - 8), x[i], a);
+      }
+  return a;
+}
+
+template <Format F, bool kFloatAct>
+void tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows, float (*res)[kRows]) {
+  for (int i = 0; i < mr; ++i) {
+    for (int64_t r = 0; r < kRows; ++r) {
+      float acc = 0.f;
+      for (int64_t blk = 0; blk < nbk; ++blk) {
+        const uint8_t* p = group + blk * format_info(F).group_bytes;
+        if constexpr (F == Format::Q4_0 || F == Format::Q4_1) {
+          using B = std::conditional_t<F == Format::Q4_0, Q4_0x8, Q4_1x8>;
+          const auto* b = reinterpret_cast<const B*>(p);
+          const ActBlock& m = rows.meta[i][blk];
+          const float dw = half_to_float(b->d[r]);
+          float c = 0.f;
+          if constexpr (F == Format::Q4_1) c = half_to_float(reinterpret_cast<const Q4_1x8*>(p)->m[r]) + 8.f * dw;
+          if constexpr (kFloatAct) {
+            acc = std::fma(dw, q4_fsum(b->qs, r, rows.xf[i] + blk * kBlock), acc);
+          } else {
+            const float t = m.d * static_cast<float>(q4_isum(b->qs, r, rows.q[i] + blk * kBlock, m));
+            acc = std::fma(dw, t, acc);
+          }
+          if constexpr (F == Format::Q4_1) acc = std::fma(c, m.s, acc);
+        } else if constexpr (F == Format::Q4_K) {
+          const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
+          const float d = half_to_float(b->d[r]), dmin = half_to_float(b->dmin[r]);
+          for (int s = 0; s < 8; ++s) {
+            const ActBlock& m = rows.meta[i][blk * 8 + s];
+            const float dw = d * static_cast<float>(b->sc[s][r]);
+            const float mn = dmin * static_cast<float>(b->m[s][r]);
+            const float c = 8.f * dw - mn;
+            const float t =
+                m.d * static_cast<float>(q4_isum(b->qs[s], r, rows.q[i] + (blk * 8 + s) * kBlock, m));
+            acc = std::fma(dw, t, acc);
+            acc = std::fma(c, m.s, acc);
+          }
+        } else if constexpr (F == Format::Q8_0) {
+          const auto* b = reinterpret_cast<const Q8_0x8*>(p);
+          const float t = rows.meta[i][blk].d *
+                          static_cast<float>(q8_isum(b->qs, r, rows.q[i] + blk * kBlock));
+          acc = std::fma(half_to_float(b->d[r]), t, acc);
+        } else if constexpr (F == Format::INT8) {
+          const auto* b = reinterpret_cast<const I8x8*>(p);
+          acc = std::fma(rows.meta[i][blk].d,
+                         static_cast<float>(q8_isum(b->qs, r, rows.q[i] + blk * kBlock)), acc);
+        } else if constexpr (F == Format::Q6_K) {
+          const auto* b = reinterpret_cast<const Q6_Kx8*>(p);
+          const float d = half_to_float(b->d[r]);
+          for (int s = 0; s < 8; ++s) {
+            const int8_t* xq = rows.q[i] + (blk * 8 + s) * kBlock;
+            int isum = 0;
+            for (int e = 0; e < 32; ++e) {
+              const int h = e / 16, u = (e % 16) / 4, t = e % 4;
+              const int q = detail::get_nibble(b->ql[s], r, e) |
+                            (((b->qh[s][h][r][t] >> (2 * u)) & 3) << 4);
+              isum += b->sc[s][r][h] * (q - 32) * xq[e];
+            }
+            const float t = rows.meta[i][blk * 8 + s].d * static_cast<float>(isum);
+            acc = std::fma(d, t, acc);
+          }
+        } else if constexpr (F == Format::FP8) {
+          const auto* b = reinterpret_cast<const F8x8*>(p);
+          const float* x = rows.xf[i] + blk * kBlock;
+          for (int e = 0; e < 32; ++e)
+            acc = std::fma(half_to_float(e4m3_to_half_bits_scaled(b->qs[e][r])), x[e], acc);
+        }
+      }
+      res[i][r] = acc;
+    }
+  }
+}
+
+}  // namespace portable
+
+#if defined(CPU_CAPABILITY_AVX2)
+namespace avx2 {
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 u8x8_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Eight rows' centred integer sums of one 4-bit block (Q4_0 order) for MR activation rows:
+// isum[i] lane r = sum over the block's 32 inputs of (q - 8) * qx.
+template <int MR>
+inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i s16[MR];
+  for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i lo = _mm256_and_si256(raw, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    for (int i = 0; i < MR; ++i) {
+      // u4 x s8 pairs stay within +-3810; eight of them within int16.
+      const int8_t* xq = rows.q[i] + blk * kBlock;
+      s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+      s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MR; ++i) {
+    const ActBlock& m = rows.meta[i][blk];
+    isum[i] = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), _mm256_set1_epi32(8 * (m.b0 + m.b1)));
+  }
+}
+
+// Float activations: lane r = sum of (q - 8) * x over the block, in portable::q4_fsum's order.
+template <int MR>
+inline void q4_fsums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256* fsum) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
+  const __m256i eight = _mm256_set1_epi32(8);
+  for (int i = 0; i < MR; ++i) fsum[i] = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i half[2] = {_mm256_and_si256(raw, mask),
+                             _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 4; ++t) {
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+            _mm256_and_si256(_mm256_srli_epi32(half[h], 8 * t), byte), eight));
+        for (int i = 0; i < MR; ++i)
+          fsum[i] = _mm256_fmadd_ps(
+              w, _mm256_broadcast_ss(rows.xf[i] + blk * kBlock + 16 * h + 4 * j + t), fsum[i]);
+      }
+  }
+}
+
+// Signed int8 weights (eight rows x 32 inputs, quad-major) times int8 activations.
+template <int MR>
+inline void q8_isums(const int8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (as unsigned: -128 -> 128)
+    for (int i = 0; i < MR; ++i) {
+      const __m256i sx = _mm256_sign_epi8(bcast4(rows.q[i] + blk * kBlock + 4 * j), w);
+      isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+    }
+  }
+}
+
+// Q6_K, one 32-input block (two 16-input sub-blocks): lane r = sum of sc * (q - 32) * qx.
+template <int MR>
+inline void q6_isums(const Q6_Kx8* b, int s, const TileRows& rows, int64_t blk, __m256i* isum) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+  const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->sc[s])));
+  const __m256i sca = _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                                 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+  const __m256i scb = _mm256_shuffle_epi8(pair, _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                                                 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
+  const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][0]));
+  const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][1]));
+  for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql[s][j]));
+    // The high bits of quad j (bits 2j, 2j+1 of each byte) moved to bits 4, 5.
+    __m256i ha, hb;
+    switch (j) {
+      case 0: ha = _mm256_slli_epi16(h0, 4); hb = _mm256_slli_epi16(h1, 4); break;
+      case 1: ha = _mm256_slli_epi16(h0, 2); hb = _mm256_slli_epi16(h1, 2); break;
+      case 2: ha = h0; hb = h1; break;
+      default: ha = _mm256_srli_epi16(h0, 2); hb = _mm256_srli_epi16(h1, 2); break;
+    }
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, mask), _mm256_and_si256(ha, high));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                                       _mm256_and_si256(hb, high));
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = rows.q[i] + blk * kBlock;
+      // u6 x s8 pairs stay within +-16002, so each product pair is scaled straight away.
+      isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)), sca));
+      isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)), scb));
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const ActBlock& m = rows.meta[i][blk];
+    const int32_t sums = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(m.b1)) << 16) |
+                                              static_cast<uint16_t>(m.b0));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(pair, _mm256_set1_epi32(sums)), 5);
+    isum[i] = _mm256_sub_epi32(isum[i], offset);
+  }
+}
+
+// acc[i] = fma(dw, d_x * isum[i], acc[i])
+template <int MR>
+inline void scale_add(const __m256i* isum, __m256 dw, const TileRows& rows, int64_t blk, __m256* acc) {
+  for (int i = 0; i < MR; ++i) {
+    const __m256 t = _mm256_mul_ps(_mm256_set1_ps(rows.meta[i][blk].d), _mm256_cvtepi32_ps(isum[i]));
+    acc[i] = _mm256_fmadd_ps(dw, t, acc[i]);
+  }
+}
+template <int MR>
+inline void offset_add(__m256 c, const TileRows& rows, int64_t blk, __m256* acc) {
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(rows.meta[i][blk].s), acc[i]);
+}
+
+template <Format F, bool kFloatAct, int MR>
+void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[kRows],
+          const char* prefetch_end) {
+  constexpr int64_t bytes = sizeof(std::conditional_t<
+      F == Format::Q4_0, Q4_0x8, std::conditional_t<F == Format::Q4_1, Q4_1x8,
+      std::conditional_t<F == Format::Q8_0, Q8_0x8, std::conditional_t<F == Format::Q4_K, Q4_Kx8,
+      std::conditional_t<F == Format::Q6_K, Q6_Kx8, std::conditional_t<F == Format::INT8, I8x8, F8x8>>>>>>);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  __m256i isum[MR];
+  for (int64_t blk = 0; blk < nbk; ++blk) {
+    const uint8_t* p = group + blk * bytes;
+    prefetch_block(p, bytes, prefetch_end);
+    if constexpr (F == Format::Q4_0 || F == Format::Q4_1) {
+      using B = std::conditional_t<F == Format::Q4_0, Q4_0x8, Q4_1x8>;
+      const auto* b = reinterpret_cast<const B*>(p);
+      const __m256 dw = half8(b->d);
+      if constexpr (kFloatAct) {
+        __m256 fsum[MR];
+        q4_fsums<MR>(&b->qs[0][0][0], rows, blk, fsum);
+        for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(dw, fsum[i], acc[i]);
+      } else {
+        q4_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
+        scale_add<MR>(isum, dw, rows, blk, acc);
+      }
+      if constexpr (F == Format::Q4_1) {
+        const __m256 c = _mm256_fmadd_ps(_mm256_set1_ps(8.f), dw,
+                                         half8(reinterpret_cast<const Q4_1x8*>(p)->m));
+        offset_add<MR>(c, rows, blk, acc);
+      }
+    } else if constexpr (F == Format::Q4_K) {
+      const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
+      const __m256 d = half8(b->d), dmin = half8(b->dmin);
+      for (int s = 0; s < 8; ++s) {
+        const __m256 dw = _mm256_mul_ps(d, u8x8_to_float(b->sc[s]));
+        const __m256 mn = _mm256_mul_ps(dmin, u8x8_to_float(b->m[s]));
+        const __m256 c = _mm256_fmsub_ps(_mm256_set1_ps(8.f), dw, mn);
+        q4_isums<MR>(&b->qs[s][0][0][0], rows, blk * 8 + s, isum);
+        scale_add<MR>(isum, dw, rows, blk * 8 + s, acc);
+        offset_add<MR>(c, rows, blk * 8 + s, acc);
+      }
+    } else if constexpr (F == Format::Q8_0) {
+      const auto* b = reinterpret_cast<const Q8_0x8*>(p);
+      q8_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
+      scale_add<MR>(isum, half8(b->d), rows, blk, acc);
+    } else if constexpr (F == Format::INT8) {
+      const auto* b = reinterpret_cast<const I8x8*>(p);
+      q8_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
+      for (int i = 0; i < MR; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(rows.meta[i][blk].d), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+    } else if constexpr (F == Format::Q6_K) {
+      const auto* b = reinterpret_cast<const Q6_Kx8*>(p);
+      const __m256 d = half8(b->d);
+      for (int s = 0; s < 8; ++s) {
+        q6_isums<MR>(b, s, rows, blk * 8 + s, isum);
+        scale_add<MR>(isum, d, rows, blk * 8 + s, acc);
+      }
+    } else if constexpr (F == Format::FP8) {
+      const auto* b = reinterpret_cast<const F8x8*>(p);
+      const __m256i sign = _mm256_set1_epi16(0x4000);
+      for (int e = 0; e < 32; e += 2) {
+        const __m256i t = _mm256_slli_epi16(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs[e]))), 7);
+        const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, sign));
+        const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        const __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        for (int i = 0; i < MR; ++i) {
+          const float* x = rows.xf[i] + blk * kBlock + e;
+          acc[i] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x), acc[i]);
+          acc[i] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + 1), acc[i]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(res[i], acc[i]);
+}
+
+}  // namespace avx2
+#endif
+
+template <Format F, bool kFloatAct>
+void run_tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows,
+              float (*res)[kRows], const char* prefetch_end, bool use_portable) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (!use_portable) {
+    switch (mr) {
+      case 1: return avx2::tile<F, kFloatAct, 1>(group, nbk, rows, res, prefetch_end);
+      case 2: return avx2::tile<F, kFloatAct, 2>(group, nbk, rows, res, prefetch_end);
+      case 3: return avx2::tile<F, kFloatAct, 3>(group, nbk, rows, res, prefetch_end);
+      default: return avx2::tile<F, kFloatAct, 4>(group, nbk, rows, res, prefetch_end);
+    }
+  }
+#endif
+  (void)prefetch_end;
+  portable::tile<F, kFloatAct>(group, nbk, mr, rows, res);
+}
+
+template <Format F, bool kFloatAct, typename T>
+void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int64_t n_out,
+                       const float* scales, const T* bias, T* out, bool use_portable) {
+  const FormatInfo& info = format_info(F);
+  const int64_t nbk = a.kp / info.block_k;
+  const int64_t group_stride = nbk * info.group_bytes;
+  const int64_t groups = div_up(n_out, kRows);
+  const int64_t rows = a.rows;
+  // Threads split the weight into contiguous runs of groups; each streams its own.
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(group_stride, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    const char* prefetch_end = reinterpret_cast<const char*>(packed + end * group_stride);
+    float res[kMaxTileRows][kRows];
+    for (int64_t mc = 0; mc < rows; mc += kRowChunk) {
+      const int64_t mc_end = std::min(rows, mc + kRowChunk);
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = packed + g * group_stride;
+        const int64_t o = g * kRows, n = std::min<int64_t>(kRows, n_out - o);
+        float rs[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          rs[r] = 1.f;
+          if (scales != nullptr && r < n) rs[r] = scales[o + r];
+          if (F == Format::FP8) rs[r] *= kFp8HalfScale;
+        }
+        for (int64_t i0 = mc; i0 < mc_end; i0 += kMaxTileRows) {
+          const int mr = static_cast<int>(std::min<int64_t>(kMaxTileRows, mc_end - i0));
+          TileRows tr;
+          for (int i = 0; i < mr; ++i) {
+            tr.q[i] = a.q_row(i0 + i);
+            tr.meta[i] = a.meta_row(i0 + i);
+            tr.xf[i] = a.xf_row(i0 + i);
+          }
+          run_tile<F, kFloatAct>(group, nbk, mr, tr, res, i0 == 0 ? prefetch_end : nullptr,
+                                 use_portable);
+          for (int i = 0; i < mr; ++i) {
+            T* y = out + (i0 + i) * n_out + o;
+            for (int64_t r = 0; r < n; ++r) {
+              float v = res[i][r];
+              if (scales != nullptr) v *= rs[r];
+              if (bias != nullptr) v += static_cast<float>(bias[o + r]);
+              y[r] = static_cast<T>(v);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_format(Format f, bool float_activations, const QuantizedActivations& a,
+                     const uint8_t* packed, int64_t n_out, const float* scales, const T* bias,
+                     T* out, bool use_portable) {
+  switch (f) {
+    case Format::Q4_0:
+      if (float_activations)
+        return quant_linear_impl<Format::Q4_0, true>(a, packed, n_out, scales, bias, out, use_portable);
+      return quant_linear_impl<Format::Q4_0, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::Q4_1:
+      if (float_activations)
+        return quant_linear_impl<Format::Q4_1, true>(a, packed, n_out, scales, bias, out, use_portable);
+      return quant_linear_impl<Format::Q4_1, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::Q8_0:
+      return quant_linear_impl<Format::Q8_0, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::Q4_K:
+      return quant_linear_impl<Format::Q4_K, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::Q6_K:
+      return quant_linear_impl<Format::Q6_K, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::INT8:
+      return quant_linear_impl<Format::INT8, false>(a, packed, n_out, scales, bias, out, use_portable);
+    case Format::FP8:
+      return quant_linear_impl<Format::FP8, false>(a, packed, n_out, scales, bias, out, use_portable);
+  }
+}
+
+// x [rows, k] float32/bfloat16 (contiguous rows); packed from quant_repack(format) of an
+// [out_features, k] weight; scales float32 [out_features] for int8/fp8; bias [out_features]
+// of x's dtype. Returns [rows, out_features] in x's dtype.
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const std::string& format, int64_t out_features,
+                               const std::optional<at::Tensor>& scales,
+                               const std::optional<at::Tensor>& bias, bool float_activations,
+                               bool use_portable) {
+  const Format f = parse_format(format);
+  const FormatInfo& info = format_info(f);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear: x must be [rows, in_features] with contiguous rows");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(info.row_scales || k % info.block_k == 0, "quant_linear: ", info.name,
+              " needs in_features a multiple of ", info.block_k, ", got ", k);
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == packed_bytes(f, out_features, k),
+              "quant_linear: packed must be quant_repack's result for a [", out_features, ", ", k,
+              "] ", info.name, " weight (", packed_bytes(f, out_features, k), " bytes), got ",
+              packed.numel(), " bytes");
+  const float* sp = nullptr;
+  if (info.row_scales) {
+    TORCH_CHECK(scales.has_value() && scales->defined() && scales->is_contiguous() &&
+                    scales->scalar_type() == at::kFloat && scales->numel() == out_features,
+                "quant_linear: ", info.name, " needs float32 scales [", out_features, "]");
+    sp = scales->const_data_ptr<float>();
+  }
+  TORCH_CHECK(!float_activations || f == Format::Q4_0 || f == Format::Q4_1,
+              "quant_linear: float_activations is implemented for q4_0 and q4_1 only");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features &&
+                    bias->scalar_type() == x.scalar_type(),
+                "quant_linear: bias must be [out_features] of x's dtype");
+  QuantizedActivations a;
+  quantize_activations(x, padded_k(f, k), use_portable, a);
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "quant_linear", [&] {
+    const scalar_t* bp = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const uint8_t* pp = packed.const_data_ptr<uint8_t>();
+    dispatch_format(f, float_activations, a, pp, out_features, sp, bp, op, use_portable);
+  });
+  return out;
+}
+
+}  // namespace llmkit_cpu::quant
