@@ -303,6 +303,20 @@ class SimConfig(_Strict):
     calibrate_trace: str | None = None
 
 
+class EvalConfig(_Strict):
+    """``llmkit eval ppl`` (``llmkit/eval/perplexity.py``)."""
+
+    # null = the public-domain text shipped in llmkit/eval/texts/
+    text_file: str | None = None
+    # tokens per window (request)
+    window: int = Field(default=512, ge=2)
+    # sliding: a window starts every `stride` tokens (null = window / 2); llamacpp: must be null
+    stride: int | None = Field(default=None, ge=1)
+    # sliding: Hugging Face's strided perplexity; llamacpp: what llama-perplexity computes
+    # (non-overlapping windows, the second half of each scored)
+    mode: Literal["sliding", "llamacpp"] = "sliding"
+
+
 class EngineConfig(_Strict):
     model: ModelConfig
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -319,6 +333,7 @@ class EngineConfig(_Strict):
     # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
     hardware: HardwareConfig | None = None
     sim: SimConfig = Field(default_factory=SimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None
