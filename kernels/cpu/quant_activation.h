@@ -22,10 +22,11 @@
 namespace llmkit_cpu::quant {
 
 struct ActBlock {
-  float d;     // the block's scale: amax / 127
-  float s;     // the float32 sum of its inputs (in the order of block_sum)
-  int16_t b0;  // sum of q over inputs 0..15
-  int16_t b1;  // and 16..31
+  float d;       // the block's scale: amax / 127
+  float s;       // the float32 sum of its inputs (in the order of block_sum)
+  int16_t b0;    // sum of q over inputs 0..15
+  int16_t b1;    // and 16..31
+  int32_t sum8;  // 8 * (b0 + b1): what the 4-bit formats' centring subtracts
 };
 
 // The sum of 32 floats in one fixed order (the AVX2 code's): l = (v[l] + v[8+l]) +
@@ -49,6 +50,7 @@ inline void quantize_block_portable(const float* v, int8_t* q, ActBlock* m) {
   m->s = block_sum(v);
   m->b0 = static_cast<int16_t>(b0);
   m->b1 = static_cast<int16_t>(b1);
+  m->sum8 = 8 * (b0 + b1);
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -90,6 +92,7 @@ inline void quantize_block_avx2(const float* v, int8_t* q, ActBlock* m) {
   }
   m->b0 = static_cast<int16_t>(hsum_epi32x8(_mm256_add_epi32(qi[0], qi[1])));
   m->b1 = static_cast<int16_t>(hsum_epi32x8(_mm256_add_epi32(qi[2], qi[3])));
+  m->sum8 = 8 * (m->b0 + m->b1);
   // int32 -> int8 in input order (the packs work within 128-bit halves).
   const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
   const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);

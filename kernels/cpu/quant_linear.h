@@ -26,12 +26,20 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "linear.h"
 #include "quant_activation.h"
 #include "quant_blocks.h"
 #include "quant_repack.h"
 #include "vec.h"
+
+// Fixed-count loops over a tile's rows are unrolled before GCC decides where the arrays of
+// accumulators live: otherwise it keeps them in registers *and* stores them every iteration.
+#define LLMKIT_UNROLL _Pragma("GCC unroll 16")
+// An empty asm that "changes" v: integer adds are associative to GCC, which otherwise turns a
+// row's chain of sums into a tree and computes all 32 products of a tile first (spilling them).
+#define LLMKIT_KEEP(v) asm("" : "+x"(v))
 
 namespace llmkit_cpu::quant {
 
@@ -59,7 +67,7 @@ namespace portable {
 inline int q4_isum(const uint8_t (*qs)[kRows][4], int64_t r, const int8_t* xq, const ActBlock& m) {
   int s = 0;
   for (int i = 0; i < 32; ++i) s += detail::get_nibble(qs, r, i) * xq[i];
-  return s - 8 * (m.b0 + m.b1);
+  return s - m.sum8;
 }
 
 inline int q8_isum(const int8_t (*qs)[kRows][4], int64_t r, const int8_t* xq) {
@@ -174,22 +182,23 @@ template <int MR>
 inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i s16[MR];
-  for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
+  LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
     const __m256i lo = _mm256_and_si256(raw, mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    for (int i = 0; i < MR; ++i) {
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
       // u4 x s8 pairs stay within +-3810; eight of them within int16.
       const int8_t* xq = rows.q[i] + blk * kBlock;
       s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
       s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+      LLMKIT_KEEP(s16[i]);
     }
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int i = 0; i < MR; ++i) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
     const ActBlock& m = rows.meta[i][blk];
-    isum[i] = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), _mm256_set1_epi32(8 * (m.b0 + m.b1)));
+    isum[i] = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), _mm256_set1_epi32(m.sum8));
   }
 }
 
@@ -198,16 +207,16 @@ template <int MR>
 inline void q4_fsums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256* fsum) {
   const __m256i mask = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
   const __m256i eight = _mm256_set1_epi32(8);
-  for (int i = 0; i < MR; ++i) fsum[i] = _mm256_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) fsum[i] = _mm256_setzero_ps();
+  LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
     const __m256i half[2] = {_mm256_and_si256(raw, mask),
                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 4; ++t) {
+    LLMKIT_UNROLL for (int h = 0; h < 2; ++h)
+      LLMKIT_UNROLL for (int t = 0; t < 4; ++t) {
         const __m256 w = _mm256_cvtepi32_ps(_mm256_sub_epi32(
             _mm256_and_si256(_mm256_srli_epi32(half[h], 8 * t), byte), eight));
-        for (int i = 0; i < MR; ++i)
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i)
           fsum[i] = _mm256_fmadd_ps(
               w, _mm256_broadcast_ss(rows.xf[i] + blk * kBlock + 16 * h + 4 * j + t), fsum[i]);
       }
@@ -218,13 +227,14 @@ inline void q4_fsums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m25
 template <int MR>
 inline void q8_isums(const int8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
     const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (as unsigned: -128 -> 128)
-    for (int i = 0; i < MR; ++i) {
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
       const __m256i sx = _mm256_sign_epi8(bcast4(rows.q[i] + blk * kBlock + 4 * j), w);
       isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+      LLMKIT_KEEP(isum[i]);
     }
   }
 }
@@ -240,8 +250,8 @@ inline void q6_isums(const Q6_Kx8* b, int s, const TileRows& rows, int64_t blk, 
                                                                  2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
   const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][0]));
   const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][1]));
-  for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+  LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql[s][j]));
     // The high bits of quad j (bits 2j, 2j+1 of each byte) moved to bits 4, 5.
     __m256i ha, hb;
@@ -254,14 +264,15 @@ inline void q6_isums(const Q6_Kx8* b, int s, const TileRows& rows, int64_t blk, 
     const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, mask), _mm256_and_si256(ha, high));
     const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
                                        _mm256_and_si256(hb, high));
-    for (int i = 0; i < MR; ++i) {
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
       const int8_t* xq = rows.q[i] + blk * kBlock;
       // u6 x s8 pairs stay within +-16002, so each product pair is scaled straight away.
       isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)), sca));
       isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)), scb));
+      LLMKIT_KEEP(isum[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
     const ActBlock& m = rows.meta[i][blk];
     const int32_t sums = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(m.b1)) << 16) |
                                               static_cast<uint16_t>(m.b0));
@@ -273,14 +284,14 @@ inline void q6_isums(const Q6_Kx8* b, int s, const TileRows& rows, int64_t blk, 
 // acc[i] = fma(dw, d_x * isum[i], acc[i])
 template <int MR>
 inline void scale_add(const __m256i* isum, __m256 dw, const TileRows& rows, int64_t blk, __m256* acc) {
-  for (int i = 0; i < MR; ++i) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
     const __m256 t = _mm256_mul_ps(_mm256_set1_ps(rows.meta[i][blk].d), _mm256_cvtepi32_ps(isum[i]));
     acc[i] = _mm256_fmadd_ps(dw, t, acc[i]);
   }
 }
 template <int MR>
 inline void offset_add(__m256 c, const TileRows& rows, int64_t blk, __m256* acc) {
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(rows.meta[i][blk].s), acc[i]);
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(rows.meta[i][blk].s), acc[i]);
 }
 
 template <Format F, bool kFloatAct, int MR>
@@ -291,7 +302,7 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
       std::conditional_t<F == Format::Q8_0, Q8_0x8, std::conditional_t<F == Format::Q4_K, Q4_Kx8,
       std::conditional_t<F == Format::Q6_K, Q6_Kx8, std::conditional_t<F == Format::INT8, I8x8, F8x8>>>>>>);
   __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   __m256i isum[MR];
   for (int64_t blk = 0; blk < nbk; ++blk) {
     const uint8_t* p = group + blk * bytes;
@@ -303,7 +314,7 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
       if constexpr (kFloatAct) {
         __m256 fsum[MR];
         q4_fsums<MR>(&b->qs[0][0][0], rows, blk, fsum);
-        for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(dw, fsum[i], acc[i]);
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(dw, fsum[i], acc[i]);
       } else {
         q4_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
         scale_add<MR>(isum, dw, rows, blk, acc);
@@ -331,7 +342,7 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
     } else if constexpr (F == Format::INT8) {
       const auto* b = reinterpret_cast<const I8x8*>(p);
       q8_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
-      for (int i = 0; i < MR; ++i)
+      LLMKIT_UNROLL for (int i = 0; i < MR; ++i)
         acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(rows.meta[i][blk].d), _mm256_cvtepi32_ps(isum[i]), acc[i]);
     } else if constexpr (F == Format::Q6_K) {
       const auto* b = reinterpret_cast<const Q6_Kx8*>(p);
@@ -349,7 +360,7 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
         const __m256i h = _mm256_add_epi16(t, _mm256_and_si256(t, sign));
         const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         const __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-        for (int i = 0; i < MR; ++i) {
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
           const float* x = rows.xf[i] + blk * kBlock + e;
           acc[i] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x), acc[i]);
           acc[i] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + 1), acc[i]);
@@ -357,7 +368,59 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
       }
     }
   }
-  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(res[i], acc[i]);
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) _mm256_storeu_ps(res[i], acc[i]);
+}
+
+// fp8 prefill: two groups' weights widened once into a float32 tile [kp][16] (exactly the
+// values the GEMV path computes), then six activation rows at a time against it: twelve
+// independent FMA chains per input, two weight loads and six broadcasts for twelve FMAs. Each
+// output's chain is the GEMV's (input by input), so the bits do not depend on the path.
+constexpr int kFloatTileRows = 6;
+
+inline void fp8_group_to_float(const uint8_t* group, int64_t nbk, float* tile, int64_t half) {
+  const __m256i sign = _mm256_set1_epi16(0x4000);
+  for (int64_t blk = 0; blk < nbk; ++blk) {
+    const auto* b = reinterpret_cast<const F8x8*>(group + blk * sizeof(F8x8));
+    float* t = tile + blk * kBlock * 2 * kRows + half * kRows;
+    for (int e = 0; e < 32; e += 2) {
+      const __m256i v = _mm256_slli_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs[e]))), 7);
+      const __m256i h = _mm256_add_epi16(v, _mm256_and_si256(v, sign));
+      _mm256_storeu_ps(t + e * 2 * kRows, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(t + (e + 1) * 2 * kRows, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+  }
+}
+
+template <int MR>
+void float_tile(const float* tile, int64_t kp, const float* const* x, float (*res)[2 * kRows]) {
+  __m256 acc0[MR], acc1[MR];
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < kp; ++c) {
+    const __m256 w0 = _mm256_loadu_ps(tile + c * 2 * kRows);
+    const __m256 w1 = _mm256_loadu_ps(tile + c * 2 * kRows + kRows);
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(x[i] + c);
+      acc0[i] = _mm256_fmadd_ps(w0, xb, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(w1, xb, acc1[i]);
+    }
+  }
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(res[i], acc0[i]);
+    _mm256_storeu_ps(res[i] + kRows, acc1[i]);
+  }
+}
+
+inline void float_tile_rows(int mr, const float* tile, int64_t kp, const float* const* x,
+                            float (*res)[2 * kRows]) {
+  switch (mr) {
+    case 1: return float_tile<1>(tile, kp, x, res);
+    case 2: return float_tile<2>(tile, kp, x, res);
+    case 3: return float_tile<3>(tile, kp, x, res);
+    case 4: return float_tile<4>(tile, kp, x, res);
+    case 5: return float_tile<5>(tile, kp, x, res);
+    default: return float_tile<6>(tile, kp, x, res);
+  }
 }
 
 }  // namespace avx2
@@ -388,22 +451,56 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
   const int64_t group_stride = nbk * info.group_bytes;
   const int64_t groups = div_up(n_out, kRows);
   const int64_t rows = a.rows;
+  bool float_tile = false;
+#if defined(CPU_CAPABILITY_AVX2)
+  float_tile = F == Format::FP8 && !use_portable && rows > 2 * kMaxTileRows;
+#endif
   // Threads split the weight into contiguous runs of groups; each streams its own.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(group_stride, 1));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     const char* prefetch_end = reinterpret_cast<const char*>(packed + end * group_stride);
     float res[kMaxTileRows][kRows];
+    // Row r of group g's results: its scale (int8, fp8) and bias, stored in T.
+    const auto emit = [&](int64_t g, int64_t row, const float* v) {
+      const int64_t o = g * kRows, n = std::min<int64_t>(kRows, n_out - o);
+      T* y = out + row * n_out + o;
+      for (int64_t r = 0; r < n; ++r) {
+        float t = v[r];
+        if (scales != nullptr) t *= F == Format::FP8 ? scales[o + r] * kFp8HalfScale : scales[o + r];
+        if (bias != nullptr) t += static_cast<float>(bias[o + r]);
+        y[r] = static_cast<T>(t);
+      }
+    };
+#if defined(CPU_CAPABILITY_AVX2)
+    if (float_tile) {
+      std::vector<float> tile(a.kp * 2 * kRows);
+      float fres[avx2::kFloatTileRows][2 * kRows];
+      for (int64_t g = begin; g < end; g += 2) {
+        const bool pair = g + 1 < end;
+        avx2::fp8_group_to_float(packed + g * group_stride, nbk, tile.data(), 0);
+        if (pair)
+          avx2::fp8_group_to_float(packed + (g + 1) * group_stride, nbk, tile.data(), 1);
+        else
+          for (int64_t c = 0; c < a.kp; ++c)
+            std::fill_n(tile.data() + c * 2 * kRows + kRows, kRows, 0.f);
+        for (int64_t i0 = 0; i0 < rows; i0 += avx2::kFloatTileRows) {
+          const int mr = static_cast<int>(std::min<int64_t>(avx2::kFloatTileRows, rows - i0));
+          const float* x[avx2::kFloatTileRows];
+          for (int i = 0; i < mr; ++i) x[i] = a.xf_row(i0 + i);
+          avx2::float_tile_rows(mr, tile.data(), a.kp, x, fres);
+          for (int i = 0; i < mr; ++i) {
+            emit(g, i0 + i, fres[i]);
+            if (pair) emit(g + 1, i0 + i, fres[i] + kRows);
+          }
+        }
+      }
+      return;
+    }
+#endif
     for (int64_t mc = 0; mc < rows; mc += kRowChunk) {
       const int64_t mc_end = std::min(rows, mc + kRowChunk);
       for (int64_t g = begin; g < end; ++g) {
         const uint8_t* group = packed + g * group_stride;
-        const int64_t o = g * kRows, n = std::min<int64_t>(kRows, n_out - o);
-        float rs[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          rs[r] = 1.f;
-          if (scales != nullptr && r < n) rs[r] = scales[o + r];
-          if (F == Format::FP8) rs[r] *= kFp8HalfScale;
-        }
         for (int64_t i0 = mc; i0 < mc_end; i0 += kMaxTileRows) {
           const int mr = static_cast<int>(std::min<int64_t>(kMaxTileRows, mc_end - i0));
           TileRows tr;
@@ -414,15 +511,7 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
           }
           run_tile<F, kFloatAct>(group, nbk, mr, tr, res, i0 == 0 ? prefetch_end : nullptr,
                                  use_portable);
-          for (int i = 0; i < mr; ++i) {
-            T* y = out + (i0 + i) * n_out + o;
-            for (int64_t r = 0; r < n; ++r) {
-              float v = res[i][r];
-              if (scales != nullptr) v *= rs[r];
-              if (bias != nullptr) v += static_cast<float>(bias[o + r]);
-              y[r] = static_cast<T>(v);
-            }
-          }
+          for (int i = 0; i < mr; ++i) emit(g, i0 + i, res[i]);
         }
       }
     }
