@@ -112,11 +112,12 @@ struct QuantizedActivations {
 
   const int8_t* q_row(int64_t i) const { return q.data() + i * kp; }
   const ActBlock* meta_row(int64_t i) const { return meta.data() + i * nb; }
-  const float* xf_row(int64_t i) const { return xf.data() + i * kp; }
+  const float* xf_row(int64_t i) const { return xf.empty() ? nullptr : xf.data() + i * kp; }
 };
 
-// x: [rows, k] float32 or bfloat16 with contiguous rows.
-inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable,
+// x: [rows, k] float32 or bfloat16 with contiguous rows. ``keep_float``: also keep the float32
+// inputs (xf) for the float-activation kernels.
+inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable, bool keep_float,
                                  QuantizedActivations& out) {
   const int64_t rows = x.size(0), k = x.size(1);
   out.rows = rows;
@@ -124,13 +125,14 @@ inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable,
   out.nb = kp / kBlock;
   out.q.resize(rows * kp);
   out.meta.resize(rows * out.nb);
-  out.xf.resize(rows * kp);
+  out.xf.resize(keep_float ? rows * kp : 0);
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "quantized linear", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const int64_t stride = x.stride(0);
     at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / kp), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(keep_float ? 0 : kp);
       for (int64_t i = begin; i < end; ++i) {
-        float* f = out.xf.data() + i * kp;
+        float* f = keep_float ? out.xf.data() + i * kp : row.data();
         for (int64_t c = 0; c < k; ++c) f[c] = static_cast<float>(xp[i * stride + c]);
         for (int64_t c = k; c < kp; ++c) f[c] = 0.f;
         int8_t* q = out.q.data() + i * kp;
@@ -149,6 +151,12 @@ inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable,
   });
 }
 
+// Gives back a large batch's buffers (a prefill's) instead of keeping them for the next call.
+inline void trim(QuantizedActivations& a) {
+  constexpr size_t kKeepBytes = 8 << 20;
+  if (a.q.capacity() + a.xf.capacity() * sizeof(float) > kKeepBytes) a = QuantizedActivations();
+}
+
 // The op: (q int8 [rows, kp], d float32 [rows, nb], s float32 [rows, nb]) for tests.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_q8(
     const at::Tensor& x, bool portable) {
@@ -156,7 +164,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_q8(
               "with contiguous rows");
   const int64_t kp = div_up(x.size(1), kBlock) * kBlock;
   QuantizedActivations a;
-  quantize_activations(x, kp, portable, a);
+  quantize_activations(x, kp, portable, false, a);
   auto q = at::empty({a.rows, kp}, x.options().dtype(at::kChar));
   auto d = at::empty({a.rows, a.nb}, x.options().dtype(at::kFloat));
   auto s = at::empty({a.rows, a.nb}, x.options().dtype(at::kFloat));

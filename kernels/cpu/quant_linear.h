@@ -578,8 +578,10 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features &&
                     bias->scalar_type() == x.scalar_type(),
                 "quant_linear: bias must be [out_features] of x's dtype");
-  QuantizedActivations a;
-  quantize_activations(x, padded_k(f, k), use_portable, a);
+  // The caller's thread quantizes; its buffers are kept for its next call (decode steps call
+  // ~100 linears of the same few sizes).
+  thread_local QuantizedActivations a;
+  quantize_activations(x, padded_k(f, k), use_portable, float_activations || f == Format::FP8, a);
   auto out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "quant_linear", [&] {
@@ -588,6 +590,7 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed,
     const uint8_t* pp = packed.const_data_ptr<uint8_t>();
     dispatch_format(f, float_activations, a, pp, out_features, sp, bp, op, use_portable);
   });
+  trim(a);
   return out;
 }
 

@@ -33,7 +33,7 @@ class PackedWeight:
 
 def _ops():
     from llmkit.kernels.cpu_native import load_cpu_kernels
-    return load_cpu_kernels()
+    return load_cpu_kernels()  # functools.cache: a dict lookup after the first call
 
 
 def pack_gguf(raw: torch.Tensor | np.ndarray, fmt: str, in_features: int) -> PackedWeight:
@@ -93,6 +93,9 @@ def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
     ``float_activations`` (q4_0, q4_1) keeps the activations in float32 instead of quantizing
     them to 8 bits per block; ``portable`` runs the scalar code instead of AVX2 (same bits).
     """
+    if x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] == weight.in_features:
+        return _ops().quant_linear(x, weight.data, weight.format, weight.out_features,
+                                   weight.scales, bias, float_activations, portable)
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.in_features}")
     lead = x.shape[:-1]
