@@ -56,7 +56,8 @@ def spread(ts: list[float]) -> float:
     return (q[2] - q[0]) / statistics.median(ts) * 100
 
 
-def bench_gemv(formats, rows: int, layers: int, rounds: int, ops) -> None:
+def bench_gemv(formats, rows: int, layers: int, rounds: int, ops) -> dict[str, float]:
+    """Median seconds per pass over the stack, by candidate."""
     shapes = [LAYER[i % len(LAYER)] for i in range(layers)]
     dense = [torch.randn(n, k) * 0.05 for n, k in shapes]
     dense_bf = [w.bfloat16() for w in dense]
@@ -85,13 +86,16 @@ def bench_gemv(formats, rows: int, layers: int, rounds: int, ops) -> None:
     base = statistics.median(times["float32 F.linear"])
     print(f"\nGEMV rows={rows}: {layers} weights, {nbytes['float32 F.linear'] / 1e6:.0f} MB as "
           f"float32, threads={torch.get_num_threads()}")
+    medians = {}
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med = medians[name] = statistics.median(ts)
         print(f"  {name:20s} {med / layers * 1e6:8.1f} us/layer  {nbytes[name] / med / 1e9:6.1f} GB/s"
               f"  {base / med:5.2f}x f32   spread {spread(ts):4.0f}%")
+    return medians
 
 
-def bench_gemm(formats, rows: int, rounds: int, ops) -> None:
+def bench_gemm(formats, rows: int, rounds: int, ops) -> dict[str, float]:
+    """Speed relative to float32 F.linear (same FLOPs counted), by candidate."""
     n, k = 3072, 576
     w = torch.randn(n, k) * 0.05
     x = torch.randn(rows, k)
@@ -105,10 +109,13 @@ def bench_gemm(formats, rows: int, rounds: int, ops) -> None:
     times = alternated(fns, rounds)
     base = statistics.median(times["float32 F.linear"]) / flops["float32 F.linear"]
     print(f"\nGEMM rows={rows}: [{n}, {k}] (k-quants: in 512), threads={torch.get_num_threads()}")
+    ratios = {}
     for name, ts in times.items():
         med = statistics.median(ts)
+        ratios[name] = base * flops[name] / med
         print(f"  {name:20s} {med * 1e3:8.2f} ms  {flops[name] / med / 1e9:6.1f} GFLOP/s"
-              f"  {base * flops[name] / med:5.2f}x f32   spread {spread(ts):4.0f}%")
+              f"  {ratios[name]:5.2f}x f32   spread {spread(ts):4.0f}%")
+    return ratios
 
 
 def smollm2_step_weights(path: str):
@@ -142,8 +149,10 @@ def smollm2_step_weights(path: str):
     return layers, head
 
 
-def bench_smollm2(path: str, rows_list, rounds: int) -> None:
+def bench_smollm2(path: str, rows_list, rounds: int) -> dict[int, float]:
+    """Median seconds of one decode step's linears, by rows."""
     layers, head = smollm2_step_weights(path)
+    result = {}
     nbytes = sum(p.nbytes for p in layers) + head.nbytes
     for rows in rows_list:
         xs = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
@@ -154,11 +163,12 @@ def bench_smollm2(path: str, rows_list, rounds: int) -> None:
         def head_only():
             weights.quant_linear(xs[576][-1:], head)
         times = alternated({"step": step, "head": head_only}, rounds)
-        med = statistics.median(times["step"])
+        med = result[rows] = statistics.median(times["step"])
         print(f"SmolLM2 decode-step linears, rows={rows}, threads={torch.get_num_threads()}: "
               f"{med * 1e3:.2f} ms ({nbytes / med / 1e9:.1f} GB/s of {nbytes / 1e6:.0f} MB; "
               f"LM head {statistics.median(times['head']) * 1e3:.2f} ms), spread {spread(times['step']):.0f}%"
               f" -> at most {rows / med:.0f} tok/s from the linears alone")
+    return result
 
 
 def main() -> None:
