@@ -1,10 +1,10 @@
 // Activations quantized to eight bits per 32-input block for the integer dot products of
-// quant_linear.h (llama.cpp's Q8_1, kept more exactly): q = round-half-even(x * (127 / amax)),
+// quant_linear.h (llama.cpp's Q8_1 with float32 scales): q = round-half-even(x * (127 / amax)),
 // d = amax / 127, both in float32 as written (the torch reference computes the same bits);
-// besides q and d each block keeps s, the float32 sum of its 32 inputs (the weight formats with
-// an offset multiply it, so that part of the dot product sees the activations unquantized),
-// and the integer sums of q over each half (the formats centred on 8 or 32 subtract them).
-// Inputs past k are zeros.
+// besides q and d each block keeps the integer sums of q over each half (the formats centred
+// on 8 or 32 subtract them, Q4_1 / Q4_K's minimums multiply d times their total) and s, the
+// float32 sum of its inputs (the float-activation kernels' offsets multiply it). Inputs past k
+// are zeros.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -26,7 +26,8 @@ struct ActBlock {
   float s;       // the float32 sum of its inputs (in the order of block_sum)
   int16_t b0;    // sum of q over inputs 0..15
   int16_t b1;    // and 16..31
-  int32_t sum8;  // 8 * (b0 + b1): what the 4-bit formats' centring subtracts
+  int32_t sum8;  // 8 * (b0 + b1): what Q4_0's centring subtracts
+  float sq;      // d * (b0 + b1): the block's sum of the quantized inputs (minimums multiply it)
 };
 
 // The sum of 32 floats in one fixed order (the AVX2 code's): l = (v[l] + v[8+l]) +
@@ -51,6 +52,7 @@ inline void quantize_block_portable(const float* v, int8_t* q, ActBlock* m) {
   m->b0 = static_cast<int16_t>(b0);
   m->b1 = static_cast<int16_t>(b1);
   m->sum8 = 8 * (b0 + b1);
+  m->sq = m->d * static_cast<float>(b0 + b1);
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -93,6 +95,7 @@ inline void quantize_block_avx2(const float* v, int8_t* q, ActBlock* m) {
   m->b0 = static_cast<int16_t>(hsum_epi32x8(_mm256_add_epi32(qi[0], qi[1])));
   m->b1 = static_cast<int16_t>(hsum_epi32x8(_mm256_add_epi32(qi[2], qi[3])));
   m->sum8 = 8 * (m->b0 + m->b1);
+  m->sq = m->d * static_cast<float>(m->b0 + m->b1);
   // int32 -> int8 in input order (the packs work within 128-bit halves).
   const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
   const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);

@@ -6,13 +6,15 @@
 // Integer formats (q4_0, q4_1, q4_k, q6_k, q8_0, int8) take the activations quantized to eight
 // bits per 32-input block (quant_activation.h) and multiply them with the weights' integers by
 // AVX2's u8 x s8 -> i16 pair products (maddubs) and i16 -> i32 pair sums (madd); a block's
-// integer sum is then scaled in float32 once per block for all eight rows at once. The 4-bit
-// formats are centred on 8 in the integer sum (sum (q - 8) * qx) and their offset -- Q4_1's
-// minimum plus 8 d, Q4_K's 8 d sc - dmin m -- multiplies the block's float sum of the
-// unquantized activations, so that part carries no activation rounding and the part that does
-// has half the weight magnitude llama.cpp's unsigned sums give it. fp8 takes float32
-// activations (the weights widen to float32 through fp16, exactly). Q4_0/Q4_1 can also take
-// float32 activations (``float_activations``) to compare exactness and speed.
+// integer sum is then scaled in float32 once per block for all eight rows at once; Q4_1's and
+// Q4_K's minimums multiply the block's sum of the quantized inputs. So every integer format
+// computes the dot product of the exact (GGUF-dequantized) weights with the quantized
+// activations, up to float32 rounding -- the activations' rounding then weighs with the weights
+// themselves, which are about zero-mean in a block (applying the offsets to the unquantized
+// sums instead weighs it with the weights' distance from the offset, measured worse on
+// SmolLM2). fp8 takes float32 activations (the weights widen to float32 through fp16,
+// exactly). Q4_0/Q4_1 can also take float32 activations (``float_activations``) to compare
+// exactness and speed.
 //
 // Per output the float32 work is one fixed chain of FMAs over the blocks, the same in the AVX2
 // and the portable code (``portable``), so both give the same bits.
@@ -64,10 +66,12 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes, const char* end) {
 // ---- portable kernels: the same integer sums and the same float32 FMA chain, per lane ----
 namespace portable {
 
-inline int q4_isum(const uint8_t (*qs)[kRows][4], int64_t r, const int8_t* xq, const ActBlock& m) {
+// sum q * qx over a 4-bit block (Q4_0: centred, sum (q - 8) * qx).
+inline int q4_isum(const uint8_t (*qs)[kRows][4], int64_t r, const int8_t* xq, const ActBlock& m,
+                   bool centre) {
   int s = 0;
   for (int i = 0; i < 32; ++i) s += detail::get_nibble(qs, r, i) * xq[i];
-  return s - m.sum8;
+  return centre ? s - m.sum8 : s;
 }
 
 inline int q8_isum(const int8_t (*qs)[kRows][4], int64_t r, const int8_t* xq) {
@@ -105,11 +109,14 @@ void tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows, float
           if constexpr (F == Format::Q4_1) c = half_to_float(reinterpret_cast<const Q4_1x8*>(p)->m[r]) + 8.f * dw;
           if constexpr (kFloatAct) {
             acc = std::fma(dw, q4_fsum(b->qs, r, rows.xf[i] + blk * kBlock), acc);
+            if constexpr (F == Format::Q4_1) acc = std::fma(c, m.s, acc);
           } else {
-            const float t = m.d * static_cast<float>(q4_isum(b->qs, r, rows.q[i] + blk * kBlock, m));
+            const float t = m.d * static_cast<float>(q4_isum(b->qs, r, rows.q[i] + blk * kBlock, m,
+                                                             F == Format::Q4_0));
             acc = std::fma(dw, t, acc);
+            if constexpr (F == Format::Q4_1)
+              acc = std::fma(half_to_float(reinterpret_cast<const Q4_1x8*>(p)->m[r]), m.sq, acc);
           }
-          if constexpr (F == Format::Q4_1) acc = std::fma(c, m.s, acc);
         } else if constexpr (F == Format::Q4_K) {
           const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
           const float d = half_to_float(b->d[r]), dmin = half_to_float(b->dmin[r]);
@@ -117,11 +124,10 @@ void tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows, float
             const ActBlock& m = rows.meta[i][blk * 8 + s];
             const float dw = d * static_cast<float>(b->sc[s][r]);
             const float mn = dmin * static_cast<float>(b->m[s][r]);
-            const float c = 8.f * dw - mn;
-            const float t =
-                m.d * static_cast<float>(q4_isum(b->qs[s], r, rows.q[i] + (blk * 8 + s) * kBlock, m));
+            const float t = m.d * static_cast<float>(
+                q4_isum(b->qs[s], r, rows.q[i] + (blk * 8 + s) * kBlock, m, false));
             acc = std::fma(dw, t, acc);
-            acc = std::fma(c, m.s, acc);
+            acc = std::fma(-mn, m.sq, acc);
           }
         } else if constexpr (F == Format::Q8_0) {
           const auto* b = reinterpret_cast<const Q8_0x8*>(p);
@@ -176,9 +182,9 @@ inline __m256 u8x8_to_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Eight rows' centred integer sums of one 4-bit block (Q4_0 order) for MR activation rows:
-// isum[i] lane r = sum over the block's 32 inputs of (q - 8) * qx.
-template <int MR>
+// Eight rows' integer sums of one 4-bit block (Q4_0 order) for MR activation rows: isum[i]
+// lane r = sum over the block's 32 inputs of q * qx (kCentre: of (q - 8) * qx).
+template <int MR, bool kCentre>
 inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i s16[MR];
@@ -197,8 +203,9 @@ inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m25
   }
   const __m256i ones = _mm256_set1_epi16(1);
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
-    const ActBlock& m = rows.meta[i][blk];
-    isum[i] = _mm256_sub_epi32(_mm256_madd_epi16(s16[i], ones), _mm256_set1_epi32(m.sum8));
+    [[maybe_unused]] const ActBlock& m = rows.meta[i][blk];
+    isum[i] = _mm256_madd_epi16(s16[i], ones);
+    if constexpr (kCentre) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(m.sum8));
   }
 }
 
@@ -289,9 +296,15 @@ inline void scale_add(const __m256i* isum, __m256 dw, const TileRows& rows, int6
     acc[i] = _mm256_fmadd_ps(dw, t, acc[i]);
   }
 }
+// acc[i] = fma(c, s_x, acc[i]) (float activations: the exact block sums)
 template <int MR>
 inline void offset_add(__m256 c, const TileRows& rows, int64_t blk, __m256* acc) {
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(rows.meta[i][blk].s), acc[i]);
+}
+// acc[i] = fma(m, d_x * sum q_x, acc[i]) (a minimum times the quantized inputs' block sum)
+template <int MR>
+inline void min_add(__m256 m, const TileRows& rows, int64_t blk, __m256* acc) {
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows.meta[i][blk].sq), acc[i]);
 }
 
 template <Format F, bool kFloatAct, int MR>
@@ -315,14 +328,15 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
         __m256 fsum[MR];
         q4_fsums<MR>(&b->qs[0][0][0], rows, blk, fsum);
         LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(dw, fsum[i], acc[i]);
+        if constexpr (F == Format::Q4_1) {
+          const __m256 c = _mm256_fmadd_ps(_mm256_set1_ps(8.f), dw,
+                                           half8(reinterpret_cast<const Q4_1x8*>(p)->m));
+          offset_add<MR>(c, rows, blk, acc);
+        }
       } else {
-        q4_isums<MR>(&b->qs[0][0][0], rows, blk, isum);
+        q4_isums<MR, F == Format::Q4_0>(&b->qs[0][0][0], rows, blk, isum);
         scale_add<MR>(isum, dw, rows, blk, acc);
-      }
-      if constexpr (F == Format::Q4_1) {
-        const __m256 c = _mm256_fmadd_ps(_mm256_set1_ps(8.f), dw,
-                                         half8(reinterpret_cast<const Q4_1x8*>(p)->m));
-        offset_add<MR>(c, rows, blk, acc);
+        if constexpr (F == Format::Q4_1) min_add<MR>(half8(reinterpret_cast<const Q4_1x8*>(p)->m), rows, blk, acc);
       }
     } else if constexpr (F == Format::Q4_K) {
       const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
@@ -330,10 +344,10 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
       for (int s = 0; s < 8; ++s) {
         const __m256 dw = _mm256_mul_ps(d, u8x8_to_float(b->sc[s]));
         const __m256 mn = _mm256_mul_ps(dmin, u8x8_to_float(b->m[s]));
-        const __m256 c = _mm256_fmsub_ps(_mm256_set1_ps(8.f), dw, mn);
-        q4_isums<MR>(&b->qs[s][0][0][0], rows, blk * 8 + s, isum);
+        q4_isums<MR, false>(&b->qs[s][0][0][0], rows, blk * 8 + s, isum);
         scale_add<MR>(isum, dw, rows, blk * 8 + s, acc);
-        offset_add<MR>(c, rows, blk * 8 + s, acc);
+        // acc - mn * sq, as the portable fma(-mn, sq, acc)
+        min_add<MR>(_mm256_xor_ps(mn, _mm256_set1_ps(-0.f)), rows, blk * 8 + s, acc);
       }
     } else if constexpr (F == Format::Q8_0) {
       const auto* b = reinterpret_cast<const Q8_0x8*>(p);

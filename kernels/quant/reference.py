@@ -2,15 +2,15 @@
 
 Every format is written in an *integer form*: per 32-input block b of output row n,
 ``w[n, i] = dw[n, b] * qc[n, i] + c[n, b]`` (then times ``row_scale[n]`` for int8/fp8), with
-``qc`` the integers the kernel multiplies (Q4 formats centred: ``q - 8``; Q6_K: ``sc * (q - 32)``)
-and ``dw``, ``c`` the float32 values the kernel computes from the block's scales. Given the
-activations quantized the kernel's way (``quantize_activations_ref``: the same bits), the
-integer kernels compute ``sum_b dw * d_x * (qc . q_x) + c * s_x`` (``s_x``: the block's sum of
-the unquantized inputs); ``quant_linear_ref`` evaluates that in float64 and bounds the float32
-roundings the kernel may add, so a test can demand the kernel within them -- exact up to the
-order of float32 sums, while one wrong integer anywhere is orders of magnitude outside.
-``activation_rounding_bound`` bounds how far the integer kernels may be from the
-dequantize-then-matmul product (the activations' rounding to 8 bits, at most d_x / 2 each).
+``qc`` the integers the kernel multiplies (Q4_0: ``q - 8``; Q6_K: ``sc * (q - 32)``) and ``dw``,
+``c`` the float32 values it takes from the block's scales and minimums; the form's weights are
+the GGUF-dequantized ones. Given the activations quantized the kernel's way
+(``quantize_activations_ref``: the same bits, ``x_hat = q * d``), every integer kernel computes
+``x_hat @ W.T``; ``quant_linear_ref`` evaluates that in float64 and bounds the float32 roundings
+the kernel may add to it, so a test can demand the kernel within them -- exact up to the order
+of float32 sums, while one wrong integer anywhere is orders of magnitude outside.
+``activation_rounding_bound`` bounds how far that is from the product with the unquantized
+activations (each input is within d / 2 of its quantized value).
 """
 from __future__ import annotations
 
@@ -84,12 +84,12 @@ def integer_form(raw: torch.Tensor, fmt: str, in_features: int,
     c = None
     if fmt in ("q4_0", "q4_1"):
         off = 2 if fmt == "q4_0" else 4
-        d = _half(blocks[:, 0:2].reshape(nblk, 1, 2)).squeeze(-1)
-        qc = _nibbles(blocks[:, off:off + 16]).to(f64) - 8
-        dw = d
-        if fmt == "q4_1":
-            m = _half(blocks[:, 2:4].reshape(nblk, 1, 2)).squeeze(-1)
-            c = m + 8 * d  # float32, as the kernel computes it
+        dw = _half(blocks[:, 0:2].reshape(nblk, 1, 2)).squeeze(-1)
+        qc = _nibbles(blocks[:, off:off + 16]).to(f64)
+        if fmt == "q4_0":
+            qc = qc - 8
+        else:
+            c = _half(blocks[:, 2:4].reshape(nblk, 1, 2)).squeeze(-1)
     elif fmt == "q8_0":
         dw = _half(blocks[:, 0:2].reshape(nblk, 1, 2)).squeeze(-1)
         qc = blocks[:, 2:34].contiguous().view(torch.int8).to(f64)
@@ -98,9 +98,9 @@ def integer_form(raw: torch.Tensor, fmt: str, in_features: int,
         dmin = _half(blocks[:, 2:4].reshape(nblk, 1, 2))
         sc, mn = q4k_scale_min(blocks[:, 4:16])
         dw = (d * sc.to(f32)).reshape(-1)
-        c = (8 * dw - (dmin * mn.to(f32)).reshape(-1))
+        c = -(dmin * mn.to(f32)).reshape(-1)
         qs = blocks[:, 16:144].reshape(nblk, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
-        qc = (qs & 0x0F).reshape(-1, BLOCK).to(f64) - 8
+        qc = (qs & 0x0F).reshape(-1, BLOCK).to(f64)
     elif fmt == "q6_k":
         ql = blocks[:, 0:128].reshape(nblk, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
         ql = (ql & 0x0F).reshape(nblk, 8, 32)
@@ -118,25 +118,32 @@ def integer_form(raw: torch.Tensor, fmt: str, in_features: int,
                        None if c is None else c.to(f64).reshape(n, nb), None)
 
 
-def quant_linear_ref(x: torch.Tensor, form: IntegerForm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, tol) float64 [rows, n]: what the integer kernels compute for x, and a bound on the
-    float32 roundings they may add to it."""
-    q, d, s = quantize_activations_ref(x)
-    rows = q.shape[0]
-    nb = form.qc.shape[1]
-    qx = q.to(torch.float64).reshape(rows, nb, BLOCK)
-    dd = d.to(torch.float64)
-    isum = torch.einsum("mbi,nbi->mnb", qx, form.qc)          # exact: integers below 2^53
-    y = torch.einsum("mnb,nb,mb->mn", isum, form.dw, dd)
-    mag = torch.einsum("mbi,nbi,nb,mb->mn", qx.abs(), form.qc.abs(), form.dw.abs(), dd)
-    xabs = torch.nn.functional.pad(x.double().abs(), (0, nb * BLOCK - x.shape[1])).reshape(rows, nb, BLOCK).sum(-1)
-    offset_mag = torch.zeros_like(y)
+def quantized_activations(x: torch.Tensor, nb: int) -> torch.Tensor:
+    """x_hat = q * d, float64 [rows, nb, 32] (exact: a float32 times a small integer)."""
+    q, d, _ = quantize_activations_ref(x)
+    return q.to(torch.float64).reshape(x.shape[0], nb, BLOCK) * d.to(torch.float64).unsqueeze(-1)
+
+
+def _magnitudes(form: IntegerForm, extra: float = 0.0) -> torch.Tensor:
+    """|dw * qc| + |c| (+ extra * |dw|) per weight, float64 [n, nb, 32]."""
+    mag = (form.dw.abs().unsqueeze(-1) * form.qc.abs())
     if form.c is not None:
-        y = y + torch.einsum("nb,mb->mn", form.c, s)
-        offset_mag = torch.einsum("nb,mb->mn", form.c.abs(), xabs)
-    # Per output 2 nb float32 FMAs (half an ulp each, of at most the sum of the magnitudes),
-    # the rounding of d_x * isum, and s_x's float32 sum of 32 inputs (16 ulps of their sum).
-    tol = EPS32 * ((nb + 2) * (mag + offset_mag) + 17 * offset_mag)
+        mag = mag + form.c.abs().unsqueeze(-1) + extra * form.dw.abs().unsqueeze(-1)
+    return mag
+
+
+def quant_linear_ref(x: torch.Tensor, form: IntegerForm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, tol) float64 [rows, n]: ``x_hat @ W.T`` -- what the integer kernels compute for x --
+    and a bound on the float32 roundings they may add to it."""
+    n, nb, _ = form.qc.shape
+    xq = quantized_activations(x, nb).reshape(x.shape[0], -1)
+    w = form.dw.unsqueeze(-1) * form.qc
+    if form.c is not None:
+        w = w + form.c.unsqueeze(-1)
+    y = xq @ w.reshape(n, -1).T
+    # Per output 2 nb float32 FMAs (half an ulp each, of at most the sum of the magnitudes) and
+    # the roundings of d_x * isum and d_x * sum q_x.
+    tol = EPS32 * (nb + 4) * (xq.abs() @ _magnitudes(form).reshape(n, -1).T)
     if form.row_scale is not None:
         y = y * form.row_scale
         tol = tol * form.row_scale.abs() + EPS32 * y.abs()
@@ -151,7 +158,8 @@ def float_linear_ref(x: torch.Tensor, form: IntegerForm) -> tuple[torch.Tensor, 
     xp = torch.nn.functional.pad(x.double(), (0, nb * BLOCK - k))
     w = (form.dw.unsqueeze(-1) * form.qc)
     y = xp @ (w if form.c is None else w + form.c.unsqueeze(-1)).reshape(n, -1).T
-    mag = xp.abs() @ (w.abs() if form.c is None else w.abs() + form.c.abs().unsqueeze(-1)).reshape(n, -1).T
+    # The Q4 kernels sum (q - 8) * x and add (c + 8 dw) * sum x: magnitudes up to 16 |dw| more.
+    mag = xp.abs() @ _magnitudes(form, extra=16.0).reshape(n, -1).T
     # One float32 FMA chain per output over at most every input (fp8) plus a product per block.
     tol = EPS32 * (nb * BLOCK // 2 + nb + 8) * mag
     if form.row_scale is not None:
@@ -161,9 +169,12 @@ def float_linear_ref(x: torch.Tensor, form: IntegerForm) -> tuple[torch.Tensor, 
 
 
 def activation_rounding_bound(x: torch.Tensor, form: IntegerForm) -> torch.Tensor:
-    """float64 [rows, n]: how far the integer kernels' product may be from the exact product of
-    x with the form's weights -- each quantized activation is within d_x / 2 of its input, and
-    only the ``dw * qc`` part of a weight multiplies quantized activations."""
+    """float64 [rows, n]: how far the integer kernels' ``x_hat @ W.T`` may be from ``x @ W.T``
+    -- each quantized input is within d / 2 of its input."""
     _, d, _ = quantize_activations_ref(x)
-    bound = torch.einsum("mb,nbi,nb->mn", d.double() * 0.50001, form.qc.abs(), form.dw.abs())
+    n, nb, _ = form.qc.shape
+    w = (form.dw.unsqueeze(-1) * form.qc)
+    if form.c is not None:
+        w = w + form.c.unsqueeze(-1)
+    bound = torch.einsum("mb,nbi->mn", d.double() * 0.50001, w.abs())
     return bound if form.row_scale is None else bound * form.row_scale.abs()
