@@ -258,24 +258,32 @@ inline void q6_isums(const Q6_Kx8* b, int s, const TileRows& rows, int64_t blk, 
   const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][0]));
   const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh[s][1]));
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-  LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql[s][j]));
-    // The high bits of quad j (bits 2j, 2j+1 of each byte) moved to bits 4, 5.
-    __m256i ha, hb;
-    switch (j) {
-      case 0: ha = _mm256_slli_epi16(h0, 4); hb = _mm256_slli_epi16(h1, 4); break;
-      case 1: ha = _mm256_slli_epi16(h0, 2); hb = _mm256_slli_epi16(h1, 2); break;
-      case 2: ha = h0; hb = h1; break;
-      default: ha = _mm256_srli_epi16(h0, 2); hb = _mm256_srli_epi16(h1, 2); break;
+  // Quads j, j+1 at a time: u6 x s8 pairs stay within +-16002, two of them within int16, so
+  // each pair of products is scaled by one madd.
+  LLMKIT_UNROLL for (int j = 0; j < 4; j += 2) {
+    __m256i lo[2], hi[2];
+    LLMKIT_UNROLL for (int h = 0; h < 2; ++h) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->ql[s][j + h]));
+      // The high bits of quad j+h (bits 2(j+h), 2(j+h)+1 of each byte) moved to bits 4, 5.
+      __m256i ha, hb;
+      switch (j + h) {
+        case 0: ha = _mm256_slli_epi16(h0, 4); hb = _mm256_slli_epi16(h1, 4); break;
+        case 1: ha = _mm256_slli_epi16(h0, 2); hb = _mm256_slli_epi16(h1, 2); break;
+        case 2: ha = h0; hb = h1; break;
+        default: ha = _mm256_srli_epi16(h0, 2); hb = _mm256_srli_epi16(h1, 2); break;
+      }
+      lo[h] = _mm256_or_si256(_mm256_and_si256(raw, mask), _mm256_and_si256(ha, high));
+      hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                              _mm256_and_si256(hb, high));
     }
-    const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, mask), _mm256_and_si256(ha, high));
-    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
-                                       _mm256_and_si256(hb, high));
     LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
       const int8_t* xq = rows.q[i] + blk * kBlock;
-      // u6 x s8 pairs stay within +-16002, so each product pair is scaled straight away.
-      isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)), sca));
-      isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)), scb));
+      const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(xq + 4 * j)),
+                                          _mm256_maddubs_epi16(lo[1], bcast4(xq + 4 * j + 4)));
+      const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], bcast4(xq + 16 + 4 * j)),
+                                          _mm256_maddubs_epi16(hi[1], bcast4(xq + 20 + 4 * j)));
+      isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(pa, sca),
+                                                           _mm256_madd_epi16(pb, scb)));
       LLMKIT_KEEP(isum[i]);
     }
   }
