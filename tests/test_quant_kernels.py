@@ -151,6 +151,18 @@ def test_bias_bf16_leading_dims_and_empty(ops):
     assert weights.quant_linear(torch.zeros(0, 64), packed).shape == (0, 24)
 
 
+@pytest.mark.parametrize("fmt", ("q4_1", "int8"))
+def test_concat_rows_is_one_linear_over_the_parts(fmt):
+    parts = [make_weight(fmt, 64, n, seed=i) for i, n in enumerate((16, 8, 13))]
+    merged = weights.concat_rows([p for p, _, _ in parts])
+    x = randn(3, 64, seed=7)
+    assert torch.equal(weights.quant_linear(x, merged),
+                       torch.cat([weights.quant_linear(x, p) for p, _, _ in parts], dim=1))
+    assert torch.equal(weights.dequantize(merged), torch.cat([d for _, _, d in parts]))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        weights.concat_rows([parts[2][0], parts[0][0]])
+
+
 def test_bad_inputs_are_clear_errors(ops):
     packed, _, _ = make_weight("q4_1", 64, 24)
     with pytest.raises(ValueError, match="features"):

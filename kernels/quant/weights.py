@@ -4,7 +4,8 @@ A ``PackedWeight`` is an ``[out_features, in_features]`` weight in one of the ke
 layouts (``kernels/cpu/quant_blocks.h``): GGUF blocks repacked eight rows at a time
 (``pack_gguf``), or a float weight quantized per output channel to int8 (``quantize_int8``) or
 stored as fp8 e4m3 (``quantize_fp8``). ``quant_linear`` multiplies activations with it for any
-number of rows, ``dequantize`` reads rows of it back as float32 (an embedding's lookup).
+number of rows, ``dequantize`` reads rows of it back as float32 (an embedding's lookup), and
+``concat_rows`` stacks weights of one input into one (merged projections).
 """
 from __future__ import annotations
 
@@ -105,6 +106,24 @@ def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
     y = _ops().quant_linear(x2, weight.data, weight.format, weight.out_features, weight.scales,
                             bias, float_activations, portable)
     return y.reshape(*lead, weight.out_features)
+
+
+def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """One weight whose rows are ``parts``' rows in order (a merged q|k|v or gate|up linear):
+    the packed groups of eight rows concatenate as they are, so every part but the last needs
+    a multiple of 8 rows."""
+    first = parts[0]
+    for p in parts:
+        if (p.format, p.in_features) != (first.format, first.in_features):
+            raise ValueError(f"concat_rows: {p.format} [{p.out_features}, {p.in_features}] "
+                             f"does not stack under {first.format} [.., {first.in_features}]")
+    for p in parts[:-1]:
+        if p.out_features % 8:
+            raise ValueError(f"concat_rows: a part of {p.out_features} rows (not a multiple of "
+                             "8) can only come last")
+    scales = None if first.scales is None else torch.cat([p.scales for p in parts])
+    return PackedWeight(first.format, sum(p.out_features for p in parts), first.in_features,
+                        torch.cat([p.data for p in parts]), scales)
 
 
 def dequantize(weight: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
