@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -128,7 +129,7 @@ inline void pack_block(Format f, const uint8_t* src, int64_t valid, uint8_t* dst
 
 // The value of input i (< the format's block_k) of lane r of a packed group-block, as gguf-py
 // computes it; ``scale`` is the row's float scale (int8, fp8).
-inline float block_value(Format f, const uint8_t* blk, int64_t r, int i, float scale) {
+inline __attribute__((always_inline)) float block_value(Format f, const uint8_t* blk, int64_t r, int i, float scale) {
   switch (f) {
     case Format::Q4_0: {
       auto* b = reinterpret_cast<const Q4_0x8*>(blk);
@@ -167,6 +168,36 @@ inline float block_value(Format f, const uint8_t* blk, int64_t r, int i, float s
     }
   }
   return 0.f;
+}
+
+// All block_k values of lane r of a packed group-block, into out (the format switch once per
+// block rather than per value: an embedding lookup decodes whole rows).
+inline void block_values(Format f, const uint8_t* blk, int64_t r, float scale, int64_t block_k,
+                         float* out) {
+  switch (f) {
+    case Format::Q4_0:
+      for (int i = 0; i < 32; ++i) out[i] = block_value(Format::Q4_0, blk, r, i, scale);
+      break;
+    case Format::Q4_1:
+      for (int i = 0; i < 32; ++i) out[i] = block_value(Format::Q4_1, blk, r, i, scale);
+      break;
+    case Format::Q8_0:
+      for (int i = 0; i < 32; ++i) out[i] = block_value(Format::Q8_0, blk, r, i, scale);
+      break;
+    case Format::Q4_K:
+      for (int i = 0; i < 256; ++i) out[i] = block_value(Format::Q4_K, blk, r, i, scale);
+      break;
+    case Format::Q6_K:
+      for (int i = 0; i < 256; ++i) out[i] = block_value(Format::Q6_K, blk, r, i, scale);
+      break;
+    case Format::INT8:
+      for (int i = 0; i < 32; ++i) out[i] = block_value(Format::INT8, blk, r, i, scale);
+      break;
+    case Format::FP8:
+      for (int i = 0; i < 32; ++i) out[i] = block_value(Format::FP8, blk, r, i, scale);
+      break;
+  }
+  (void)block_k;
 }
 
 }  // namespace detail
@@ -246,10 +277,12 @@ inline at::Tensor quant_dequantize(const at::Tensor& packed, const std::string& 
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = ip ? ip[i] : i, g = row / kRows, r = row % kRows;
       const float scale = sp ? sp[row] : 0.f;
-      for (int64_t c = 0; c < k; ++c)
-        op[i * k + c] = detail::block_value(
-            f, pp + (g * nbk + c / info.block_k) * info.group_bytes, r,
-            static_cast<int>(c % info.block_k), scale);
+      float vals[kSuper];
+      for (int64_t b = 0; b < nbk; ++b) {
+        detail::block_values(f, pp + (g * nbk + b) * info.group_bytes, r, scale, info.block_k, vals);
+        const int64_t c0 = b * info.block_k, n_c = std::min(info.block_k, k - c0);
+        std::copy(vals, vals + n_c, op + i * k + c0);
+      }
     }
   });
   return out;
