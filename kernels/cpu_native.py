@@ -7,6 +7,9 @@ of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_
 ``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
 K/V through the block table in place), a small-batch ``linear`` (up to a few rows: decoding's
 GEMVs) and ``llama_decode_layer`` (a whole Llama-family layer for a decode step, as one call).
+The quantized-weight ops (``quant_repack``, ``quant_linear``, ``quant_dequantize``,
+``quantize_activations_q8``: GGUF blocks, int8 and fp8 kept packed) are wrapped by
+``llmkit.kernels.quant``.
 Each rounds to the model's dtype exactly where the torch ops of Hugging Face's model round, and
 where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 linear (each
 row in torch's one-row GEMV order) give their bits; bf16 decode attention follows SDPA's flash
