@@ -81,6 +81,17 @@ static_assert(sizeof(Q4_0x8) == 144 && sizeof(Q4_1x8) == 160 && sizeof(Q8_0x8) =
 static_assert(sizeof(Q4_Kx8) == 1184 && sizeof(Q6_Kx8) == 1680);
 static_assert(sizeof(I8x8) == 256 && sizeof(F8x8) == 256);
 
+// The packed block struct of each format.
+template <Format F> struct PackedBlock;
+template <> struct PackedBlock<Format::Q4_0> { using type = Q4_0x8; };
+template <> struct PackedBlock<Format::Q4_1> { using type = Q4_1x8; };
+template <> struct PackedBlock<Format::Q8_0> { using type = Q8_0x8; };
+template <> struct PackedBlock<Format::Q4_K> { using type = Q4_Kx8; };
+template <> struct PackedBlock<Format::Q6_K> { using type = Q6_Kx8; };
+template <> struct PackedBlock<Format::INT8> { using type = I8x8; };
+template <> struct PackedBlock<Format::FP8> { using type = F8x8; };
+template <Format F> using packed_block_t = typename PackedBlock<F>::type;
+
 inline const FormatInfo& format_info(Format f) {
   static const FormatInfo infos[] = {
       {Format::Q4_0, "q4_0", kBlock, sizeof(Q4_0x8), 18, false},

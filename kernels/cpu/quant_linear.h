@@ -99,23 +99,21 @@ void tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows, float
     for (int64_t r = 0; r < kRows; ++r) {
       float acc = 0.f;
       for (int64_t blk = 0; blk < nbk; ++blk) {
-        const uint8_t* p = group + blk * format_info(F).group_bytes;
+        const uint8_t* p = group + blk * static_cast<int64_t>(sizeof(packed_block_t<F>));
         if constexpr (F == Format::Q4_0 || F == Format::Q4_1) {
-          using B = std::conditional_t<F == Format::Q4_0, Q4_0x8, Q4_1x8>;
-          const auto* b = reinterpret_cast<const B*>(p);
+          const auto* b = reinterpret_cast<const packed_block_t<F>*>(p);
           const ActBlock& m = rows.meta[i][blk];
           const float dw = half_to_float(b->d[r]);
-          float c = 0.f;
-          if constexpr (F == Format::Q4_1) c = half_to_float(reinterpret_cast<const Q4_1x8*>(p)->m[r]) + 8.f * dw;
           if constexpr (kFloatAct) {
+            // float activations: sum (q - 8) x, the offset m + 8 d on the block's exact sum
             acc = std::fma(dw, q4_fsum(b->qs, r, rows.xf[i] + blk * kBlock), acc);
-            if constexpr (F == Format::Q4_1) acc = std::fma(c, m.s, acc);
+            if constexpr (F == Format::Q4_1)
+              acc = std::fma(half_to_float(b->m[r]) + 8.f * dw, m.s, acc);
           } else {
             const float t = m.d * static_cast<float>(q4_isum(b->qs, r, rows.q[i] + blk * kBlock, m,
                                                              F == Format::Q4_0));
             acc = std::fma(dw, t, acc);
-            if constexpr (F == Format::Q4_1)
-              acc = std::fma(half_to_float(reinterpret_cast<const Q4_1x8*>(p)->m[r]), m.sq, acc);
+            if constexpr (F == Format::Q4_1) acc = std::fma(half_to_float(b->m[r]), m.sq, acc);
           }
         } else if constexpr (F == Format::Q4_K) {
           const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
@@ -318,10 +316,7 @@ inline void min_add(__m256 m, const TileRows& rows, int64_t blk, __m256* acc) {
 template <Format F, bool kFloatAct, int MR>
 void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[kRows],
           const char* prefetch_end) {
-  constexpr int64_t bytes = sizeof(std::conditional_t<
-      F == Format::Q4_0, Q4_0x8, std::conditional_t<F == Format::Q4_1, Q4_1x8,
-      std::conditional_t<F == Format::Q8_0, Q8_0x8, std::conditional_t<F == Format::Q4_K, Q4_Kx8,
-      std::conditional_t<F == Format::Q6_K, Q6_Kx8, std::conditional_t<F == Format::INT8, I8x8, F8x8>>>>>>);
+  constexpr int64_t bytes = sizeof(packed_block_t<F>);
   __m256 acc[MR];
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   __m256i isum[MR];
@@ -329,8 +324,7 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
     const uint8_t* p = group + blk * bytes;
     prefetch_block(p, bytes, prefetch_end);
     if constexpr (F == Format::Q4_0 || F == Format::Q4_1) {
-      using B = std::conditional_t<F == Format::Q4_0, Q4_0x8, Q4_1x8>;
-      const auto* b = reinterpret_cast<const B*>(p);
+      const auto* b = reinterpret_cast<const packed_block_t<F>*>(p);
       const __m256 dw = half8(b->d);
       if constexpr (kFloatAct) {
         __m256 fsum[MR];
@@ -338,13 +332,13 @@ void tile(const uint8_t* group, int64_t nbk, const TileRows& rows, float (*res)[
         LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(dw, fsum[i], acc[i]);
         if constexpr (F == Format::Q4_1) {
           const __m256 c = _mm256_fmadd_ps(_mm256_set1_ps(8.f), dw,
-                                           half8(reinterpret_cast<const Q4_1x8*>(p)->m));
+                                           half8(b->m));
           offset_add<MR>(c, rows, blk, acc);
         }
       } else {
         q4_isums<MR, F == Format::Q4_0>(&b->qs[0][0][0], rows, blk, isum);
         scale_add<MR>(isum, dw, rows, blk, acc);
-        if constexpr (F == Format::Q4_1) min_add<MR>(half8(reinterpret_cast<const Q4_1x8*>(p)->m), rows, blk, acc);
+        if constexpr (F == Format::Q4_1) min_add<MR>(half8(b->m), rows, blk, acc);
       }
     } else if constexpr (F == Format::Q4_K) {
       const auto* b = reinterpret_cast<const Q4_Kx8*>(p);
