@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the CLI, the OpenAI server, the terminal chat: they run the engine and the tools
     ("entrypoints", {"entrypoints"}),
     # tools beside the engine: they may drive it, it never imports them
-    ("tools", {"bench", "sim"}),
+    ("tools", {"bench", "sim", "eval"}),
     # the front ends (LLM, AsyncLLM), the core loop and its process
     ("engine", {"engine"}),
     # what the core assembles: who runs when, where KV lives, who computes, and how

@@ -12,6 +12,7 @@ from llmkit.config.schema import (
     AttentionConfig,
     BenchToolConfig,
     EngineConfig,
+    EvalToolConfig,
     ExecutorConfig,
     KVCacheConfig,
     ModelConfig,
@@ -21,6 +22,7 @@ from llmkit.config.schema import (
     SchedulerConfig,
     ServerConfig,
     SimToolConfig,
+    ToolConfig,
 )
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ __all__ = [
     "BenchToolConfig",
     "ConfigError",
     "EngineConfig",
+    "EvalToolConfig",
     "ExecutorConfig",
     "KVCacheConfig",
     "ModelConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "SimToolConfig",
+    "ToolConfig",
     "build_config",
     "build_tool_config",
     "compose_config",

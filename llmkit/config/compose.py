@@ -30,7 +30,7 @@ from typing import Any
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.hydra_errors import first_line, hydra_error_to_config_error, parse_override
-from llmkit.config.schema import BenchToolConfig, EngineConfig
+from llmkit.config.schema import EngineConfig, ToolConfig
 from llmkit.config.schema_errors import (model_at, validate_engine_config, validate_tool_config,
                                          validation_error_to_config_error)
 
@@ -236,8 +236,8 @@ def compose_config(overrides: Sequence[str] = ()) -> EngineConfig:
     return validate_engine_config(_compose_dict(overrides))
 
 
-def compose_tool_config(tool: type[BenchToolConfig], overrides: Sequence[str] = ()
-                        ) -> BenchToolConfig:
+def compose_tool_config(tool: type[ToolConfig], overrides: Sequence[str] = ()
+                        ) -> ToolConfig:
     """``compose_config`` for a tool: its config class (``BenchToolConfig``,
     ``SimToolConfig``) with the engine's config inside."""
     if isinstance(overrides, str):
@@ -298,9 +298,9 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     return validate_engine_config(_build_dict(model, dtype, overrides, groups))
 
 
-def build_tool_config(tool: type[BenchToolConfig], model: str | None = None, *,
+def build_tool_config(tool: type[ToolConfig], model: str | None = None, *,
                       dtype: str | None = None, overrides: Sequence[str] = (),
-                      groups: Mapping[str, str | Mapping] | None = None) -> BenchToolConfig:
+                      groups: Mapping[str, str | Mapping] | None = None) -> ToolConfig:
     """``build_config`` for a tool: its config class (``BenchToolConfig``, ``SimToolConfig``)
     with the engine's config inside."""
     return validate_tool_config(_build_dict(model, dtype, overrides, groups), tool)
@@ -351,14 +351,14 @@ def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
 
 # --------------------------------------------------------------------------- printing
 
-def config_to_yaml(cfg: EngineConfig | BenchToolConfig, *,
+def config_to_yaml(cfg: EngineConfig | ToolConfig, *,
                    tool_sections: Sequence[str] | None = None) -> str:
     """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries; a
     tool's config shows the engine's sections and its own side by side (``flat_dump``), only
     the ``tool_sections`` named if given."""
     from omegaconf import OmegaConf
 
-    if isinstance(cfg, BenchToolConfig):
+    if isinstance(cfg, ToolConfig):
         data = cfg.flat_dump(by_alias=True, mode="json")
         if tool_sections is not None:
             data = {k: v for k, v in data.items()

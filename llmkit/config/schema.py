@@ -391,6 +391,20 @@ class SimConfig(_Strict):
     calibrate_trace: str | None = None
 
 
+class EvalConfig(_Strict):
+    """``llmkit eval ppl`` (``llmkit/eval/perplexity.py``)."""
+
+    # null = the public-domain text shipped in llmkit/eval/texts/
+    text_file: str | None = None
+    # tokens per window (request)
+    window: int = Field(default=512, ge=2)
+    # sliding: a window starts every `stride` tokens (null = window / 2); llamacpp: must be null
+    stride: int | None = Field(default=None, ge=1)
+    # sliding: Hugging Face's strided perplexity; llamacpp: what llama-perplexity computes
+    # (non-overlapping windows, the second half of each scored)
+    mode: Literal["sliding", "llamacpp"] = "sliding"
+
+
 class EngineConfig(_Strict):
     model: ModelConfig
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -421,13 +435,10 @@ class EngineConfig(_Strict):
         return self
 
 
-class BenchToolConfig(_Strict):
-    """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
-    takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
+class ToolConfig(_Strict):
+    """A tool's config: the engine's inside, the tool's own sections beside it."""
 
     engine: EngineConfig
-    bench: BenchConfig = Field(default_factory=BenchConfig)
-    slo: SloConfig = Field(default_factory=SloConfig)
 
     def flat_dump(self, **kwargs) -> dict:
         """The config as ``llmkit config`` and result files show it: the engine's sections
@@ -438,6 +449,20 @@ class BenchToolConfig(_Strict):
                 value = getattr(self, name)
                 data[name] = value.model_dump(**kwargs) if value is not None else None
         return data
+
+
+class BenchToolConfig(ToolConfig):
+    """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
+    takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+
+class EvalToolConfig(ToolConfig):
+    """``llmkit eval ppl``: the engine that scores the text and the evaluation's settings."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
 
 class SimToolConfig(BenchToolConfig):
@@ -458,6 +483,8 @@ class ComposedConfig(EngineConfig):
     # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
     hardware: HardwareConfig | None = None
     sim: SimConfig = Field(default_factory=SimConfig)
+    # `llmkit eval ppl`
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (already validated: no second validation)."""
@@ -465,7 +492,7 @@ class ComposedConfig(EngineConfig):
         return EngineConfig.model_construct(
             _fields_set=self.model_fields_set & set(fields), **fields)
 
-    def tool_config(self, tool: type[BenchToolConfig]) -> BenchToolConfig:
+    def tool_config(self, tool: type[ToolConfig]) -> ToolConfig:
         sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
         return tool(engine=self.engine_config(), **sections)
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.schema import BenchToolConfig, ComposedConfig, EngineConfig
+from llmkit.config.schema import ComposedConfig, EngineConfig, ToolConfig
 
 __all__ = ["known_keys_text", "model_at", "validate_composed", "validate_engine_config",
            "validate_tool_config", "validation_error_to_config_error", "value_at"]
@@ -185,8 +185,9 @@ def validate_engine_config(data: dict) -> EngineConfig:
     return validate_composed(data).engine_config()
 
 
-def validate_tool_config(data: dict, tool: type[BenchToolConfig]) -> BenchToolConfig:
-    """A tool's config (``BenchToolConfig``, ``SimToolConfig``) of a composed document."""
+def validate_tool_config(data: dict, tool: type[ToolConfig]) -> ToolConfig:
+    """A tool's config (``BenchToolConfig``, ``SimToolConfig``, ``EvalToolConfig``) of a composed
+    document."""
     return validate_composed(data).tool_config(tool)
 
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from llmkit.config.errors import ConfigError
 
-COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim")
+COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "eval")
 BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
 SIM_SUBCOMMANDS = ("calibrate",)
+EVAL_SUBCOMMANDS = ("ppl",)
 EXIT_USAGE = 2
 
 USAGE = """\
@@ -35,6 +36,7 @@ commands:
   bench      benchmarks: bench serve|throughput|latency|plot
   sim        simulate bench serve on modelled hardware: sim [MODEL] hardware=NAME;
              sim calibrate measures this CPU (hardware=cpu-local)
+  eval       eval ppl [MODEL] eval.text_file=PATH: perplexity over a text file (JSON)
 
 MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
              model folder or a .gguf file
@@ -53,6 +55,7 @@ examples:
   llmkit bench plot sweep
   llmkit bench throughput ./my-model baseline=hf
   llmkit sim llama-2-7b hardware=h100-sxm bench.rate=8 bench.num_requests=2000 slo.ttft_ms=500
+  llmkit eval ppl eval.text_file=book.txt eval.window=512 eval.mode=llamacpp
 """
 
 
@@ -89,6 +92,10 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
     if command == "bench" and rest and rest[0] in BENCH_SUBCOMMANDS:
         args.subcommand, rest = rest[0], rest[1:]
     elif command == "sim" and rest and rest[0] in SIM_SUBCOMMANDS:
+        args.subcommand, rest = rest[0], rest[1:]
+    elif command == "eval":
+        if not rest or rest[0] not in EVAL_SUBCOMMANDS:
+            raise UsageError(f"eval needs a sub-command: {', '.join(EVAL_SUBCOMMANDS)}")
         args.subcommand, rest = rest[0], rest[1:]
     i = 0
     while i < len(rest):
@@ -153,13 +160,14 @@ def _cmd_config(args: CliArgs) -> int:
     """The engine's config; with the tools' sections that the command line sets (``llmkit
     config hardware=h100-sxm`` shows the hardware profile too)."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
-    from llmkit.config.schema import SimToolConfig
+    from llmkit.config.schema import EvalToolConfig, SimToolConfig
 
     runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
     texts = []
     for overrides in runs:
         sections = _tool_sections_named(overrides)
-        tool_cfg = load_config(args, overrides, tool=SimToolConfig)
+        tool_cfg = load_config(args, overrides,
+                               tool=EvalToolConfig if "eval" in sections else SimToolConfig)
         if sections:
             text = config_to_yaml(tool_cfg, tool_sections=sections)
         else:
@@ -265,6 +273,16 @@ def _cmd_sim(args: CliArgs) -> int:
         return e.code
 
 
+def _cmd_eval(args: CliArgs) -> int:
+    _no_multirun(args)
+    from llmkit.config.schema import EvalToolConfig
+
+    cfg = load_config(args, tool=EvalToolConfig)
+    from llmkit.eval.perplexity import run_eval_ppl
+
+    return int(run_eval_ppl(cfg) or 0)
+
+
 def _not_implemented(args: CliArgs) -> int:
     print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
     return EXIT_USAGE
@@ -277,6 +295,7 @@ HANDLERS = {
     "serve": _cmd_serve,
     "bench": _cmd_bench,
     "sim": _cmd_sim,
+    "eval": _cmd_eval,
 }
 
 
