@@ -490,12 +490,13 @@ def test_bench_spreads_requests_over_adapters(adapters):
     from llmkit.bench.client import ClientOptions, _payload
     from llmkit.bench.datasets import WorkloadError, build_workload
     from llmkit.bench.throughput import run_throughput
-    from llmkit.config.compose import build_config
+    from llmkit.config.compose import build_tool_config
+    from llmkit.config.schema import BenchToolConfig
 
     model_dir, r8, r16 = adapters["llama"]
     bench = {"num_requests": 6, "input_len": 12, "output_len": 4, "progress": False,
              "lora_names": ["a", "b"]}
-    cfg = build_config(str(model_dir), dtype="float32", groups={
+    cfg = build_tool_config(BenchToolConfig, str(model_dir), dtype="float32", groups={
         "lora": {"enabled": True, "modules": [f"a={r8}", f"b={r16}"]}, "bench": bench,
         "kv_cache": {"num_blocks": 128}})
     from transformers import AutoTokenizer

@@ -29,6 +29,11 @@ token counts, finish reason; and the engine's stats snapshot after each step.
 
 The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
 routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
+
+Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
+(``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
+with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
+process with a new one (the server does it when ``server.restart_engine`` is set).
 """
 from __future__ import annotations
 
@@ -44,11 +49,14 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
+from llmkit.engine.input_processor import InputProcessor, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.base import LoRARequest
+from llmkit.engine.step_feed import EngineStepFeed
+from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
@@ -57,7 +65,6 @@ from llmkit.scheduler.base import SchedulerStats
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
 
-PromptType = str | list[int]
 Message = Mapping[str, Any]
 
 logger = logging.getLogger(__name__)
@@ -109,6 +116,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.engine_core = engine_core
+        self._starting: MPClient | None = None  # a replacement engine core, while it loads
+        self.num_engine_restarts = 0
+        self.step_feed = EngineStepFeed()
         try:
             source = resolve_model_source(engine_config.model)
             self.model_source = source
@@ -118,20 +128,22 @@ class AsyncLLM:
                                                                    source.path)
             logger.info("%s", describe_defaults(engine_config.model,
                                                 self.default_sampling_fields))
-            self.vocab_size = int(getattr(source.hf_config, "vocab_size", None)
-                                  or len(self.tokenizer))
-            self._extra_stop_ids = list(source.eos_token_ids[1:])
             self._processor = OutputProcessor(self.tokenizer)
             self._tracker = RequestTracker(self._processor, engine_core, stat_logger)
             # Before wait_ready, which starts the client's reader thread (the engine sends
             # nothing before its first request, so nothing is missed meanwhile).
             engine_core.set_handlers(on_message=self._on_message_threadsafe,
-                                     on_death=self._on_death_threadsafe)
+                                     on_death=self._on_death_threadsafe,
+                                     on_summary=self._on_summary_threadsafe)
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
             raise
-        self.max_model_len = self.engine_core.max_model_len
+        # The engine's own facts (what it reported when ready) check every request here.
+        self.model_facts = self.engine_core.model_facts
+        self.max_model_len = self.model_facts.max_model_len
+        self.vocab_size = self.model_facts.vocab_size
+        self._inputs = InputProcessor(self.tokenizer, self.model_facts, engine_config)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -141,6 +153,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.engine_core.is_dead
+
+    @property
+    def restarting(self) -> bool:
+        """A new engine core process is loading (``restart_engine_core``)."""
+        return self._starting is not None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -185,43 +202,6 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is serving requests from another event loop")
         self._loop = loop
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-            ids = [int(t) for t in prompt]
-            self._check_token_ids("prompt", ids)
-            return None, ids
-        raise TypeError(f"prompt must be a str or a list of token ids, got "
-                        f"{type(prompt).__name__}")
-
-    def _check_token_ids(self, what: str, ids) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{what}: token id {t} is out of range (the vocabulary has "
-                                 f"{self.vocab_size} tokens)")
-
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        # Ids beyond the vocabulary would fail inside the engine's step, for the whole batch.
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
-            value = getattr(params, name, None)
-            if value:
-                self._check_token_ids(name, [int(t) for t in value])
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name, None)
-            if value is not None and value > self.vocab_size:
-                raise ValueError(f"{name}: at most the vocabulary size ({self.vocab_size}), "
-                                 f"got {value}")
-        changes: dict[str, Any] = {}
-        if self._extra_stop_ids:
-            changes["stop_token_ids"] = list(params.stop_token_ids or []) + self._extra_stop_ids
-        if getattr(params, "bad_words", None) and getattr(params, "bad_words_token_ids",
-                                                          None) is None:
-            from llmkit.sampling.bad_words import tokenize_bad_words
-            changes["bad_words_token_ids"] = tokenize_bad_words(params.bad_words, self.tokenizer)
-        return dataclasses.replace(params, **changes) if changes else params
-
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams | None = None, *,
                           n: int | None = None, priority: int = 0,
@@ -247,20 +227,15 @@ class AsyncLLM:
         params = sampling_params or self.get_default_sampling_params()
         if n is not None and n != params.n:
             params = dataclasses.replace(params, n=n)
-        text, ids = self._tokenize(prompt)
+        p = self._inputs.process(prompt, params, cache_salt=cache_salt)
+        text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
         if prompt_text is not None:
             text = prompt_text
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's "
-                             f"maximum context length ({self.max_model_len} tokens)")
         num_pending = self._tracker.num_pending
         if num_pending + params.n > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_pending} requests wait for their first "
                 f"token (server.max_waiting_requests={self.max_waiting_requests}); retry later")
-        params = self._engine_params(params)
         # The output processor fans n > 1 out into children "{i}_{id}" with seeds seed + i.
         children = self._processor.add_request(request_id, text, ids, params, output_kind) \
             or [(request_id, params)]
@@ -368,8 +343,69 @@ class AsyncLLM:
             return
         try:
             loop.call_soon_threadsafe(self._tracker.fail_all, err)
+            loop.call_soon_threadsafe(self.step_feed.fail, err)
         except RuntimeError:
             pass
+
+    def _on_summary_threadsafe(self, summary: EngineStepSummary) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.step_feed.latest = summary  # nobody listens in a loop yet
+            return
+        try:
+            loop.call_soon_threadsafe(self.step_feed.publish, summary)
+        except RuntimeError:
+            pass
+
+    # -- live views -------------------------------------------------------------------------
+    async def engine_snapshot(self, check_kv: bool = False,
+                              timeout: float = 10.0) -> EngineStepSummary:
+        """The engine core's state now (answered between two steps); with ``check_kv``, also
+        ``KVCacheManager.check_integrity()``'s verdict (``kv_integrity_error`` None = sound).
+        Raises ``EngineDeadError`` if the engine is not running, ``TimeoutError`` if it does
+        not answer within ``timeout`` s."""
+        self._bind_loop()
+        if not self.is_running:
+            raise self.dead_error
+        qid, fut = self.step_feed.new_query(asyncio.get_running_loop())
+        try:
+            self.engine_core.request_snapshot(qid, check_kv)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.step_feed.drop_query(qid)
+
+    async def restart_engine_core(self, startup_timeout: float = 900.0) -> None:
+        """Replace a dead engine core process with a new one (same config, same resolved
+        model) and serve again. Requests in flight have already failed with
+        ``EngineDeadError``; new ones are refused until the new core is ready. Raises
+        ``EngineStartupError`` if it fails to start (the old, dead one stays in place)."""
+        self._bind_loop()
+        old = self.engine_core
+        if self._shutdown:
+            raise EngineDeadError("the engine is shutting down")
+        if not old.is_dead:
+            raise RuntimeError("the engine core is alive; nothing to restart")
+        if self._starting is not None:
+            raise RuntimeError("a restart is already under way")
+        new = MPClient(old.config, wait=False)
+        self._starting = new
+        try:
+            new.set_handlers(on_message=self._on_message_threadsafe,
+                             on_death=self._on_death_threadsafe,
+                             on_summary=self._on_summary_threadsafe)
+            await asyncio.to_thread(new.wait_ready, startup_timeout)
+            if self._shutdown:  # the server stopped while the new core loaded
+                await asyncio.to_thread(new.shutdown, 2.0)
+                raise EngineDeadError("the engine is shutting down")
+        finally:
+            self._starting = None
+        self._tracker.fail_all(old.dead_error)  # nothing should be left; be sure
+        self.engine_core = new
+        self._tracker.engine_core = new
+        self._tracker.last_stats = None
+        self.max_model_len = new.max_model_len
+        self.num_engine_restarts += 1
+        await asyncio.to_thread(old.shutdown, 1.0)
 
     # -- shutdown ---------------------------------------------------------------------------
     def fail_in_flight(self, message: str = "the server is shutting down") -> None:
@@ -387,6 +423,9 @@ class AsyncLLM:
         """Stop the engine process (ask, wait ``timeout`` s, terminate, kill). Idempotent;
         blocking: from a coroutine use ``await asyncio.to_thread(llm.shutdown)``."""
         self._shutdown = True
+        starting = self._starting
+        if starting is not None:
+            starting.shutdown(timeout=1.0)
         self.engine_core.shutdown(timeout=timeout)
 
     def __enter__(self) -> "AsyncLLM":

@@ -4,14 +4,19 @@ exchanges with the API process over ZMQ.
 Messages are msgspec structs encoded with msgpack: token ids, plain numbers and strings, never
 tensors or pickled objects. Two PUSH/PULL sockets over IPC, both bound by the client:
 
-    API process ──(EngineCoreRequest | AbortRequests | ShutdownEngine | UtilityCall)──▶ core
-    API process ◀──(EngineReady | EngineCoreOutputs | EngineFailed | UtilityResult)─── core
+    API process ──(EngineCoreRequest | AbortRequests | EngineSnapshotQuery | UtilityCall |
+                   ShutdownEngine)──▶ engine core
+    API process ◀──(EngineReady | EngineCoreOutputs | EngineStepSummary | UtilityResult |
+                    EngineFailed)────── engine core
 
 The loop (``EngineCoreProc.run``) drains its input without blocking while requests are in
 flight and runs one ``EngineCore.step`` per turn; while idle it blocks on the input socket (a
 1 s timeout, to notice a dead parent), so an idle engine burns no CPU. Every batch of outputs
 carries the scheduler's stats snapshot (running, waiting, KV usage, prefix-cache counters,
 preemptions), and an abort is answered with one at once, so the API process sees freed blocks.
+Per-step summaries for live views (``step_summary.py``) go out at most
+``server.engine_events_per_s`` times a second, and once more when the engine goes idle; an
+``EngineSnapshotQuery`` is answered between steps.
 The process exits when told to, on SIGTERM, or when its parent dies; it ignores SIGINT (a
 Ctrl-C in a terminal reaches the whole process group; the parent orders the shutdown).
 """
@@ -29,6 +34,8 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
+                                        StepSummaryPublisher)
 from llmkit.lora.base import LoRARequest
 from llmkit.outputs import EngineCoreOutput
 from llmkit.sampling.params import SamplingParams
@@ -80,7 +87,8 @@ class ShutdownEngine(msgspec.Struct, array_like=True, tag="shutdown"):
     """Ask the engine process to stop after the current step."""
 
 
-EngineInput = Union[EngineCoreRequest, AbortRequests, ShutdownEngine, UtilityCall]
+EngineInput = Union[EngineCoreRequest, AbortRequests, EngineSnapshotQuery, ShutdownEngine,
+                    UtilityCall]
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -91,6 +99,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     block_size: int
     eos_token_id: int | None = None
+    # The rest of the engine's ModelFacts (the front end's input checks use them).
+    vocab_size: int = 0
+    eos_token_ids: list[int] = []
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -117,7 +128,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     errors: dict[str, str] = {}
 
 
-EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs, UtilityResult]
+EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs, EngineStepSummary,
+                      UtilityResult]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -190,10 +202,16 @@ class EngineCoreProc:
             self.output.close(linger=2000)  # let the message out before the process ends
             self.ctx.term()
             raise
+        self.summaries = StepSummaryPublisher(self.core, self.send,
+                                              config.server.engine_events_per_s)
+        if self.summaries.enabled:
+            self.summaries.install()
         self.send(EngineReady(pid=os.getpid(), max_model_len=self.core.max_model_len,
                               num_blocks=self.core.num_blocks,
                               block_size=config.kv_cache.block_size,
-                              eos_token_id=self.core.eos_token_id))
+                              eos_token_id=self.core.eos_token_id,
+                              vocab_size=self.core.model_facts.vocab_size,
+                              eos_token_ids=list(self.core.model_facts.eos_token_ids)))
 
     # -- I/O -------------------------------------------------------------------------------
     def send(self, msg: EngineMessage) -> None:
@@ -217,6 +235,7 @@ class EngineCoreProc:
             return
         aborted_outputs: list[EngineCoreOutput] = []
         errors: dict[str, str] = {}
+        queries: list[EngineSnapshotQuery] = []
         while not self.stop:
             try:
                 data = self.input.recv(zmq.NOBLOCK, copy=False)
@@ -231,9 +250,13 @@ class EngineCoreProc:
                 err = self.add_request(msg)
                 if err is not None:
                     errors[msg.request_id] = err
+                self.summaries.state_changed()
             elif isinstance(msg, AbortRequests):
                 outs = self.core.abort_requests(msg.request_ids)
                 aborted_outputs.extend(outs)
+                self.summaries.state_changed()
+            elif isinstance(msg, EngineSnapshotQuery):
+                queries.append(msg)
             elif isinstance(msg, ShutdownEngine):
                 self.stop = True
             elif isinstance(msg, UtilityCall):
@@ -244,6 +267,8 @@ class EngineCoreProc:
             self.send(EngineCoreOutputs(outputs=aborted_outputs, stats=self.core.stats(),
                                         timings=self.pop_timings(aborted_outputs),
                                         errors=errors))
+        for query in queries:  # after the aborts above: the snapshot shows their blocks freed
+            self.send(self.summaries.snapshot(query))
 
     def call_utility(self, msg: UtilityCall) -> UtilityResult:
         method = UTILITY_METHODS.get(msg.method)
@@ -291,13 +316,24 @@ class EngineCoreProc:
     def run(self) -> None:
         core = self.core
         while not self.stop:
-            self.drain_inputs(block=not core.has_unfinished_requests())
+            idle = not core.has_unfinished_requests()
+            if idle:
+                self.summaries.flush()  # the state the last steps left, before blocking
+            self.drain_inputs(block=idle)
             if self.stop:
                 break
             if core.has_unfinished_requests():
                 outputs = core.step()
+                # Requests the engine could not serve (a grammar that failed to compile) go
+                # back as errors: the API process answers them as refused requests.
+                errors = {o.request_id: str(o.stop_reason) for o in outputs
+                          if o.finish_reason == "error"}
+                if errors:
+                    outputs = [o for o in outputs if o.finish_reason != "error"]
+                    for rid in errors:
+                        self.requests.pop(rid, None)
                 self.send(EngineCoreOutputs(outputs=outputs, stats=core.stats(),
-                                            timings=self.pop_timings(outputs)))
+                                            timings=self.pop_timings(outputs), errors=errors))
             if not self.parent_alive():
                 logger.warning("engine core: the API process (pid %s) is gone; exiting",
                                self.parent_pid)

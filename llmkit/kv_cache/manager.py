@@ -15,7 +15,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
-from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool
+from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
 
@@ -359,6 +360,11 @@ class KVCacheManager(KVCacheManagerBase):
     def num_free_blocks(self) -> int:
         """Blocks available for allocation: empty, or cached and evictable (not pinned)."""
         return self.block_pool.num_free_blocks
+
+    @property
+    def num_prefix_cached_blocks(self) -> int:
+        """Blocks that hold a cached full block of some prefix (held by requests or free)."""
+        return len(self.block_pool.cached_block_hash_to_block)
 
     @property
     def num_pinned_blocks(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from llmkit.entrypoints.openai.errors import bad_request, param_of
 from llmkit.entrypoints.openai.protocol import SamplingFields
-from llmkit.sampling.params import SamplingParams
+from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["check_token_ids", "to_sampling_params"]
 
@@ -36,7 +36,9 @@ def check_token_ids(ids: list[int], param: str, vocab_size: int) -> None:
 
 def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                        vocab_size: int,
-                       defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                       defaults: Mapping[str, Any] | None = None,
+                       structured_outputs: StructuredOutputsParams | None = None
+                       ) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; a 400 for ids outside the
     vocabulary, for a field this build lacks, or for a value ``SamplingParams`` refuses.
     ``defaults``: the model's values for fields the request leaves unset (``None``)."""
@@ -59,6 +61,7 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs:
         "skip_special_tokens": req.skip_special_tokens,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
+        "structured_outputs": structured_outputs,
     }
     for name, value in defaults.items():
         if wanted.get(name) is None:
