@@ -303,7 +303,7 @@ def test_bad_adapters_fail_their_load_clearly(llama_llm, tmp_path):
 
 def test_unsupported_combinations_fail_at_start(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
-    with pytest.raises(ValueError, match="cannot be wrapped by LoRA"):
+    with pytest.raises(ConfigError, match="model.linear_method: .*cannot be wrapped by LoRA"):
         LLM(str(model_dir), dtype="float32", lora={"enabled": True},
             overrides=["model.linear_method=lora_adapters.NoLoRALinearMethod"])
     with pytest.raises(ConfigError, match="lora.modules"):

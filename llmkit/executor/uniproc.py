@@ -1,6 +1,8 @@
 """One worker in the engine-core process: the default on a single device."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from llmkit.attention import attention_backend_class
@@ -17,6 +19,8 @@ from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +81,11 @@ class UniprocExecutor(Executor):
             model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
         if lora is not None:
             self.runner.lora_manager = lora.manager(model)
+            if config.compilation.mode == "graphs" and not lora.ops.supports_step_graphs:
+                # Said once at start: the fast path is lost for those steps, not silently.
+                logger.warning("LoRA: the %s LoRA ops cannot run inside step graphs; decode "
+                               "steps where a row uses an adapter run eagerly (steps without "
+                               "adapters still use the graphs)", lora.ops.name)
 
     @property
     def model_facts(self) -> ModelFacts:

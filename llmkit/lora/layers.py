@@ -17,6 +17,7 @@ from typing import Hashable
 import torch
 from torch import nn
 
+from llmkit.config.errors import ConfigError
 from llmkit.linear.base import LinearMethod, LinearSpec
 from llmkit.lora.base import LoRALayerWeights, LoRAMapping
 from llmkit.lora.punica import StackedLoRA, TorchLoRAOps
@@ -31,9 +32,9 @@ class LoRALinearMethod(LinearMethod):
                  mapping: LoRAMapping, ops: TorchLoRAOps, module_names: tuple[str, ...],
                  on_logits: bool = False) -> None:
         if not getattr(base, "supports_lora", True):
-            raise ValueError(f"{spec.prefix}: linear method {base.describe()!r} cannot be "
-                             "wrapped by LoRA (lora.enabled=true needs another "
-                             "model.linear_method or quantization)")
+            raise ConfigError("model.linear_method", base.describe(), "", message=(
+                f"{spec.prefix}: linear method {base.describe()!r} cannot be wrapped by LoRA "
+                "(lora.enabled=true needs another model.linear_method, or lora.enabled=false)"))
         self.base = base
         self.spec = spec
         self.num_slots = num_slots
