@@ -317,6 +317,30 @@ def test_unsupported_combinations_fail_at_start(tiny_model_dir):
     llm.shutdown()
 
 
+def test_cli_generate_runs_with_lora_cli_adapter(llama_llm, capsys):
+    """``llmkit generate`` with ``lora.cli_adapter``: the text LLM gives under that adapter."""
+    from llmkit.config.compose import build_config
+    from llmkit.entrypoints.offline import run_generate, sampling_params_from
+
+    llm, good = llama_llm
+    model_dir = Path(llm.config.model.path)
+    cfg = build_config(str(model_dir), dtype="float32", groups={
+        "lora": {"enabled": True, "max_lora_rank": 8, "modules": [f"good={good}"],
+                 "cli_adapter": "good"},
+        "sampling": {"max_tokens": MAX_TOKENS}, "kv_cache": {"num_blocks": 64}})
+    params = sampling_params_from(cfg)
+    want = llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("good", 1, str(good)),
+                        use_tqdm=False)[0].outputs[0].text
+    base = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+    assert want != base  # the adapter changes this prompt's text
+    capsys.readouterr()
+    assert run_generate(cfg, PROMPTS[0]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    with pytest.raises(ConfigError, match="cli_adapter 'nope' is not an adapter"):
+        build_config(str(model_dir), groups={"lora": {"enabled": True, "cli_adapter": "nope",
+                                                      "modules": [f"good={good}"]}})
+
+
 def test_executor_and_scheduler_must_support_lora():
     from llmkit.engine.core import EngineCore
     from llmkit.scheduler.base import Scheduler

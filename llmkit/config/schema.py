@@ -175,6 +175,9 @@ class LoRAConfig(_Strict):
     # Starvation bound: a waiting request passed over this many steps because its adapter had
     # no free slot stops requests queued behind it from being admitted until it is.
     max_skipped_steps: int = Field(default=8, ge=1)
+    # The adapter (a lora.modules name) `llmkit generate` and `llmkit chat` run with; null =
+    # the base model. (The server and LLM pick an adapter per request.)
+    cli_adapter: str | None = None
 
     @field_validator("modules")
     @classmethod
@@ -198,6 +201,11 @@ class LoRAConfig(_Strict):
         if not self.enabled and (self.modules or self.allow_runtime_updates):
             raise ValueError("lora.modules and lora.allow_runtime_updates need "
                              "lora.enabled=true")
+        if self.cli_adapter is not None:
+            names = [name for name, _ in self.module_list()]
+            if self.cli_adapter not in names:
+                raise ValueError(f"lora.cli_adapter {self.cli_adapter!r} is not an adapter of "
+                                 f"lora.modules (names: {', '.join(names) or 'none'})")
         return self
 
     @property
