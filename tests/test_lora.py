@@ -535,3 +535,18 @@ def test_bench_spreads_requests_over_adapters(adapters):
     with pytest.raises(WorkloadError, match="not in lora.modules"):
         run_throughput(bad)
 
+
+def test_bench_latency_and_sim_refuse_lora_names():
+    """Tools that cannot spread requests over adapters refuse bench.lora_names (never ignore
+    it silently)."""
+    from llmkit.bench.latency import run_latency
+    from llmkit.config.compose import build_tool_config
+    from llmkit.config.schema import BenchToolConfig, SimToolConfig
+    from llmkit.sim.replay import run_sim
+
+    groups = {"bench": {"lora_names": ["a"]}}
+    with pytest.raises(ConfigError, match="bench.lora_names: bench latency"):
+        run_latency(build_tool_config(BenchToolConfig, groups=groups))
+    with pytest.raises(ConfigError, match="bench.lora_names: the simulator"):
+        run_sim(build_tool_config(SimToolConfig, groups=groups))
+
