@@ -25,9 +25,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"bench", "sim", "eval"}),
     # the front ends (LLM, AsyncLLM), the core loop and its process
     ("engine", {"engine"}),
-    # what the core assembles: who runs when, where KV lives, who computes, and how
+    # what the core assembles: who runs when, where KV lives, who computes, and how (lora:
+    # the runner's adapters and the LoRA methods it wraps the model's linear methods in)
     ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
-                 "platforms", "structured_output"}),
+                 "platforms", "structured_output", "lora"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
     ("model", {"models", "attention", "sampling", "linear", "ops", "request"}),
     # kernels (C++, Triton) with their torch references

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from llmkit.bench.datasets import build_workload
 from llmkit.bench.metrics import stats
+from llmkit.config.errors import ConfigError
 
 __all__ = ["format_latency", "run_latency"]
 
@@ -27,6 +28,10 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     from llmkit.engine.step_trace import StepTrace
 
     b = cfg.bench
+    if b.lora_names:
+        raise ConfigError("bench.lora_names", list(b.lora_names), "", message=(
+            "bench latency runs the base model only; spread requests over adapters with "
+            "bench serve or bench throughput"))
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)

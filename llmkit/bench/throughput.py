@@ -2,7 +2,8 @@
 against the Hugging Face ``generate`` baseline on the same model, prompts and lengths.
 
 All requests of the workload (``bench.dataset`` etc.; arrival times are ignored) go to one
-``LLM.generate`` call after an untimed warm-up request. Throughputs count completed requests
+``LLM.generate`` call after an untimed warm-up request; with ``bench.lora_names`` each runs
+with its ``lora.modules`` adapter. Throughputs count completed requests
 and their generated tokens over the wall time of that call. With ``bench.baseline=hf`` (or the
 shorthand ``baseline=hf``) the same prompt token ids run through ``transformers`` afterwards in
 the same process and thread count; ``ratio`` is llmkit's throughput over the baseline's (ratios,
@@ -29,6 +30,24 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
             "device": torch.device(info.device), "backend": dataclasses.asdict(info)}
 
 
+def _lora_requests(llm: Any, workload: list) -> list:
+    """Each request's adapter (``bench.lora_names``: names of ``lora.modules`` adapters)."""
+    from llmkit.bench.datasets import WorkloadError
+
+    names = {r.lora_name for r in workload} - {None}
+    if not names:
+        return [None] * len(workload)
+    if not llm.config.lora.enabled:
+        raise WorkloadError("bench.lora_names needs lora.enabled=true and the adapters in "
+                            "lora.modules")
+    loaded = {lr.lora_name: lr for lr in llm.list_loras()}
+    missing = sorted(names - set(loaded))
+    if missing:
+        raise WorkloadError(f"bench.lora_names: {', '.join(missing)} not in lora.modules "
+                            f"(loaded: {', '.join(sorted(loaded)) or 'none'})")
+    return [loaded[r.lora_name] if r.lora_name else None for r in workload]
+
+
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                    llm: Any = None) -> dict[str, Any]:
     """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
@@ -37,6 +56,10 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     from llmkit.bench.results import make_result
 
     b = cfg.bench
+    if b.lora_names and b.baseline == "hf":
+        from llmkit.bench.datasets import WorkloadError
+        raise WorkloadError("bench.baseline=hf runs the base model without adapters; it cannot "
+                            "be compared with bench.lora_names")
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
@@ -46,11 +69,13 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=b.ignore_eos,
                              temperature=b.temperature, seed=b.seed if b.temperature else None)
               for r in workload]
+    loras = _lora_requests(llm, workload)
     facts = _engine_facts(llm)
     llm.generate(prompts[0], SamplingParams(max_tokens=min(4, workload[0].max_tokens),
-                                            ignore_eos=True), use_tqdm=False)
+                                            ignore_eos=True), use_tqdm=False,
+                 lora_request=loras[0])
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=b.progress)
+    outs = llm.generate(prompts, params, use_tqdm=b.progress, lora_request=loras)
     elapsed = time.perf_counter() - t0
     prompt_ids = [list(o.prompt_token_ids) for o in outs]
     records = [{"prompt_tokens": len(o.prompt_token_ids),

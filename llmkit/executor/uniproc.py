@@ -1,12 +1,16 @@
 """One worker in the engine-core process: the default on a single device."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.lora.base import LoRARequest
+from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
@@ -15,6 +19,8 @@ from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +41,8 @@ def linear_method_factory(model_config, platform: Platform,
 
 
 class UniprocExecutor(Executor):
+    supports_lora = True
+
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
@@ -42,8 +50,13 @@ class UniprocExecutor(Executor):
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops,
-                           linear_method=linear_method_factory(config.model, platform, dtype))
+        linear_method = linear_method_factory(config.model, platform, dtype)
+        lora = None
+        if config.lora.enabled:
+            lora = LoRASetup(config.lora, source, platform, dtype,
+                             max_num_tokens=config.scheduler.max_num_batched_tokens)
+            linear_method = lora.wrap(linear_method)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
@@ -66,6 +79,13 @@ class UniprocExecutor(Executor):
         )
         self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
             model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
+        if lora is not None:
+            self.runner.lora_manager = lora.manager(model)
+            if config.compilation.mode == "graphs" and not lora.ops.supports_step_graphs:
+                # Said once at start: the fast path is lost for those steps, not silently.
+                logger.warning("LoRA: the %s LoRA ops cannot run inside step graphs; decode "
+                               "steps where a row uses an adapter run eagerly (steps without "
+                               "adapters still use the graphs)", lora.ops.name)
 
     @property
     def model_facts(self) -> ModelFacts:
@@ -92,6 +112,18 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove_adapter(lora_id)
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self.runner.lora_manager
+        if manager is None:
+            raise ValueError("LoRA adapters need lora.enabled=true")
+        return manager
 
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()

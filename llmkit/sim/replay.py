@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from llmkit.bench.datasets import WorkloadError, WorkloadRequest, build_workload
 from llmkit.bench.metrics import RequestRecord, request_record, summarize
+from llmkit.config.errors import ConfigError
 from llmkit.sim.virtual_clock import VirtualClock
 
 __all__ = ["SimRun", "build_sim_engine", "replay", "run_sim"]
@@ -213,6 +214,10 @@ def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any 
     from llmkit.sim.hardware import resolve_hardware
     from llmkit.sim.source import resolve_sim_model, workload_tokenizer
 
+    if cfg.bench.lora_names:
+        raise ConfigError("bench.lora_names", list(cfg.bench.lora_names), "", message=(
+            "the simulator models no LoRA adapters (their cost is not in its cost model); "
+            "leave bench.lora_names empty for llmkit sim"))
     model = resolve_sim_model(cfg)
     hardware = resolve_hardware(cfg)
     if tokenizer is None:

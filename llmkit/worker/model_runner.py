@@ -15,6 +15,7 @@ import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
+from llmkit.lora.manager import LoRAManager
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -77,6 +78,8 @@ class ModelRunner:
         self.make_step_graphs: Callable[[torch.nn.Module, list[torch.Tensor]],
                                         StepGraphs | None] | None = None
         self.step_graphs: StepGraphs | None = None
+        # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
+        self.lora_manager: LoRAManager | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -205,6 +208,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
+        if self.lora_manager is None:
+            return self._execute(so, inputs)
+        layout = inputs.logits
+        row_lora = self.batch.lora_id[inputs.rows]
+        self.lora_manager.prepare_step(np.repeat(row_lora, inputs.num_scheduled),
+                                       np.repeat(self.batch.lora_id[layout.rows],
+                                                 layout.num_logits))
+        try:
+            return self._execute(so, inputs)
+        finally:
+            self.lora_manager.end_step()
+
+    def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
         hidden = self._forward(inputs)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
@@ -238,7 +254,8 @@ class ModelRunner:
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
         if (graphs is not None and md.num_actual_tokens == md.num_reqs
-                and graphs.covers(md.num_reqs)):
+                and graphs.covers(md.num_reqs)
+                and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows
             return graphs.run(ids, positions, md.slot_mapping.to(self.device),
                               torch.from_numpy(self.batch.block_table[rows]).to(self.device),
@@ -291,7 +308,11 @@ class ModelRunner:
             if state is None:
                 continue
             row = int(inputs.rows[i])
-            prompt_logprobs.score_chunk(state, hidden, self.model.compute_logits,
+            compute_logits = self.model.compute_logits
+            if self.lora_manager is not None:  # the rows are this request's: its adapter
+                compute_logits = self.lora_manager.logits_fn(int(self.batch.lora_id[row]),
+                                                             compute_logits)
+            prompt_logprobs.score_chunk(state, hidden, compute_logits,
                                         self.batch.token_ids[row], int(inputs.query_starts[i]),
                                         int(inputs.computed[i]), int(inputs.num_scheduled[i]))
             if prompt_logprobs.finished(state):
