@@ -1,0 +1,81 @@
+"""Verifying draft tokens (speculative decoding) so that the output distribution is the
+target's.
+
+Each request brings K draft tokens and 1 + K logits rows (the target model's distribution at
+each draft position, plus one past the last draft). Walking the drafts in order:
+
+- greedy rows accept a draft while it equals the target's argmax; the first mismatch takes the
+  argmax instead, and when all K are accepted the last row's argmax is a bonus token;
+- sampled rows use the speculative-sampling rule (Leviathan et al., Chen et al.): accept draft x
+  with probability min(1, p(x) / q(x)), else sample from norm(max(0, p - q)). Drafts given as
+  tokens are a one-hot proposal q, so: accept with probability p(x), else sample from p with x
+  removed; the bonus row samples from p. The tokens returned are distributed exactly as the
+  target's own samples would be.
+
+``p`` is the row's distribution after every logits processor, penalty, temperature and
+top-k / top-p / min-p filter: the distribution a non-speculative step would sample from.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_GREEDY_EPS = 1e-5
+
+
+def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_ids: torch.Tensor,
+                  num_logits: list[int], generators: dict[int, torch.Generator],
+                  filtered_probs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  default_generator: torch.Generator
+                  ) -> tuple[torch.Tensor, list[list[int]]]:
+    """``(chosen [R], tokens per request)``: ``chosen[r]`` is the token logits row ``r``
+    stands for in the output (the accepted draft, the replacement, or the bonus; rows after a
+    rejection keep a sample nobody reads) and ``tokens[i]`` request i's accepted drafts plus
+    one token. ``filtered_probs(logits_rows, row_index)`` gives the rows' sampling
+    distribution."""
+    drafts = draft_token_ids
+    chosen = logits.argmax(dim=-1)
+    accepted = chosen == drafts
+    is_random = temperature >= _GREEDY_EPS
+    if bool(is_random.any()):
+        idx = is_random.nonzero().squeeze(1)
+        probs = filtered_probs(logits[idx], idx)
+        d = drafts[idx]
+        has_draft = d >= 0
+        pos = {int(r): i for i, r in enumerate(idx.tolist())}
+        gens = {pos[r]: g for r, g in generators.items() if r in pos}
+        u = _uniform((len(idx),), gens, default_generator, probs.device)
+        p_draft = probs.gather(1, d.clamp(min=0).unsqueeze(1)).squeeze(1)
+        accepted[idx] = has_draft & (u < p_draft)
+        # A rejected draft's replacement comes from p without it; the bonus row from p.
+        residual = probs.clone()
+        rows = has_draft.nonzero().squeeze(1)
+        residual[rows, d[rows]] = 0.0
+        noise = _uniform(residual.shape, gens, default_generator, probs.device)
+        chosen[idx] = residual.div_(noise.log_().neg_()).argmax(dim=-1)
+    accepted_list, chosen_list, drafts_list = (accepted.tolist(), chosen.tolist(),
+                                               drafts.tolist())
+    outputs: list[list[int]] = []
+    start = 0
+    for n in num_logits:
+        a = 0
+        while a < n - 1 and accepted_list[start + a]:
+            a += 1
+        outputs.append(drafts_list[start:start + a] + [chosen_list[start + a]])
+        for j in range(a):
+            chosen_list[start + j] = drafts_list[start + j]
+        start += n
+    return torch.tensor(chosen_list, dtype=torch.int64, device=logits.device), outputs
+
+
+def _uniform(shape: tuple[int, ...] | torch.Size, generators: dict[int, torch.Generator],
+             default: torch.Generator, device: torch.device) -> torch.Tensor:
+    """U[0, 1) per row; a seeded row draws from its own generator (its tokens then do not
+    depend on its batch)."""
+    u = torch.empty(shape, device=device)
+    if len(generators) < shape[0]:
+        u.uniform_(generator=default)
+    for row, gen in generators.items():
+        u[row].uniform_(generator=gen)
+    return u
