@@ -106,6 +106,65 @@ class PlatformConfig(_Component):
     native_kernels: Literal["auto", "on", "off"] = "auto"
 
 
+class SpeculativeConfig(_Component):
+    """Speculative decoding (group ``speculative``; vLLM's keys where vLLM has them): a
+    proposer drafts up to ``num_speculative_tokens`` tokens per decoding request and step, the
+    target verifies them in one forward (``llmkit/spec_decode/``)."""
+
+    # none | ngram | draft_model | eagle, or a registered proposer / a _target_ class path
+    name: str = "none"
+    # K: the most draft tokens per request and step
+    num_speculative_tokens: int = Field(default=0, ge=0)
+    # ngram (prompt lookup): the suffix lengths tried, longest first
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=5, ge=1)
+    # draft_model: a smaller model with the target's vocabulary (a preset, an HF folder or a
+    # .gguf); eagle: an EAGLE head's folder (config.json + weights)
+    model: str | None = None
+    # K shrinks as more rows are drafted, to 0 where rows x (1 + K) passes the ridge point
+    adaptive: bool = False
+    # vLLM's: no drafts in a step whose batch has at least this many running requests
+    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    # The tokens per forward where the model stops being memory-bound on this machine (what
+    # `adaptive` compares against); null = the platform measures it at start-up (a short timing
+    # of the model's forward at a few token counts). `llmkit sim` derives it from the profile.
+    ridge_tokens: int | None = Field(default=None, ge=1)
+    # `llmkit sim` only (no real engine reads it): the acceptance model, P(draft j accepted |
+    # drafts before it accepted) for j = 0, 1, ...; the last value repeats past the list
+    acceptance_rates: list[float] = Field(default_factory=lambda: [0.8, 0.7, 0.6, 0.5])
+
+    @field_validator("acceptance_rates")
+    @classmethod
+    def _probabilities(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 <= x <= 1.0 for x in v):
+            raise ValueError(f"must be a non-empty list of probabilities in [0, 1], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculativeConfig":
+        if self.name == "none":
+            return self
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative.num_speculative_tokens must be >= 1 with "
+                             f"speculative={self.name}, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must "
+                             f"be <= speculative.prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.name in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative.model is required with speculative={self.name} "
+                             "(a path or preset of the draft model / EAGLE head)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    @property
+    def runs_a_model(self) -> bool:
+        """Draft model and EAGLE write KV of their own at the draft positions (lookahead)."""
+        return self.name in ("draft_model", "eagle")
+
+
 class SamplingDefaults(_Strict):
     """Defaults that `llmkit generate` / `chat` use for their SamplingParams."""
 
@@ -319,6 +378,7 @@ class EngineConfig(_Strict):
     bench: BenchConfig = Field(default_factory=BenchConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
     hardware: HardwareConfig | None = None
     sim: SimConfig = Field(default_factory=SimConfig)
@@ -335,4 +395,9 @@ class EngineConfig(_Strict):
                 f"scheduler.max_num_batched_tokens ({s.max_num_batched_tokens}) must be >= "
                 f"model.max_model_len ({self.model.max_model_len}) when "
                 "scheduler.enable_chunked_prefill is false, or long prompts could never run")
+        spec = self.speculative
+        if spec.runs_a_model and s.num_lookahead_tokens < spec.num_speculative_tokens:
+            # A draft model writes its KV at up to K positions past the verified ones (vLLM
+            # sets num_lookahead_slots the same way).
+            s.num_lookahead_tokens = spec.num_speculative_tokens
         return self

@@ -14,6 +14,7 @@ def component_registries() -> dict[str, Registry]:
     from llmkit.platforms import PLATFORMS
     from llmkit.sampling import SAMPLERS
     from llmkit.scheduler import SCHEDULERS
+    from llmkit.spec_decode import PROPOSERS
 
     return {
         "scheduler": SCHEDULERS,
@@ -22,7 +23,12 @@ def component_registries() -> dict[str, Registry]:
         "sampler": SAMPLERS,
         "executor": EXECUTORS,
         "platform": PLATFORMS,
+        "speculative": PROPOSERS,
     }
+
+
+# Names a section accepts that are no registered implementation.
+_NOT_REGISTERED = {"attention": "auto", "speculative": "none"}
 
 
 def validate_components(config: EngineConfig) -> None:
@@ -35,8 +41,9 @@ def validate_components(config: EngineConfig) -> None:
             except ImportError as e:
                 raise ConfigError(f"{section}._target_", comp.target,
                                   f"an importable class path ({e})") from None
-        elif comp.name not in registry and not (section == "attention" and comp.name == "auto"):
-            allowed = registry.names() + (["auto"] if section == "attention" else [])
+        elif comp.name not in registry and comp.name != _NOT_REGISTERED.get(section):
+            allowed = registry.names() + ([_NOT_REGISTERED[section]]
+                                          if section in _NOT_REGISTERED else [])
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)

@@ -42,10 +42,15 @@ class EngineCore:
                                        eviction_policy=kv_cfg.eviction_policy,
                                        pinned_prefixes=self._pinned_prefix_ids())
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
+        sched_kwargs = {}
+        if config.speculative.name == "eagle":
+            sched_kwargs["drop_last_cached_block"] = True
         self.scheduler: Scheduler = sched_cls(config.scheduler, self.kv_cache_manager,
                                               max_model_len=self.max_model_len,
-                                              eos_token_id=self.eos_token_id, clock=clock)
+                                              eos_token_id=self.eos_token_id, clock=clock,
+                                              **sched_kwargs)
         self.clock = clock
+        self._speculative = config.speculative.enabled
         # Per-step stats as a Chrome trace (observability.trace_file); None = off.
         self.step_trace: StepTrace | None = StepTrace.from_config(
             getattr(config, "observability", None))
@@ -128,7 +133,8 @@ class EngineCore:
         if trace is not None:
             trace.executed()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if runner_output.draft_token_ids:
+        if runner_output.draft_token_ids or self._speculative:
+            # Also an empty dict: drafts are for the next step only.
             self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
         if trace is not None:
             trace.end_step(self.scheduler)

@@ -119,6 +119,8 @@ class SchedulerStats:
     step_num_scheduled_tokens: int = 0
     step_num_preemptions: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # the same counters for the latest step alone
+    step_spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class Scheduler(ABC):

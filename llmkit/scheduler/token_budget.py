@@ -29,12 +29,16 @@ class TokenBudgetScheduler(Scheduler):
         max_model_len: int,
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drop_last_cached_block: bool = False,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.clock = clock
+        # EAGLE: a prefix-cache hit leaves its last block to be recomputed (the head's KV at a
+        # position depends on the token after it, which only a matching next block fixes).
+        self.drop_last_cached_block = drop_last_cached_block
         self.requests: dict[str, Request] = {}
         self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
@@ -47,6 +51,7 @@ class TokenBudgetScheduler(Scheduler):
         self._step_preemptions = 0
         self._step_tokens = 0
         self._spec_stats = SpecDecodeStats()
+        self._step_spec_stats = SpecDecodeStats()
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,6 +131,7 @@ class TokenBudgetScheduler(Scheduler):
                 continue  # req itself was preempted; `i` already points at the next one
             num_scheduled[req.request_id] = n
             budget -= n
+            req.spec_token_ids = []  # drafts are verified once (or dropped with the step)
             if drafts:
                 spec_tokens[req.request_id] = drafts
             cached.req_ids.append(req.request_id)
@@ -141,6 +147,9 @@ class TokenBudgetScheduler(Scheduler):
                 req = self.waiting.peek()
                 if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
+                    if self.drop_last_cached_block and computed_blocks:
+                        computed_blocks = computed_blocks[:-1]
+                        num_hit -= kv.block_size
                 else:
                     # Cached positions have no logits: a request that still owes its prompt
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
@@ -245,6 +254,7 @@ class TokenBudgetScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._step_spec_stats = SpecDecodeStats()
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -267,6 +277,7 @@ class TokenBudgetScheduler(Scheduler):
                 if num_rejected:
                     self.kv.shrink_slots(req, req.num_computed_tokens)
                 self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
+                self._step_spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
             for tok in new_tokens:
                 req.append_output_token(tok)
@@ -347,4 +358,5 @@ class TokenBudgetScheduler(Scheduler):
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
             spec_decode=self._spec_stats.snapshot(),
+            step_spec_decode=self._step_spec_stats.snapshot(),
         )
