@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Engines in tests run eagerly unless a test asks for step graphs: a cold compile in every
+# fresh environment would cost minutes (conf/compilation/default.yaml reads this).
+os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
 
 from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 

@@ -65,6 +65,16 @@ class AttentionBackend(ABC):
         """Backends that need more per-step data (split plans, tile maps) extend it here."""
         return metadata
 
+    #: Whether ``decode_metadata`` exists: a decode step of this backend can be a step graph.
+    supports_step_graphs: bool = False
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor) -> AttentionMetadata:
+        """The metadata of a decode-only step (one token per row) built from tensors alone,
+        inside a step graph: ``block_table [rows, max_blocks]`` may be wider than needed."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no graph-safe decode "
+                                  "path")
+
     def warm_up(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
         """Called once the KV cache exists: compile or load kernels here, not in the first
         steps (the default has nothing to prepare)."""

@@ -200,6 +200,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 
+    @property
+    def supports_step_graphs(self) -> bool:  # type: ignore[override]
+        return self._in_place  # the ops' kernel reads the block table at any size
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor) -> CpuAttentionMetadata:
+        if not self._in_place:
+            return super().decode_metadata(slot_mapping, block_table, seq_lens)
+        rows = slot_mapping.shape[0]
+        return CpuAttentionMetadata(
+            num_reqs=rows, num_actual_tokens=rows, max_query_len=1, max_seq_len=0,
+            query_start_loc=None, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=[], seq_lens_cpu=[], block_size=0,
+            decode=PagedDecodePlan(None, block_table, seq_lens), prefills=[], all_decode=True,
+            has_skipped_slots=None)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(metadata, CpuAttentionMetadata):

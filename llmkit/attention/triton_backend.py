@@ -39,6 +39,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 
     decode_only: bool = False
     derived: dict = field(default_factory=dict)
+    # A step graph's decode step: no host-side lengths to plan KV splits from.
+    fixed_num_splits: int | None = None
 
 
 def _extend(metadata: AttentionMetadata) -> TritonAttentionMetadata:
@@ -68,6 +70,17 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, metadata: AttentionMetadata) -> TritonAttentionMetadata:
         return _extend(metadata)
 
+    supports_step_graphs = True
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor) -> TritonAttentionMetadata:
+        rows = slot_mapping.shape[0]
+        return TritonAttentionMetadata(
+            num_reqs=rows, num_actual_tokens=rows, max_query_len=1, max_seq_len=0,
+            query_start_loc=seq_lens, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, query_start_loc_cpu=[], seq_lens_cpu=[], block_size=0,
+            decode_only=True, fixed_num_splits=1)
+
     # -- per-step derived data, made by the first layer ------------------------------------
     @staticmethod
     def _meta(metadata: AttentionMetadata) -> TritonAttentionMetadata:
@@ -93,6 +106,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _num_splits(self, meta: TritonAttentionMetadata, num_kv_heads: int,
                     device: torch.device) -> int:
+        if meta.fixed_num_splits is not None:
+            return meta.fixed_num_splits
         key = ("splits", num_kv_heads)
         n = meta.derived.get(key)
         if n is None:

@@ -294,6 +294,13 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
             hydra_overrides.append(f"{key}={value}")
         elif value is None and key == RECIPE_GROUP:
             continue
+        elif isinstance(value, Mapping) and "name" in value and key in group_names:
+            # {"name": impl, ...}: select that implementation's file, then merge the rest.
+            name = value["name"]
+            options = group_options(key)
+            if name in options:
+                hydra_overrides.append(f"{key}={name}")
+            merges[key] = _plain(value)
         elif isinstance(value, Mapping):
             merges[key] = _plain(value)
         else:

@@ -164,6 +164,24 @@ class SpeculativeConfig(_Component):
         """Draft model and EAGLE write KV of their own at the draft positions (lookahead)."""
         return self.name in ("draft_model", "eagle")
 
+class CompilationConfig(_Strict):
+    """Step graphs (``llmkit/compilation/``): decode steps run as a compiled graph (CPU:
+    ``torch.compile`` with the C++ kernels as opaque ops) or a captured CUDA graph, one per
+    batch-size bucket; every other step, and ``mode=eager`` always, runs the eager model (the
+    reference)."""
+
+    # graphs = where the platform supports them (the default; conf/compilation/default.yaml
+    # reads LLMKIT_COMPILATION_MODE for it, which the test suite sets to eager)
+    mode: Literal["eager", "graphs"] = "graphs"
+    # CUDA: the batch sizes to capture (null = 1, 2, 4, 8, then multiples of 8 up to 256 and
+    # max_num_seqs); a decode step runs the smallest captured size >= its rows, padded.
+    cudagraph_capture_sizes: list[int] | None = None
+    # Where compiled graphs are cached (null = <llmkit cache>/compile).
+    cache_dir: str | None = None
+    # CPU: inductor's C++ wrapper (the graph's op calls from C++, not Python): ~3x less
+    # overhead per op, a longer first compile.
+    cpp_wrapper: bool = True
+
 
 class SamplingDefaults(_Strict):
     """Defaults that `llmkit generate` / `chat` use for their SamplingParams."""
@@ -373,6 +391,7 @@ class EngineConfig(_Strict):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
+    compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     server: ServerConfig = Field(default_factory=ServerConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

@@ -69,6 +69,8 @@ class UniprocExecutor(Executor):
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
             target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
             block_size=config.kv_cache.block_size, seed=config.seed))
+        self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
+            model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
 
     @property
     def model_facts(self) -> ModelFacts:

@@ -10,12 +10,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable
 
+import logging
+
 import torch
 
-from llmkit.config.schema import PlatformConfig
+from llmkit.compilation.base import StepGraphs
+from llmkit.config.schema import CompilationConfig, PlatformConfig
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.torch_linear import TorchLinearMethod
 from llmkit.ops.base import ModelOps
+
+logger = logging.getLogger(__name__)
 
 
 class Platform(ABC):
@@ -48,6 +53,15 @@ class Platform(ABC):
         """The linear method for each linear layer of a model of ``dtype`` (the platform's
         choice from the layer's spec; a method may dispatch by row count inside itself)."""
         return lambda spec: TorchLinearMethod()
+
+    def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                    config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
+        """The step graphs for ``model`` (``compilation.mode=graphs``), or None: decode
+        steps then run eagerly (this platform has none)."""
+        if config.mode == "graphs":
+            logger.info("compilation.mode=graphs: platform %r has no step graphs; decode steps "
+                        "run eagerly", self.name)
+        return None
 
     def native_kernels(self, dtype: torch.dtype):
         """llmkit's C++ kernels for this device and ``dtype`` (``torch.ops.llmkit_cpu``), or

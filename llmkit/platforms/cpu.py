@@ -5,7 +5,10 @@ import os
 
 import torch
 
+from llmkit.compilation.base import StepGraphs
+from llmkit.config.schema import CompilationConfig
 from llmkit.kernels.cpu_native import cpu_flags
+from llmkit.models.default_model import cache_dir
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
@@ -57,6 +60,24 @@ class CpuPlatform(Platform):
         pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
         widen = pack and dtype == torch.bfloat16 and not has_native_bf16()
         return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen)
+
+    def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                    config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
+        """Decode steps of up to the C++ linear's rows compiled by inductor (the graph needs
+        the C++ kernels: with torch ops the attention backend has no graph-safe decode)."""
+        if config.mode != "graphs":
+            return None
+        if not model.attn_backend.supports_step_graphs:
+            logger.warning("compilation.mode=graphs: attention backend %r (ops %r) has no "
+                           "graph-safe decode path; decode steps run eagerly",
+                           model.attn_backend.name, model.ctx.ops.name)
+            return None
+        from llmkit.compilation.inductor import InductorStepGraphs
+
+        cache = config.cache_dir or str(cache_dir() / "compile")
+        return InductorStepGraphs(model, kv_caches,
+                                  min(CpuLinearMethod.small_batch_max_rows, max_num_seqs),
+                                  cpp_wrapper=config.cpp_wrapper, cache_dir=cache)
 
     def native_kernels(self, dtype: torch.dtype):
         # Asked by ops() and linear_method_factory(): build (or warn about a failed build) once.

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import torch
 
+from llmkit.compilation.base import StepGraphs
+from llmkit.config.schema import CompilationConfig
 from llmkit.ops.base import ModelOps
 from llmkit.platforms.base import Platform
 
@@ -21,3 +23,10 @@ class CudaPlatform(Platform):
     def ops(self, dtype: torch.dtype) -> ModelOps:
         from llmkit.ops.triton_ops import TritonOps
         return TritonOps()
+
+    def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                    config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
+        if config.mode != "graphs" or not model.attn_backend.supports_step_graphs:
+            return None
+        from llmkit.compilation.cuda_graphs import CudaStepGraphs
+        return CudaStepGraphs(model, kv_caches, max_num_seqs, config.cudagraph_capture_sizes)

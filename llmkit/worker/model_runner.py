@@ -6,12 +6,15 @@ n tokens starting at position p, its blocks are B" to ``input_ids``, ``positions
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.compilation.base import StepGraphs
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -21,6 +24,8 @@ from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
+
+logger = logging.getLogger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -37,7 +42,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # built by the backend only for eager steps
     logits_indices: torch.Tensor  # rows of hidden states to compute logits at
     logits: LogitsLayout  # which batch rows sample, and at how many positions each
     req_ids: list[str]  # scheduled requests, in batch-row order
@@ -69,6 +74,10 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, PromptLogprobsState] = {}
         # Speculative decoding: proposes draft tokens after each step's sampling.
         self.proposer: Proposer | None = None
+        # Step graphs (compilation.mode=graphs): made once the KV cache exists.
+        self.make_step_graphs: Callable[[torch.nn.Module, list[torch.Tensor]],
+                                        StepGraphs | None] | None = None
+        self.step_graphs: StepGraphs | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -96,6 +105,12 @@ class ModelRunner:
             self.proposer.bind_kv_caches([
                 _zeros(self.attn_backend.kv_cache_shape(num_blocks, self.block_size, h, d),
                        self.kv_cache_dtype, self.device) for h, d in draft_layers])
+        if self.make_step_graphs is not None:
+            self.step_graphs = self.make_step_graphs(self.model, self.kv_caches)
+        if self.step_graphs is not None:
+            seconds = self.step_graphs.capture(self.batch.block_table.shape[1])
+            logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
+                        self.step_graphs.name, self.step_graphs.max_rows, seconds)
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int) -> float:
@@ -211,7 +226,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
-            attn_metadata=self.attn_backend.build_metadata(metadata),
+            attn_metadata=metadata,
             logits_indices=torch.from_numpy(logits_indices),
             logits=LogitsLayout(rows[sample_idx], num_logits, drafts),
             req_ids=req_ids,
@@ -229,8 +244,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
-        hidden = self.model(inputs.input_ids.to(self.device), inputs.positions.to(self.device),
-                            self.kv_caches, inputs.attn_metadata)
+        hidden = self._forward(inputs)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
@@ -280,6 +294,20 @@ class ModelRunner:
                   torch.tensor(d, device=self.device)] = 1.0
             start += n
         return q
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's hidden states: through a step graph for a decode-only step it covers,
+        else eagerly."""
+        md = inputs.attn_metadata
+        graphs = self.step_graphs
+        ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
+        if (graphs is not None and md.num_actual_tokens == md.num_reqs
+                and graphs.covers(md.num_reqs)):
+            rows = inputs.rows
+            return graphs.run(ids, positions, md.slot_mapping.to(self.device),
+                              torch.from_numpy(self.batch.block_table[rows]).to(self.device),
+                              md.seq_lens.to(self.device))
+        return self.model(ids, positions, self.kv_caches, self.attn_backend.build_metadata(md))
 
     @staticmethod
     def _bitmask_rows(so: SchedulerOutput) -> dict[str, int]:

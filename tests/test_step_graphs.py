@@ -1,0 +1,56 @@
+"""Step graphs (compilation.mode=graphs): decode steps through inductor-compiled graphs of the
+same forward compute exactly what eager computes (the graph's nodes are the same C++ kernels),
+for one row and for the dynamic 2..8-row graph; other steps stay eager.
+
+These tests compile (tens of seconds each on 2 cores, cached on disk afterwards); every other
+test runs eagerly (tests/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+
+from llmkit import LLM, SamplingParams
+from llmkit.compilation.inductor import InductorStepGraphs
+
+PROMPTS = [[5, 9, 33, 2, 71, 8], [17] * 20, [40, 41, 42], [7, 8, 9, 10], [3] * 9]
+
+
+def generate(model_dir, mode: str, dtype: str, prompts, **groups):
+    llm = LLM(str(model_dir), dtype=dtype, compilation={"mode": mode}, **groups)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "bfloat16")])
+def test_graph_decode_steps_are_bit_identical_to_eager(tiny_model_dir, arch, dtype, monkeypatch):
+    model_dir = tiny_model_dir(arch)
+    runs = {"graph": 0}
+    run = InductorStepGraphs.run
+
+    def counting_run(self, *args):
+        runs["graph"] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(InductorStepGraphs, "run", counting_run)
+    for prompts in (PROMPTS[:1], PROMPTS):  # one row, then 2..5 rows (the dynamic graph)
+        _, eager = generate(model_dir, "eager", dtype, prompts)
+        assert runs["graph"] == 0
+        llm, graph = generate(model_dir, "graphs", dtype, prompts)
+        assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+        assert runs["graph"] >= 11  # every decode step of the 12 tokens went through a graph
+        runs["graph"] = 0
+        for e, g in zip(eager, graph):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+            for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+                assert {t: v.logprob for t, v in lp_g.items()} == \
+                    {t: v.logprob for t, v in lp_e.items()}  # the same bits
+
+
+def test_graphs_need_the_cpp_kernels(tiny_model_dir, caplog):
+    """With torch ops (native kernels off) the CPU backend has no graph-safe decode path: the
+    engine says so and runs eagerly."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", compilation={"mode": "graphs"},
+              platform={"native_kernels": "off"})
+    assert llm.engine.executor.runner.step_graphs is None
+    assert "no graph-safe decode path" in caplog.text
