@@ -232,3 +232,33 @@ def build_eagle_head_dir(target_dir: Path, out: Path, *, seed: int = 0,
     config.save_pretrained(str(out))
     save_file(tensors, str(out / "model.safetensors"))
     return out
+
+
+def build_successor_model_dir(out: Path, tokenizer, *, seed: int = 0,
+                              layer_scale: float = 0.5) -> Path:
+    """A tiny Llama whose greedy continuation counts up: the LM head is the embedding shifted by
+    one (token x's embedding scores x + 1), its layers' outputs scaled by ``layer_scale`` so
+    that they still move every logit (a wrong KV entry shows in the logprobs) without changing
+    the argmax. Prompts with ascending runs make its outputs copy from its inputs (n-gram
+    drafts get accepted where the run continues and rejected where the prompt's run ends)."""
+    from transformers import AutoModelForCausalLM
+
+    config = make_config("llama", tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            param.mul_(3.0)
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.nn.functional.normalize(torch.randn_like(emb), dim=1) * 8.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(torch.roll(emb, 1, dims=0))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -49,7 +49,10 @@ def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_i
         has_draft = d >= 0
         pos = {int(r): i for i, r in enumerate(idx.tolist())}
         gens = {pos[r]: g for r, g in generators.items() if r in pos}
-        u = _uniform((len(idx),), gens, default_generator, probs.device)
+        # A seeded row draws its acceptance uniform only when it has a draft, so that a row
+        # without one consumes its generator as a plain sampling step does.
+        u = _uniform((len(idx),), {i: g for i, g in gens.items() if bool(has_draft[i])},
+                     default_generator, probs.device)
         safe_d = d.clamp(min=0).unsqueeze(1)
         p_draft = probs.gather(1, safe_d).squeeze(1)
         if draft_probs is None:

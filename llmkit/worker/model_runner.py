@@ -301,12 +301,23 @@ class ModelRunner:
         md = inputs.attn_metadata
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
-        if (graphs is not None and md.num_actual_tokens == md.num_reqs
-                and graphs.covers(md.num_reqs)):
+        if graphs is not None and graphs.covers(md.num_actual_tokens):
             rows = inputs.rows
-            return graphs.run(ids, positions, md.slot_mapping.to(self.device),
-                              torch.from_numpy(self.batch.block_table[rows]).to(self.device),
-                              md.seq_lens.to(self.device))
+            if md.num_actual_tokens == md.num_reqs:
+                return graphs.run(ids, positions, md.slot_mapping.to(self.device),
+                                  torch.from_numpy(self.batch.block_table[rows]).to(self.device),
+                                  md.seq_lens.to(self.device))
+            layout = inputs.logits
+            if len(layout.rows) == len(rows) and bool((layout.num_logits
+                                                       == inputs.num_scheduled).all()):
+                # Decoding rows verifying drafts: each token is a decode row over its context
+                # up to itself (every K/V is written before attention), so the decode graph
+                # computes the step with one block-table row and length per token.
+                per_token = np.repeat(rows, inputs.num_scheduled)
+                return graphs.run(
+                    ids, positions, md.slot_mapping.to(self.device),
+                    torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
+                    (positions + 1).to(torch.int32))
         return self.model(ids, positions, self.kv_caches, self.attn_backend.build_metadata(md))
 
     @staticmethod
