@@ -34,16 +34,17 @@ def run(llm, prompts: list[list[int]], max_tokens: int, salt: str) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = llm.engine.stats().spec_decode
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params,
                         use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = llm.engine.stats().spec_decode
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     proposed = after.num_draft_tokens - before.num_draft_tokens
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "s": elapsed,
+    return {"tok_s": tokens / elapsed, "tok_cpu_s": tokens / cpu, "tokens": tokens,
+            "s": elapsed,
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate": accepted / proposed if proposed else None,
             "outputs": [o.outputs[0].token_ids for o in outs]}
@@ -61,6 +62,7 @@ def compare(engines: dict, names: tuple[str, str], batch: int, prompts: list[lis
             res[name].append(run(engines[name], chosen, max_tokens, f"{tag}-{rep}-{name}"))
     same = all(x["outputs"] == y["outputs"] for x, y in zip(res[a], res[b]))
     ratios = [y["tok_s"] / x["tok_s"] for x, y in zip(res[a], res[b])]
+    cpu_ratios = [y["tok_cpu_s"] / x["tok_cpu_s"] for x, y in zip(res[a], res[b])]
     acc = [r["acceptance_length"] for r in res[b] if r["acceptance_length"] is not None]
     return {
         "batch": batch, "baseline": a, "engine": b,
@@ -68,6 +70,9 @@ def compare(engines: dict, names: tuple[str, str], batch: int, prompts: list[lis
         "engine_tok_s": statistics.median(r["tok_s"] for r in res[b]),
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
         "ratio_max": max(ratios), "ratios": ratios,
+        # the same from CPU time (this process's): robust to a busy machine's descheduling
+        "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
+        "cpu_ratio_max": max(cpu_ratios),
         "mean_acceptance_length": statistics.median(acc) if acc else None,
         "greedy_identical": same,
     }
@@ -83,6 +88,8 @@ def main() -> None:
                     "default if unset)")
     ap.add_argument("--ridge-tokens", type=int, default=None,
                     help="speculative.ridge_tokens for adaptive (default: measured)")
+    ap.add_argument("--threads", type=int, default=0, help="platform.num_threads (0 = all); "
+                    "1 on a shared machine: no thread waits for a descheduled sibling")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -91,13 +98,15 @@ def main() -> None:
     spec = {"name": "ngram"}
     if args.k:
         spec["num_speculative_tokens"] = args.k
-    engines = {"none": LLM(None), "ngram": LLM(None, speculative=spec)}
+    common = {"platform": {"num_threads": args.threads}}
+    engines = {"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)}
     if args.adaptive_batch:
         engines["adaptive"] = LLM(None, speculative={**spec, "adaptive": True,
-                                                     "ridge_tokens": args.ridge_tokens})
+                                                     "ridge_tokens": args.ridge_tokens},
+                                  **common)
     prompts = load_prompts(engines["none"])
     for llm in engines.values():  # warm-up: first-step costs are no part of any figure
-        run(llm, prompts[:2], 8, "warmup")
+        run(llm, prompts[:4], 32, "warmup")
     results = []
     for batch in [int(b) for b in args.batches.split(",") if b]:
         r = compare(engines, ("none", "ngram"), batch, prompts, args.reps, args.max_tokens,
