@@ -15,9 +15,12 @@ kernel (most outputs bit-equal, the rest a bf16 step away); float32 attention an
 reorder sums only.
 
 They are built on first use with torch's C++ extension builder (a C++ compiler and ninja;
-~20 s on 2 cores) into ``~/.cache/llmkit/cpu_kernels/<key>`` (``LLMKIT_CACHE_DIR``
-moves it), keyed by the sources, torch's version and the compile flags; later processes load
-the built library in milliseconds. The platform decides whether they are used
+~20 s on 2 cores) into ``<llmkit cache>/cpu_kernels/<key>`` (``$LLMKIT_CACHE``, default
+``~/.cache/llmkit``), keyed by everything the build depends on (``build_inputs``: the sources,
+torch's version, the include paths, the compiler, the flags, Python), so that environments
+sharing a home folder each keep their own build instead of rebuilding each other's (torch's
+``build.ninja`` names the environment's include paths); later processes load the built
+library in milliseconds. The platform decides whether they are used
 (``platform.native_kernels``).
 """
 from __future__ import annotations
@@ -26,10 +29,17 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import torch
+
+from llmkit.config.paths import cache_dir
+from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +75,52 @@ def compile_flags() -> list[str]:
     return flags
 
 
-def _build_key(flags: list[str]) -> str:
+LINK_FLAGS = ["-fopenmp"]
+
+
+@functools.cache
+def compiler_identity() -> str:
+    """The C++ compiler torch's builder runs (``$CXX`` or ``c++``): its resolved path and the
+    first line of its ``--version``."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx) or cxx
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.partition("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown"
+    return f"{os.path.realpath(path)} {version}"
+
+
+def include_paths() -> list[str]:
+    """Every include folder of the build, as torch's builder writes them into build.ninja:
+    torch's (inside this environment), Python's, and the kernels' own."""
+    from torch.utils import cpp_extension
+
+    return [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(SOURCE_DIR)]
+
+
+def build_inputs(flags: list[str]) -> dict[str, str]:
+    """Everything the built library depends on; the build folder is keyed by all of it."""
     digest = hashlib.sha256()
     for path in sorted(SOURCE_DIR.glob("*")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(torch.__version__.encode())
-    digest.update(" ".join(flags).encode())
+    return {"sources": digest.hexdigest(), "torch": torch.__version__,
+            "include_paths": os.pathsep.join(include_paths()),
+            "compiler": compiler_identity(), "flags": " ".join(flags + LINK_FLAGS),
+            "python": f"{sys.implementation.cache_tag} {sysconfig.get_platform()}"}
+
+
+def _build_key(inputs: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(inputs):
+        digest.update(f"{name}={inputs[name]}\0".encode())
     return digest.hexdigest()[:16]
 
 
 def build_directory(key: str) -> Path:
-    root = os.environ.get("LLMKIT_CACHE_DIR") or os.path.join(Path.home(), ".cache", "llmkit")
-    return Path(root) / "cpu_kernels" / key
+    return cache_dir() / "cpu_kernels" / key
 
 
 def _first_error(exc: BaseException) -> str:
@@ -96,16 +139,18 @@ def load_cpu_kernels():
     from torch.utils import cpp_extension
 
     flags = compile_flags()
-    key = _build_key(flags)
+    key = _build_key(build_inputs(flags))
     directory = build_directory(key)
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)],
-            build_directory=str(directory), is_python_module=False, with_cuda=False,
-            verbose=False)
+        with startup_step("building llmkit's C++ CPU kernels (once per environment; "
+                          "20-40 s on 2 cores)"):
+            cpp_extension.load(
+                name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
+                extra_cflags=flags, extra_ldflags=LINK_FLAGS,
+                extra_include_paths=[str(SOURCE_DIR)], build_directory=str(directory),
+                is_python_module=False, with_cuda=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error
         raise CpuKernelBuildError(f"building llmkit's CPU kernels in {directory} failed: "
                                   f"{_first_error(exc)}") from exc

@@ -1,8 +1,8 @@
 """llmkit: LLM inference and serving from swappable components assembled by config."""
 from llmkit.outputs import CompletionOutput, Logprob, RequestOutput
-from llmkit.sampling.params import SamplingParams
+from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -10,12 +10,17 @@ from llmkit.sampling.params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
+    # Structured output: its grammar compiles in the background; it joins WAITING when ready.
+    WAITING_FOR_FSM = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
+    # The engine could not serve it (its grammar failed to compile); the message is the
+    # output's ``stop_reason``.
+    FINISHED_ERROR = 8
 
     @property
     def finished(self) -> bool:
@@ -32,14 +37,18 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     # A refused request (prompt too long) reports "length" as vLLM does.
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 _S = RequestStatus
-_FINISHED = {_S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}
+_FINISHED = {_S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED,
+             _S.FINISHED_ERROR}
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}),
+    _S.WAITING: frozenset({_S.WAITING_FOR_FSM, _S.RUNNING, _S.FINISHED_ABORTED,
+                           _S.FINISHED_IGNORED}),
+    _S.WAITING_FOR_FSM: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.RUNNING: frozenset({_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED,
-                           _S.FINISHED_ABORTED}),
+                           _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
     **{s: frozenset() for s in _FINISHED},
 }
@@ -73,6 +82,7 @@ class Request:
         "cache_salt", "lora_id", "mm_hashes", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "times", "block_hashes", "max_tokens", "arrival_index", "spec_token_ids",
+        "structured_output_request",
     )
 
     def __init__(
@@ -112,6 +122,9 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding): verified, never
         # part of all_token_ids until accepted.
         self.spec_token_ids: list[int] = []
+        # Its grammar and matcher (llmkit.structured_output), set by the scheduler's
+        # structured-output manager when ``sampling_params.structured_outputs`` is given.
+        self.structured_output_request: Any = None
 
     # -- state machine -------------------------------------------------------------------
     def set_status(self, new: RequestStatus) -> None:
@@ -123,6 +136,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     # -- tokens --------------------------------------------------------------------------
     @property

@@ -4,6 +4,10 @@
 it emits ``max_tokens`` chunks with known delays (the first after ``first_delay_s``, then one
 every ``gap_s``), so the client's timestamps have known lower bounds.
 
+``tokens_per_chunk=k`` packs k tokens into each chunk (as a busy server does): the chunk is sent
+when its last token is due; ``stream_options.continuous_usage_stats`` puts the usage so far on
+every chunk (``continuous_usage=False`` ignores it, as a server without it would).
+
 ``serial=True`` serves one request at a time (the others wait in a queue, as in a busy engine):
 the k-th request's TTFT then includes k - 1 whole services. Prompts whose first token id is
 ``FAIL_TOKEN`` get a 400 in OpenAI's error body. Runs uvicorn in a thread on 127.0.0.1.
@@ -38,7 +42,8 @@ class FakeState:
 
 
 def make_app(first_delay_s: float = 0.1, gap_s: float = 0.02, serial: bool = False,
-             model: str = "fake-model"):
+             model: str = "fake-model", tokens_per_chunk: int = 1,
+             continuous_usage: bool = True):
     app = FastAPI()
     state = FakeState()
     app.state.fake = state
@@ -60,6 +65,8 @@ def make_app(first_delay_s: float = 0.1, gap_s: float = 0.02, serial: bool = Fal
                 "param": "prompt", "code": None}})
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         empty = isinstance(prompt, list) and prompt[0] == EMPTY_TOKEN
+        per_chunk = continuous_usage and bool(
+            (body.get("stream_options") or {}).get("continuous_usage_stats"))
 
         async def events():
             state.inflight += 1
@@ -71,11 +78,18 @@ def make_app(first_delay_s: float = 0.1, gap_s: float = 0.02, serial: bool = Fal
                         if i:
                             await asyncio.sleep(gap_s)
                         last = i == n - 1
-                        if empty and not last:
+                        if (empty or (i + 1) % tokens_per_chunk) and not last:
                             continue
-                        choice = {"index": 0, "text": "" if empty else f" t{i}",
+                        first = i - (i % tokens_per_chunk)
+                        text = "" if empty else "".join(f" t{j}" for j in range(first, i + 1))
+                        choice = {"index": 0, "text": text,
                                   "logprobs": None, "finish_reason": "length" if last else None}
-                        yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                        chunk = {"choices": [choice]}
+                        if per_chunk:
+                            chunk["usage"] = {"prompt_tokens": n_prompt,
+                                              "completion_tokens": i + 1,
+                                              "total_tokens": n_prompt + i + 1}
+                        yield f"data: {json.dumps(chunk)}\n\n"
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": n,
                          "total_tokens": n_prompt + n}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"

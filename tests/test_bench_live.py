@@ -93,6 +93,7 @@ def test_bench_serve_against_live_server(live, tmp_path, capsys):
         r = recs[w.request_id]
         assert r["prompt_tokens"] == w.prompt_len
         assert r["output_tokens"] == w.max_tokens  # ignore_eos: exactly max_tokens
+        assert len(r["itl_ms"]) == r["output_tokens"] - 1  # one ITL per token after the first
     # no SLO is violated at 60 s: goodput equals request throughput
     assert doc["summary"]["goodput"] == pytest.approx(doc["summary"]["request_throughput"])
 

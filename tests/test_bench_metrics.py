@@ -43,10 +43,27 @@ def test_ttft_includes_queueing():
 
 
 def test_tpot_uses_reported_token_count_not_chunks():
-    # 2 chunks but the server reported 5 tokens (several tokens per chunk)
+    # 2 chunks but the server reported 5 tokens (several tokens per chunk), with no count per
+    # chunk: the 3 tokens no chunk announced are put on the last one
     r = request_record(0.0, [0.2, 1.0], 1.0, output_tokens=5)
     assert r.tpot_ms == pytest.approx((1000.0 - 200.0) / 4)
-    assert r.itl_ms == pytest.approx([800.0])
+    assert r.itl_ms == pytest.approx([200.0] * 4)
+
+
+def test_itl_has_one_entry_per_token_split_over_each_chunk():
+    """Chunks of 2, 1, 3 tokens at 0.2, 0.5, 1.1 s: the first chunk's second token has ITL 0,
+    the second chunk's gap is its one token's, the third's 600 ms is split over 3 tokens."""
+    r = request_record(0.0, [0.2, 0.5, 1.1], 1.1, output_tokens=6, chunk_tokens=[2, 1, 3])
+    assert r.itl_ms == pytest.approx([0.0, 300.0, 200.0, 200.0, 200.0])
+    assert len(r.itl_ms) == r.output_tokens - 1
+    assert sum(r.itl_ms) / len(r.itl_ms) == pytest.approx(r.tpot_ms)
+    # a finish that came alone (0 tokens at 0.9) is no token time; the one token of the
+    # reported total that no chunk announced goes on the last chunk with tokens (0.5 s)
+    r = request_record(0.0, [0.2, 0.5, 0.9], 0.9, output_tokens=4, chunk_tokens=[1, 2, 0])
+    assert r.itl_ms == pytest.approx([100.0, 100.0, 100.0])
+    assert r.e2el_ms == pytest.approx(900.0)
+    with pytest.raises(ValueError, match="one count per chunk"):
+        request_record(0.0, [0.2, 0.5], output_tokens=3, chunk_tokens=[3])
 
 
 def test_end_after_last_chunk_counts_in_e2e_and_tpot():

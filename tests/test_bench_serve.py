@@ -62,7 +62,7 @@ def test_client_timestamps_match_known_delays(fake):
     # what the server received: token-id prompts, ignore_eos, streaming with usage
     body = fake.state.requests[-1]
     assert body["stream"] is True and body["ignore_eos"] is True
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert isinstance(body["prompt"], list) and body["max_tokens"] == 5
 
 
@@ -90,9 +90,32 @@ def test_tokens_without_text_still_count(fake):
     reqs = workload(1, max_tokens=4)
     reqs[0].prompt_token_ids = [EMPTY_TOKEN, 1, 2]
     rec = run_load_sync(reqs, opts(fake)).records[0]
-    assert rec.ok and rec.output_tokens == 4 and rec.itl_ms == []
+    # all four came in one chunk: the three after the first have an ITL of 0
+    assert rec.ok and rec.output_tokens == 4 and rec.itl_ms == [0.0, 0.0, 0.0]
     assert rec.ttft_ms >= 1e3 * (FIRST + 3 * GAP)
     assert rec.tpot_ms == pytest.approx((rec.e2el_ms - rec.ttft_ms) / 3)
+
+
+@pytest.mark.parametrize("continuous_usage", [True, False])
+def test_itl_has_one_entry_per_token_when_chunks_carry_several(continuous_usage):
+    """A busy server packs several tokens into one chunk: ITL still has output_tokens - 1
+    entries, each chunk's gap split evenly over its tokens (counted from the usage on every
+    chunk; without it, one token a chunk and the rest on the last one)."""
+    with FakeServer(first_delay_s=FIRST, gap_s=GAP, tokens_per_chunk=3,
+                    continuous_usage=continuous_usage) as server:
+        rec = run_load_sync(workload(1, max_tokens=7), opts(server)).records[0]
+    # chunks: tokens 0-2 (at FIRST + 2 GAP), 3-5 (+ 3 GAP), 6 (+ 1 GAP)
+    assert rec.ok and rec.output_tokens == 7
+    assert len(rec.itl_ms) == rec.output_tokens - 1
+    # The ITLs span the first to the last token's chunk; TPOT also spans the stream's end.
+    assert 4 * GAP * 1e3 <= sum(rec.itl_ms) <= rec.tpot_ms * 6 + 1e-6  # chunks 2 and 3: 3 + 1 GAP
+    if continuous_usage:
+        assert rec.itl_ms[:2] == [0.0, 0.0]  # arrived with the first token
+        second, third = rec.itl_ms[2:5], rec.itl_ms[5:]
+        assert len(set(second)) == 1 and second[0] >= 1e3 * GAP  # 3 GAP over 3 tokens
+        assert len(third) == 1 and third[0] >= 1e3 * GAP
+    else:  # three chunks of one token each, the other four tokens on the last chunk
+        assert rec.itl_ms[0] >= 3e3 * GAP and rec.itl_ms[1:] == [rec.itl_ms[1]] * 5
 
 
 def test_ttft_includes_server_queueing():

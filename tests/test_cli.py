@@ -40,7 +40,24 @@ def test_generate_without_prompt_is_a_one_line_error(model_dir):
 
 
 def test_chat_streams_answers_and_keeps_history(model_dir):
-    proc = run_cli("chat", str(model_dir), "model.dtype=float32", "sampling.max_tokens=8",
+    proc = run_cli("chat", str(model_dir), "model.dtype=float32", "chat.max_tokens=8",
                    stdin="hi there\nand again\n\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(">>> ") == 3  # two turns, then the empty line ends the chat
+
+
+def test_chat_says_when_a_reply_is_cut_history_is_dropped_or_reset(model_dir):
+    """A reply that hit chat.max_tokens is marked; /reset confirms; a conversation that
+    outgrows model.max_model_len loses its oldest turns, and the chat says so."""
+    long = "The quick brown fox jumps over the lazy dog near the river bank today"
+    stdin = "\n".join(["hi there", "/reset", long, long, long, long * 6, "", ""])
+    proc = run_cli("chat", str(model_dir), "model.dtype=float32", "chat.max_tokens=6",
+                   "model.max_model_len=96", "sampling.temperature=0", stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "replies up to chat.max_tokens=6 tokens" in err
+    assert "[reply cut at chat.max_tokens=6 tokens; raise chat.max_tokens" in err
+    assert err.count("[conversation forgotten") == 1
+    assert "[the conversation outgrew model.max_model_len=96: dropped the oldest" in err
+    assert "[this message alone is too long for model.max_model_len=96" in err
+    assert "Traceback" not in err

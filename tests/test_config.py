@@ -101,6 +101,13 @@ def test_recipe_cpu_default():
     assert cfg.scheduler.max_num_seqs == 64 and cfg.scheduler.max_num_batched_tokens == 2048
 
 
+@pytest.mark.parametrize("recipe", ["cpu-default", "cpu-chat"])
+def test_recipes_use_the_fast_attention_backend(recipe):
+    """attention=torch is the slow reference: a recipe leaves the platform's choice (auto =
+    the cpu backend over the C++ kernels)."""
+    assert compose_config([f"recipe={recipe}"]).attention.name == "auto"
+
+
 def test_recipe_cpu_chat_and_command_line_wins():
     cfg = compose_config(["recipe=cpu-chat"])
     assert cfg.sampling.temperature == 0.7 and cfg.scheduler.max_num_seqs < 64
@@ -296,6 +303,28 @@ def test_cli_config_prints_yaml(capsys):
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["scheduler"]["max_num_seqs"] == 32 and out["platform"]["name"] == "cpu"
     assert out["recipe"] == "cpu-default"
+
+
+def test_cli_config_shows_sim_hardware_only_when_asked(capsys):
+    """An engine on this machine has nothing to do with the A100 that `llmkit sim` models by
+    default: `llmkit config` leaves that block out unless hardware is named."""
+    assert cli.main(["config"]) == 0
+    text = capsys.readouterr().out
+    assert "hardware" not in yaml.safe_load(text) and "a100" not in text.split("# hardware")[0]
+    assert text.rstrip().splitlines()[-1].startswith("# hardware (a100-80gb): what `llmkit sim`")
+    assert cli.main(["config", "hardware=cpu-local"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["hardware"]["name"] == "cpu-local"
+
+
+def test_readme_target_example_works(capsys, tmp_path, monkeypatch):
+    """The README's `_target_` example, as written: a subclass in my_sched.py on the path."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("# my_sched.py\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_sched.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["config", "scheduler._target_=my_sched.MyScheduler"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["scheduler"]["_target_"] == \
+        "my_sched.MyScheduler"
 
 
 def test_cli_model_positional(capsys, tmp_path):

@@ -5,6 +5,7 @@ one-row linear). Then the platform switch that hands them to the engine."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,9 +270,64 @@ def test_a_failed_build_warns_under_auto_and_fails_under_on(monkeypatch, caplog)
             torch.float32)
 
 
-def test_build_directory_is_keyed_by_sources_and_flags(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path))
-    key = cpu_native._build_key(cpu_native.compile_flags())
+def test_build_directory_is_keyed_by_everything_the_build_depends_on(tmp_path, monkeypatch):
+    """Two environments sharing a home folder (same torch, other include paths: torch's
+    build.ninja names them) get two build folders instead of rebuilding each other's."""
+    monkeypatch.delenv("LLMKIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path))
+    flags = cpu_native.compile_flags()
+    inputs = cpu_native.build_inputs(flags)
+    key = cpu_native._build_key(inputs)
     assert cpu_native.build_directory(key) == tmp_path / "cpu_kernels" / key
-    assert cpu_native._build_key(["-O0"]) != key
-    assert "-ffp-contract=off" in cpu_native.compile_flags()
+    assert cpu_native._build_key(cpu_native.build_inputs(flags)) == key  # stable
+    assert cpu_native._build_key(cpu_native.build_inputs(["-O0"])) != key
+    assert "-ffp-contract=off" in flags
+    assert str(Path(torch.__file__).parent) in inputs["include_paths"]
+    other_env = [p.replace(str(Path(torch.__file__).parent), "/other/venv/torch")
+                 for p in cpu_native.include_paths()]
+    monkeypatch.setattr(cpu_native, "include_paths", lambda: other_env)
+    assert cpu_native._build_key(cpu_native.build_inputs(flags)) != key
+    monkeypatch.undo()
+    for name, value in (("compiler", "/usr/bin/clang++ clang 18"), ("torch", "2.13.1"),
+                        ("python", "cpython-312 linux-x86_64")):
+        assert cpu_native._build_key({**inputs, name: value}) != key, name
+
+
+def test_cache_folder_has_one_variable_and_the_old_name_warns(tmp_path, monkeypatch):
+    from llmkit.config.paths import cache_dir
+
+    monkeypatch.delenv("LLMKIT_CACHE", raising=False)
+    monkeypatch.delenv("LLMKIT_CACHE_DIR", raising=False)
+    assert cache_dir() == Path("~/.cache/llmkit").expanduser()
+    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(FutureWarning, match="LLMKIT_CACHE_DIR is deprecated; set LLMKIT_CACHE"):
+        assert cache_dir() == tmp_path / "old"
+    monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path / "new"))
+    assert cache_dir() == tmp_path / "new"
+    assert cpu_native.build_directory("k") == tmp_path / "new" / "cpu_kernels" / "k"
+
+
+def test_auto_dtype_is_the_platforms_one_choice(monkeypatch):
+    """model.dtype=auto: bf16 with native bf16, or with the C++ kernels on an AVX2 CPU (their
+    linear decodes bf16); float32 when the kernels are off or cannot be built."""
+    from llmkit.platforms import cpu as cpu_platform
+
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.bfloat16
+    off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off"))
+    assert off.preferred_dtype() == torch.float32
+
+    def fail():
+        raise CpuKernelBuildError("no compiler")
+
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", fail)
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: True)
+    assert off.preferred_dtype() == torch.bfloat16
+    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
+    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
+    from llmkit.executor.uniproc import resolve_dtype
+    assert resolve_dtype("auto", off) == torch.float32
+    assert resolve_dtype("bfloat16", off) == torch.bfloat16

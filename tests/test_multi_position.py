@@ -144,3 +144,23 @@ def test_shrink_slots_gives_back_the_tail_and_keeps_cached_blocks():
     kv.free(req)
     kv.check_integrity()
     assert kv.num_free_blocks == 16
+
+
+def test_constrained_greedy_is_the_same_with_drafts(model_dir):
+    """Drafts verified under a grammar: each verified position gets its own bitmask row (the
+    grammar advanced through the drafts before it), so a draft the grammar refuses is rejected
+    and the output equals the constrained output without drafts."""
+    from llmkit import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=(
+        StructuredOutputsParams(regex=r"(the |a |dog |cat ){2,12}")))
+    _, want = run(model_dir, params)
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    _, unconstrained = run(model_dir, free)
+    # Drafts from the constrained outputs (wrong at known positions) and from the
+    # unconstrained ones (mostly refused by the grammar).
+    for source, wrong in ((want, {1, 4, 7}), (unconstrained, set())):
+        continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, source)}
+        llm, got = run(model_dir, params, OracleProposer(continuations, 3, wrong, vocab=640))
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert llm.engine.stats().spec_decode.num_draft_tokens > 0

@@ -27,7 +27,7 @@ def test_every_illegal_transition_raises(src):
 
 
 def test_finished_states_are_terminal_and_map_to_reasons():
-    assert {s.finish_reason for s in S if s.finished} == {"stop", "length", "abort"}
+    assert {s.finish_reason for s in S if s.finished} == {"stop", "length", "abort", "error"}
     assert all(not ALLOWED_TRANSITIONS[s] for s in S if s.finished)
 
 

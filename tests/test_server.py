@@ -177,11 +177,29 @@ def test_models_health_docs(env, client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == env.model
     assert httpx.get(env.server.url("/health")).status_code == 200
-    assert httpx.get(env.server.url("/docs")).status_code == 200
     paths = httpx.get(env.server.url("/openapi.json")).json()["paths"]
     for p in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
               "/detokenize", "/health", "/metrics"):
         assert p in paths
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_need_no_network(env, page):
+    """Swagger UI / ReDoc: every script, style sheet and icon the page loads comes from this
+    server (a CDN would leave a blank page offline), and the server serves them."""
+    resp = httpx.get(env.server.url(page))
+    assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
+    html = resp.text
+    assert "://" not in html, [line for line in html.splitlines() if "://" in line]
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    kinds = {a.rsplit(".", 1)[-1] for a in assets}
+    assert {"js", "png"} <= kinds and (page == "/redoc" or "css" in kinds), assets
+    for asset in assets:
+        assert asset.startswith("/"), asset
+        got = httpx.get(env.server.url(asset))
+        assert got.status_code == 200 and len(got.content) > 1000, asset
+    if page == "/docs":
+        assert "url: '/openapi.json'" in html
 
 
 def test_completion_matches_offline_with_usage(env, client):
@@ -207,6 +225,33 @@ def test_completion_stream_with_usage(env, client):
     assert finishes[-1] in ("length", "stop") and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
     assert chunks[-1].usage.prompt_tokens == len(env.offline.get_tokenizer().encode(PROMPT))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_count_every_chunk(env, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far, whose
+    growth is the tokens that chunk carried (the load generator counts ITLs with it)."""
+    import json
+
+    body = {"model": env.model, "max_tokens": 12, "temperature": 0, "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if endpoint == "chat":
+        body["messages"] = MESSAGES
+    else:
+        body["prompt"] = PROMPT
+    with httpx.stream("POST", env.server.url(f"/v1/{'chat/' if endpoint == 'chat' else ''}"
+                                             "completions"), json=body, timeout=60) as resp:
+        chunks = [json.loads(line[5:]) for line in resp.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    output = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                     c["choices"][0].get("delta", {}).get(
+                                                         "content")
+                                                     or c["choices"][0].get("finish_reason"))]
+    assert output and all("usage" in c for c in output)
+    so_far = [c["usage"]["completion_tokens"] for c in output]
+    assert so_far == sorted(so_far) and so_far[-1] == 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
 
 
 def test_completion_prompt_forms(env, client):

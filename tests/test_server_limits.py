@@ -1,11 +1,14 @@
 """The server's limits and failures: API key (401), a full queue (503 + Retry-After), the
 engine process dying (in-flight requests fail with 500, /health 503 within 5 s, no hang), and
 shutdown after that. One server for the module (one running sequence at a time, at most two
-waiting); the engine-death tests run last."""
+waiting); the engine-death tests run last. The server also runs with a generation config of its
+own (``model.generation_config=PATH``: ``top_k=1``), which greedy requests do not notice."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import signal
 import time
 
@@ -21,10 +24,14 @@ API_KEY = "sekret-123"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    gen_config = tmp / "generation_config.json"
+    gen_config.write_text(json.dumps({"top_k": 1, "eos_token_id": 2}))
     srv = ServerProcess(tiny_model_dir("llama"), f"server.api_key={API_KEY}",
                         "scheduler.max_num_seqs=1", "server.max_waiting_requests=2",
                         "server.shutdown_timeout=3", "kv_cache.num_blocks=128", SERVER_THREADS,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
+                        f"model.generation_config={gen_config}",
+                        log_path=tmp / "server.log")
     try:
         srv.wait_ready()
         yield srv
@@ -99,6 +106,8 @@ def test_api_key_is_required(server, client, model):
     # health, metrics and docs stay open
     for path in ("/health", "/metrics", "/docs"):
         assert httpx.get(server.url(path)).status_code == 200, path
+    script = re.search(r'<script src="([^"]+)"', httpx.get(server.url("/docs")).text).group(1)
+    assert httpx.get(server.url(script)).status_code == 200  # /docs' own assets too
     assert server.metrics()['llmkit:http_request_errors_total{model_name="%s",status="401"}'
                             % model] >= 5
 
@@ -152,6 +161,34 @@ def test_full_queue_is_503_with_retry_after(server, client, model):
     wait_idle(server)
     m = server.metrics()
     assert m[f'llmkit:http_request_errors_total{{model_name="{model}",status="503"}}'] >= 2
+
+
+# --------------------------------------------------------------------------- model defaults
+
+def test_model_sampling_defaults_fill_unset_fields(server, client, model):
+    """vLLM's rule: a field the request leaves unset takes the model's generation config
+    (here top_k=1: sampling from the single most likely token, i.e. greedy), a field it sets
+    keeps its value; the start-up log says which defaults are in force."""
+    assert "sampling defaults from the model" in server.log() and "top_k=1" in server.log()
+
+    def text(top_k=None, **fields):
+        extra = {"ignore_eos": True, **({} if top_k is None else {"top_k": top_k})}
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
+                                         extra_body=extra, **fields).choices[0].text
+
+    greedy = text(temperature=0)
+    sampled = {seed: text(temperature=1.0, seed=seed) for seed in (1, 2, 3)}
+    assert set(sampled.values()) == {greedy}  # top_k=1 from the model's defaults
+    # The same seeds with top_k set (0 = off) sample for real: the defaults did the above.
+    unrestricted = {seed: text(temperature=1.0, seed=seed, top_k=0) for seed in (1, 2, 3)}
+    assert set(unrestricted.values()) != {greedy}, unrestricted
+
+
+def test_engine_process_waits_passively(server):
+    """The engine-core process set its OpenMP wait policy before torch loaded (unless the
+    environment had one)."""
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        assert "OpenMP: OMP_WAIT_POLICY=PASSIVE" in server.log()
 
 
 # --------------------------------------------------------------------------- engine death (last)

@@ -4,11 +4,13 @@ times every request from the client's side (``httpx`` + asyncio).
 Each request is sent at its ``arrival_s`` after the start (or later, while
 ``max_concurrency`` requests are in flight), as ``POST /v1/completions`` (or
 ``/v1/chat/completions``) with ``stream: true``, ``stream_options.include_usage`` (so the
-server reports exact token counts), ``max_tokens`` and ``ignore_eos``. The arrival of each SSE
-chunk that carries output (text, or a choice's finish) is one token event — tokens without text
-of their own reach the client only with a later chunk, so chunks can be fewer than tokens; the
-metrics are computed by ``llmkit.bench.metrics.request_record`` (definitions there), with the
-output token count that the server reports in ``usage``.
+server reports exact token counts) and ``continuous_usage_stats`` (vLLM's: every chunk carries
+the usage so far, so the tokens of each chunk are known), ``max_tokens`` and ``ignore_eos``.
+Each SSE chunk that carries output (text, or a choice's finish) is timed on arrival; a chunk
+can carry several tokens (several engine steps' worth under load, or tokens without text of
+their own that came with a later one), and ITL gets one entry per token (the chunk's gap split
+over its tokens). The metrics are computed by ``llmkit.bench.metrics.request_record``
+(definitions there), with the output token count that the server reports in ``usage``.
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class LoadResult:
 
 def _payload(req: WorkloadRequest, opts: ClientOptions, model: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True},
+                            "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True},
                             "temperature": opts.temperature}
     if opts.ignore_eos:
         body["ignore_eos"] = True
@@ -132,6 +135,10 @@ async def _one(client: Any, req: WorkloadRequest, opts: ClientOptions, model: st
     scheduled = t0 + req.arrival_s
     sent: float | None = None
     chunks: list[float] = []
+    # tokens each chunk carried, from the usage so far (None: the server sends no per-chunk
+    # usage; request_record then counts one token a chunk)
+    chunk_tokens: list[int] | None = []
+    counted = 0
     usage: dict[str, Any] = {}
     error: str | None = None
     chat = opts.endpoint == "chat"
@@ -163,6 +170,13 @@ async def _one(client: Any, req: WorkloadRequest, opts: ClientOptions, model: st
                                 usage = obj["usage"]
                             if _is_output_chunk(obj, chat):
                                 chunks.append(now)
+                                if chunk_tokens is not None:
+                                    if obj.get("usage"):
+                                        so_far = int(usage.get("completion_tokens", counted))
+                                        chunk_tokens.append(so_far - counted)
+                                        counted = so_far
+                                    else:
+                                        chunk_tokens = None
             except Exception as e:  # noqa: BLE001 - a failed request is a record, not a crash
                 error = f"{type(e).__name__}: {e}"
             end = clock()
@@ -175,6 +189,7 @@ async def _one(client: Any, req: WorkloadRequest, opts: ClientOptions, model: st
         sent, chunks, end,
         output_tokens=usage.get("completion_tokens", len(chunks) if chunks else 0)
         if not error else len(chunks),
+        chunk_tokens=chunk_tokens if chunk_tokens and not error else None,
         prompt_tokens=usage.get("prompt_tokens", req.prompt_len),
         ok=error is None and bool(chunks), error=error, request_id=req.request_id,
         start_s=sent - t0, queue_ms=max(0.0, 1e3 * (sent - scheduled)))

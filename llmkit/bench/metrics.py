@@ -16,9 +16,15 @@ For one request (the seed's ch. 02):
 - **TPOT** (time per output token) = (E2E − TTFT) / (output tokens − 1): the mean gap between
   output tokens after the first. Undefined (``None``) for a request with one output token; such
   a request meets any TPOT objective.
-- **ITL** (inter-token latency) = the gaps between consecutive streamed chunks, every one of
-  them (a chunk that carries several tokens is one gap). Summaries pool all gaps of all
-  requests.
+- **ITL** (inter-token latency) = one entry per output token after the first
+  (``output tokens − 1`` entries): a chunk that carries k tokens contributes k entries of its
+  gap to the previous chunk divided by k (the gap split evenly over its tokens, as SGLang's
+  benchmark does), and the tokens that came with the first token add entries of 0. So ITL
+  percentiles are over tokens, and a request's mean ITL is (last chunk − first chunk) /
+  (output tokens − 1). The tokens of each chunk are the server's count (the growth of
+  ``usage.completion_tokens`` under ``stream_options.continuous_usage_stats``); where the
+  server gives no count per chunk, each chunk counts one token and the rest of the reported
+  total is put on the last chunk. Summaries pool all entries of all requests.
 - A request is **ok** when the server answered 200 and streamed at least one token.
 
 For a run (``summarize``):
@@ -96,29 +102,67 @@ class RequestRecord:
 
 
 def request_record(arrival_s: float, chunk_times_s: Sequence[float], end_s: float | None = None,
-                   *, output_tokens: int | None = None, prompt_tokens: int | None = None,
-                   ok: bool = True, error: str | None = None, request_id: str = "",
-                   start_s: float | None = None, queue_ms: float = 0.0) -> RequestRecord:
+                   *, output_tokens: int | None = None, chunk_tokens: Sequence[int] | None = None,
+                   prompt_tokens: int | None = None, ok: bool = True, error: str | None = None,
+                   request_id: str = "", start_s: float | None = None,
+                   queue_ms: float = 0.0) -> RequestRecord:
     """Metrics of one request from its timestamps (seconds, one clock).
 
-    ``chunk_times_s``: when each streamed chunk with tokens arrived; ``end_s``: when the
-    response ended (default: the last chunk); ``output_tokens``: the count the server reported
-    (default: one per chunk). A request without any chunk is not ok.
+    ``chunk_times_s``: when each streamed chunk with output arrived; ``chunk_tokens``: how many
+    tokens each carried (default: one each); ``end_s``: when the response ended (default: the
+    last chunk); ``output_tokens``: the count the server reported (default: the chunks'
+    tokens). A request without any chunk is not ok.
     """
     times = list(chunk_times_s)
+    counts = [1] * len(times) if chunk_tokens is None else [int(k) for k in chunk_tokens]
+    if len(counts) != len(times):
+        raise ValueError("chunk_tokens needs one count per chunk")
+    if chunk_tokens is not None and ok:
+        # a chunk without a token of its own (a finish that came alone) has no token time
+        times = [t for t, k in zip(times, counts) if k > 0]
+        counts = [k for k in counts if k > 0]
     if not times or not ok:
         return RequestRecord(None, None, None, [], prompt_tokens, output_tokens or 0, False,
                              request_id, start_s, queue_ms, error or "no tokens received")
     if any(b < a for a, b in zip(times, times[1:])) or times[0] < arrival_s:
         raise ValueError("chunk times must be non-decreasing and not before the arrival")
     end = times[-1] if end_s is None else max(end_s, times[-1])
-    n_out = len(times) if output_tokens is None else int(output_tokens)
+    n_out = sum(counts) if output_tokens is None else int(output_tokens)
     ttft = times[0] - arrival_s
     e2el = end - arrival_s
     tpot = (e2el - ttft) / (n_out - 1) if n_out > 1 else None
-    itl = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+    itl = _itl_per_token(times, _reconcile(counts, n_out))
     return RequestRecord(1e3 * ttft, None if tpot is None else 1e3 * tpot, 1e3 * e2el, itl,
                          prompt_tokens, n_out, True, request_id, start_s, queue_ms, error)
+
+
+def _reconcile(counts: list[int], n_out: int) -> list[int]:
+    """Per-chunk token counts that add up to the reported total: tokens no chunk announced go
+    to the last chunk; counts beyond the total are taken off the last chunks (keeping one
+    token per chunk while the total allows)."""
+    counts = list(counts)
+    extra = n_out - sum(counts)
+    if extra > 0:
+        counts[-1] += extra
+    i = len(counts) - 1
+    while extra < 0 and i >= 0:
+        take = min(-extra, counts[i] - (1 if i < n_out else 0))
+        counts[i] -= take
+        extra += take
+        i -= 1
+    return counts
+
+
+def _itl_per_token(times: list[float], counts: list[int]) -> list[float]:
+    """One ITL (ms) per token after the first: a chunk's gap split evenly over its tokens;
+    tokens that arrived with the first token have a gap of 0."""
+    itl = [0.0] * max(counts[0] - 1, 0) if counts else []
+    prev = times[0]
+    for t, k in zip(times[1:], counts[1:]):
+        if k > 0:
+            itl.extend([1e3 * (t - prev) / k] * k)
+            prev = t
+    return itl
 
 
 def meets_slo(rec: RequestRecord | Mapping[str, Any], slo: Slo) -> bool:

@@ -321,11 +321,12 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
 
 # --------------------------------------------------------------------------- printing
 
-def config_to_yaml(cfg: EngineConfig) -> str:
-    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries."""
+def config_to_yaml(cfg: EngineConfig, *, exclude: Sequence[str] = ()) -> str:
+    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries and
+    without the top-level sections in ``exclude``."""
     from omegaconf import OmegaConf
 
-    data = cfg.model_dump(by_alias=True, mode="json")
+    data = cfg.model_dump(by_alias=True, mode="json", exclude=set(exclude) or None)
 
     def strip(node: Any) -> Any:
         if isinstance(node, dict):

@@ -22,6 +22,20 @@ class _Component(_Strict):
     target: str | None = Field(default=None, alias="_target_")
 
 
+class GenerationDefaults(_Strict):
+    """A model's recommended sampling defaults, by ``SamplingParams``' names (vLLM reads the
+    same fields from a model's ``generation_config.json``; ``max_tokens`` is HF's
+    ``max_new_tokens``). A preset states them when its files carry none (a GGUF has no
+    ``generation_config.json``); null = no default of the model's for that field."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
 class ModelConfig(_Strict):
     # A preset's name (conf/model/NAME.yaml); informational once resolved.
     name: str | None = None
@@ -40,6 +54,12 @@ class ModelConfig(_Strict):
     # How linear layers compute: auto = the platform's choice per layer (llmkit/linear/);
     # a registered name (torch, ...) or a class path (package.module.Class) forces one.
     linear_method: str = "auto"
+    # Where the sampling defaults of requests that leave a field unset come from (vLLM's
+    # --generation-config): auto = the model's (its folder's generation_config.json, then
+    # generation_defaults below); vllm = none of the model's (SamplingParams' own defaults);
+    # a path = that folder's generation_config.json, or that JSON file.
+    generation_config: str = "auto"
+    generation_defaults: GenerationDefaults = Field(default_factory=GenerationDefaults)
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":
@@ -86,6 +106,20 @@ class AttentionConfig(_Component):
 
 class SamplerConfig(_Component):
     name: str = "torch"
+
+
+class StructuredOutputConfig(_Component):
+    """Grammar-constrained decoding (``SamplingParams.structured_outputs``, the server's
+    ``response_format``, ``structured_outputs`` and forced tool calls)."""
+
+    name: str = "xgrammar"
+    # JSON outputs without free whitespace between tokens (vLLM's disable_any_whitespace):
+    # fewer tokens, and a weak model cannot wander off into endless spaces.
+    disable_any_whitespace: bool = False
+    # Threads compiling grammars in the background; 0 = half the CPU cores (at least 1).
+    max_compile_threads: int = Field(default=0, ge=0)
+    # Compiled grammars kept for reuse, keyed by the spec (least recently used go first).
+    cache_size: int = Field(default=256, ge=1)
 
 
 class ExecutorConfig(_Component):
@@ -184,7 +218,8 @@ class CompilationConfig(_Strict):
 
 
 class SamplingDefaults(_Strict):
-    """Defaults that `llmkit generate` / `chat` use for their SamplingParams."""
+    """Defaults that `llmkit generate` / `chat` use for their SamplingParams (chat's reply
+    length is ``chat.max_tokens``)."""
 
     max_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.0, ge=0)
@@ -192,6 +227,15 @@ class SamplingDefaults(_Strict):
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: int | None = None
+
+
+class ChatConfig(_Strict):
+    """``llmkit chat``: a reply stops after ``max_tokens`` tokens (and says so), or earlier
+    where the context (``model.max_model_len``) is full; the oldest turns are dropped (and
+    the chat says so) when the conversation no longer leaves a reply
+    ``min(max_tokens, max_model_len / 2)`` tokens of room."""
+
+    max_tokens: int = Field(default=1024, ge=1)
 
 
 class ServerConfig(_Strict):
@@ -202,6 +246,21 @@ class ServerConfig(_Strict):
     # On SIGINT/SIGTERM: seconds that requests in flight may take to finish before they are
     # aborted and the engine process is stopped.
     shutdown_timeout: float = Field(default=10.0, ge=0)
+    # A request body larger than this is refused with 413 before it is read whole.
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # Origins whose pages may call the API from a browser (CORS), e.g. ["http://localhost:3000"];
+    # ["*"] = any. Empty = same origin only (no CORS headers).
+    allowed_origins: list[str] = Field(default_factory=list)
+    # When the engine core process dies: start a new one and serve again (requests in flight
+    # still fail). false = stay down (/health answers 503).
+    restart_engine: bool = False
+    # The engine core publishes at most this many per-step summaries a second (the /engine page,
+    # GET /v1/engine/events); steps in between are counted, not sent. 0 = none.
+    engine_events_per_s: float = Field(default=10.0, ge=0, le=1000)
+    # How chat outputs become `tool_calls` (llmkit/entrypoints/openai/tool_parsers/): a
+    # parser's name, or auto = the one for the model's format (Hermes `<tool_call>` when the
+    # model names none).
+    tool_call_parser: str = "auto"
 
 
 class BenchConfig(_Strict):
@@ -389,10 +448,12 @@ class EngineConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     slo: SloConfig = Field(default_factory=SloConfig)

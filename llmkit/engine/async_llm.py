@@ -29,12 +29,18 @@ token counts, finish reason; and the engine's stats snapshot after each step.
 
 The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
 routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
+
+Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
+(``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
+with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
+process with a new one (the server does it when ``server.restart_engine`` is set).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
+import logging
 import uuid
 from typing import Any, AsyncGenerator, Mapping, Sequence
 
@@ -47,15 +53,21 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
+from llmkit.engine.step_feed import EngineStepFeed
+from llmkit.engine.step_summary import EngineStepSummary
+from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
+from llmkit.structured_output.validation import validate_structured_outputs
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
 
 PromptType = str | list[int]
 Message = Mapping[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -104,10 +116,18 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.engine_core = engine_core
+        self._starting: MPClient | None = None  # a replacement engine core, while it loads
+        self.num_engine_restarts = 0
+        self.step_feed = EngineStepFeed()
         try:
             source = resolve_model_source(engine_config.model)
             self.model_source = source
             self.tokenizer = source.load_tokenizer()
+            # What requests that leave a sampling field unset get (vLLM's generation config).
+            self.default_sampling_fields = default_sampling_fields(engine_config.model,
+                                                                   source.path)
+            logger.info("%s", describe_defaults(engine_config.model,
+                                                self.default_sampling_fields))
             self.vocab_size = int(getattr(source.hf_config, "vocab_size", None)
                                   or len(self.tokenizer))
             self._extra_stop_ids = list(source.eos_token_ids[1:])
@@ -116,7 +136,8 @@ class AsyncLLM:
             # Before wait_ready, which starts the client's reader thread (the engine sends
             # nothing before its first request, so nothing is missed meanwhile).
             engine_core.set_handlers(on_message=self._on_message_threadsafe,
-                                     on_death=self._on_death_threadsafe)
+                                     on_death=self._on_death_threadsafe,
+                                     on_summary=self._on_summary_threadsafe)
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
@@ -131,6 +152,11 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.engine_core.is_dead
+
+    @property
+    def restarting(self) -> bool:
+        """A new engine core process is loading (``restart_engine_core``)."""
+        return self._starting is not None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -160,6 +186,11 @@ class AsyncLLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: the model's recommended defaults
+        (``model.generation_config``) over ``SamplingParams``' own (as ``LLM``'s)."""
+        return SamplingParams(**self.default_sampling_fields)
 
     # -- requests ---------------------------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -198,6 +229,9 @@ class AsyncLLM:
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name}: at most the vocabulary size ({self.vocab_size}), "
                                  f"got {value}")
+        if getattr(params, "structured_outputs", None) is not None:
+            # A bad spec is a ValueError (a 400) here, before the engine sees the request.
+            validate_structured_outputs(self.config, params.structured_outputs)
         changes: dict[str, Any] = {}
         if self._extra_stop_ids:
             changes["stop_token_ids"] = list(params.stop_token_ids or []) + self._extra_stop_ids
@@ -224,7 +258,7 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._tracker.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if n is not None and n != params.n:
             params = dataclasses.replace(params, n=n)
         text, ids = self._tokenize(prompt)
@@ -327,8 +361,69 @@ class AsyncLLM:
             return
         try:
             loop.call_soon_threadsafe(self._tracker.fail_all, err)
+            loop.call_soon_threadsafe(self.step_feed.fail, err)
         except RuntimeError:
             pass
+
+    def _on_summary_threadsafe(self, summary: EngineStepSummary) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.step_feed.latest = summary  # nobody listens in a loop yet
+            return
+        try:
+            loop.call_soon_threadsafe(self.step_feed.publish, summary)
+        except RuntimeError:
+            pass
+
+    # -- live views -------------------------------------------------------------------------
+    async def engine_snapshot(self, check_kv: bool = False,
+                              timeout: float = 10.0) -> EngineStepSummary:
+        """The engine core's state now (answered between two steps); with ``check_kv``, also
+        ``KVCacheManager.check_integrity()``'s verdict (``kv_integrity_error`` None = sound).
+        Raises ``EngineDeadError`` if the engine is not running, ``TimeoutError`` if it does
+        not answer within ``timeout`` s."""
+        self._bind_loop()
+        if not self.is_running:
+            raise self.dead_error
+        qid, fut = self.step_feed.new_query(asyncio.get_running_loop())
+        try:
+            self.engine_core.request_snapshot(qid, check_kv)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.step_feed.drop_query(qid)
+
+    async def restart_engine_core(self, startup_timeout: float = 900.0) -> None:
+        """Replace a dead engine core process with a new one (same config, same resolved
+        model) and serve again. Requests in flight have already failed with
+        ``EngineDeadError``; new ones are refused until the new core is ready. Raises
+        ``EngineStartupError`` if it fails to start (the old, dead one stays in place)."""
+        self._bind_loop()
+        old = self.engine_core
+        if self._shutdown:
+            raise EngineDeadError("the engine is shutting down")
+        if not old.is_dead:
+            raise RuntimeError("the engine core is alive; nothing to restart")
+        if self._starting is not None:
+            raise RuntimeError("a restart is already under way")
+        new = MPClient(old.config, wait=False)
+        self._starting = new
+        try:
+            new.set_handlers(on_message=self._on_message_threadsafe,
+                             on_death=self._on_death_threadsafe,
+                             on_summary=self._on_summary_threadsafe)
+            await asyncio.to_thread(new.wait_ready, startup_timeout)
+            if self._shutdown:  # the server stopped while the new core loaded
+                await asyncio.to_thread(new.shutdown, 2.0)
+                raise EngineDeadError("the engine is shutting down")
+        finally:
+            self._starting = None
+        self._tracker.fail_all(old.dead_error)  # nothing should be left; be sure
+        self.engine_core = new
+        self._tracker.engine_core = new
+        self._tracker.last_stats = None
+        self.max_model_len = new.max_model_len
+        self.num_engine_restarts += 1
+        await asyncio.to_thread(old.shutdown, 1.0)
 
     # -- shutdown ---------------------------------------------------------------------------
     def fail_in_flight(self, message: str = "the server is shutting down") -> None:
@@ -346,6 +441,9 @@ class AsyncLLM:
         """Stop the engine process (ask, wait ``timeout`` s, terminate, kill). Idempotent;
         blocking: from a coroutine use ``await asyncio.to_thread(llm.shutdown)``."""
         self._shutdown = True
+        starting = self._starting
+        if starting is not None:
+            starting.shutdown(timeout=1.0)
         self.engine_core.shutdown(timeout=timeout)
 
     def __enter__(self) -> "AsyncLLM":

@@ -15,12 +15,14 @@ def component_registries() -> dict[str, Registry]:
     from llmkit.sampling import SAMPLERS
     from llmkit.scheduler import SCHEDULERS
     from llmkit.spec_decode import PROPOSERS
+    from llmkit.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
     return {
         "scheduler": SCHEDULERS,
         "kv_cache": KV_CACHE_MANAGERS,
         "attention": ATTENTION_BACKENDS,
         "sampler": SAMPLERS,
+        "structured_output": STRUCTURED_OUTPUT_BACKENDS,
         "executor": EXECUTORS,
         "platform": PLATFORMS,
         "speculative": PROPOSERS,

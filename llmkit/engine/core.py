@@ -14,6 +14,8 @@ from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.platforms import resolve_platform
 from llmkit.request import Request
 from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerStats
+from llmkit.startup import startup_step
+from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +29,15 @@ class EngineCore:
         self.platform.apply_runtime_settings()
         if executor is None:
             exec_cls = EXECUTORS.resolve(config.executor.name, config.executor.target)
-            executor = exec_cls(config, self.platform, **executor_kwargs)
+            with startup_step("loading the model"):
+                executor = exec_cls(config, self.platform, **executor_kwargs)
         self.executor = executor
         facts = executor.model_facts
         self.max_model_len = facts.max_model_len
         self.eos_token_id = facts.eos_token_id
         self.num_blocks = self._num_kv_blocks()
-        executor.initialize_kv_cache(self.num_blocks)
+        with startup_step("allocating the KV cache"):
+            executor.initialize_kv_cache(self.num_blocks)
         kv_cfg = config.kv_cache
         kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
         self.kv_cache_manager = kv_cls(self.num_blocks, kv_cfg.block_size,
@@ -41,14 +45,19 @@ class EngineCore:
                                        max_model_len=self.max_model_len,
                                        eviction_policy=kv_cfg.eviction_policy,
                                        pinned_prefixes=self._pinned_prefix_ids())
+        # Grammars compile in its thread pool; its tokenizer loads with the first grammar.
+        model_source = executor_kwargs.get("model_source")
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_output, vocab_size=facts.vocab_size,
+            tokenizer_loader=lambda: self._tokenizer(model_source))
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
         sched_kwargs = {}
         if config.speculative.name == "eagle":
             sched_kwargs["drop_last_cached_block"] = True
-        self.scheduler: Scheduler = sched_cls(config.scheduler, self.kv_cache_manager,
-                                              max_model_len=self.max_model_len,
-                                              eos_token_id=self.eos_token_id, clock=clock,
-                                              **sched_kwargs)
+        self.scheduler: Scheduler = sched_cls(
+            config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id, clock=clock,
+            structured_output_manager=self.structured_output_manager, **sched_kwargs)
         self.clock = clock
         self._speculative = config.speculative.enabled
         # Per-step stats as a Chrome trace (observability.trace_file); None = off.
@@ -76,6 +85,12 @@ class EngineCore:
             else:
                 ids.append(list(p))
         return ids
+
+    def _tokenizer(self, model_source=None):
+        if model_source is None:
+            from llmkit.models.loader import resolve_model_source
+            model_source = resolve_model_source(self.config.model)
+        return model_source.load_tokenizer()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (pinned ones stay). Refused, returning False with a
@@ -146,4 +161,5 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.step_trace is not None:
             self.step_trace.close()
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

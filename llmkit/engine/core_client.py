@@ -6,7 +6,8 @@ Both take ``EngineCoreRequest``s and abort lists and hand back ``EngineCoreOutpu
 - ``MPClient`` spawns ``core_proc.run_engine_core`` (``multiprocessing`` spawn context) and
   talks to it over two IPC sockets with msgpack. A reader thread blocks on the output socket
   and on the process's sentinel, so it hears of outputs and of the engine's death at once and
-  never spins; it hands each message to ``on_message`` (called in the reader thread).
+  never spins; it hands each message to ``on_message``, and each step summary to
+  ``on_summary`` (both called in the reader thread).
   ``shutdown()`` asks the engine to stop, then terminates and finally kills it; an ``atexit``
   hook does the same if the owner forgets, so no engine process outlives its parent.
 """
@@ -29,6 +30,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_proc import (AbortRequests, EngineCoreOutputs, EngineCoreRequest,
                                      EngineFailed, EngineMessage, EngineReady, ShutdownEngine,
                                      decode_sampling_params, make_encoder, run_engine_core)
+from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class MPClient:
         self.config = config
         self._on_message = on_message
         self._on_death = on_death
+        self._on_summary: Callable[[EngineStepSummary], None] | None = None
         self._closed = False
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -127,10 +130,12 @@ class MPClient:
             self.wait_ready(startup_timeout)
 
     def set_handlers(self, on_message: Callable[[EngineCoreOutputs], None] | None,
-                     on_death: Callable[[EngineDeadError], None] | None) -> None:
+                     on_death: Callable[[EngineDeadError], None] | None,
+                     on_summary: Callable[[EngineStepSummary], None] | None = None) -> None:
         """Set the callbacks (before ``wait_ready``, which starts the reader thread)."""
         self._on_message = on_message
         self._on_death = on_death
+        self._on_summary = on_summary
 
     def wait_ready(self, timeout: float = 900.0) -> EngineReady:
         """Block until the engine has loaded the model (construction with ``wait=False``
@@ -225,6 +230,11 @@ class MPClient:
                     self._on_message(msg)
                 except Exception:  # noqa: BLE001 - the reader must survive a bad handler
                     logger.exception("handling engine core outputs failed")
+            elif isinstance(msg, EngineStepSummary) and self._on_summary is not None:
+                try:
+                    self._on_summary(msg)
+                except Exception:  # noqa: BLE001
+                    logger.exception("handling an engine step summary failed")
 
     # -- the input side ---------------------------------------------------------------------
     @property
@@ -257,6 +267,10 @@ class MPClient:
                 return
             except zmq.Again:  # no pipe to the engine (yet): wait a little, never forever
                 pass
+            # A dead engine (not yet seen by the reader thread) must not hold the caller —
+            # the event loop — for the second below.
+            if not self.proc.is_alive():
+                raise EngineDeadError("the engine core process is gone")
             if not self._input.poll(1000, zmq.POLLOUT):
                 raise EngineDeadError("the engine core does not accept messages")
             self._input.send(data, zmq.NOBLOCK, copy=False)
@@ -268,6 +282,13 @@ class MPClient:
         ids = list(request_ids)
         if ids and not self._closed and self._dead is None:
             self._send(AbortRequests(ids))
+
+    def request_snapshot(self, query_id: int, check_kv: bool = False) -> None:
+        """Ask for an ``EngineStepSummary`` of the state now (it arrives with ``query_id``
+        through ``on_summary``)."""
+        if self._dead is not None:
+            raise self._dead
+        self._send(EngineSnapshotQuery(query_id, check_kv))
 
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -4,14 +4,19 @@ exchanges with the API process over ZMQ.
 Messages are msgspec structs encoded with msgpack: token ids, plain numbers and strings, never
 tensors or pickled objects. Two PUSH/PULL sockets over IPC, both bound by the client:
 
-    API process ──(EngineCoreRequest | AbortRequests | ShutdownEngine)──▶ engine core
-    API process ◀──(EngineReady | EngineCoreOutputs | EngineFailed)────── engine core
+    API process ──(EngineCoreRequest | AbortRequests | EngineSnapshotQuery |
+                   ShutdownEngine)──▶ engine core
+    API process ◀──(EngineReady | EngineCoreOutputs | EngineStepSummary |
+                    EngineFailed)────── engine core
 
 The loop (``EngineCoreProc.run``) drains its input without blocking while requests are in
 flight and runs one ``EngineCore.step`` per turn; while idle it blocks on the input socket (a
 1 s timeout, to notice a dead parent), so an idle engine burns no CPU. Every batch of outputs
 carries the scheduler's stats snapshot (running, waiting, KV usage, prefix-cache counters,
 preemptions), and an abort is answered with one at once, so the API process sees freed blocks.
+Per-step summaries for live views (``step_summary.py``) go out at most
+``server.engine_events_per_s`` times a second, and once more when the engine goes idle; an
+``EngineSnapshotQuery`` is answered between steps.
 The process exits when told to, on SIGTERM, or when its parent dies; it ignores SIGINT (a
 Ctrl-C in a terminal reaches the whole process group; the parent orders the shutdown).
 """
@@ -29,6 +34,8 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
+                                        StepSummaryPublisher)
 from llmkit.outputs import EngineCoreOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
@@ -60,7 +67,7 @@ class ShutdownEngine(msgspec.Struct, array_like=True, tag="shutdown"):
     """Ask the engine process to stop after the current step."""
 
 
-EngineInput = Union[EngineCoreRequest, AbortRequests, ShutdownEngine]
+EngineInput = Union[EngineCoreRequest, AbortRequests, EngineSnapshotQuery, ShutdownEngine]
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -97,7 +104,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     errors: dict[str, str] = {}
 
 
-EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs]
+EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs, EngineStepSummary]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -160,6 +167,10 @@ class EngineCoreProc:
             self.output.close(linger=2000)  # let the message out before the process ends
             self.ctx.term()
             raise
+        self.summaries = StepSummaryPublisher(self.core, self.send,
+                                              config.server.engine_events_per_s)
+        if self.summaries.enabled:
+            self.summaries.install()
         self.send(EngineReady(pid=os.getpid(), max_model_len=self.core.max_model_len,
                               num_blocks=self.core.num_blocks,
                               block_size=config.kv_cache.block_size,
@@ -187,6 +198,7 @@ class EngineCoreProc:
             return
         aborted_outputs: list[EngineCoreOutput] = []
         errors: dict[str, str] = {}
+        queries: list[EngineSnapshotQuery] = []
         while not self.stop:
             try:
                 data = self.input.recv(zmq.NOBLOCK, copy=False)
@@ -201,9 +213,13 @@ class EngineCoreProc:
                 err = self.add_request(msg)
                 if err is not None:
                     errors[msg.request_id] = err
+                self.summaries.state_changed()
             elif isinstance(msg, AbortRequests):
                 outs = self.core.abort_requests(msg.request_ids)
                 aborted_outputs.extend(outs)
+                self.summaries.state_changed()
+            elif isinstance(msg, EngineSnapshotQuery):
+                queries.append(msg)
             elif isinstance(msg, ShutdownEngine):
                 self.stop = True
         if aborted_outputs or errors:
@@ -212,6 +228,8 @@ class EngineCoreProc:
             self.send(EngineCoreOutputs(outputs=aborted_outputs, stats=self.core.stats(),
                                         timings=self.pop_timings(aborted_outputs),
                                         errors=errors))
+        for query in queries:  # after the aborts above: the snapshot shows their blocks freed
+            self.send(self.summaries.snapshot(query))
 
     def add_request(self, msg: EngineCoreRequest) -> str | None:
         from llmkit.request import Request
@@ -245,13 +263,24 @@ class EngineCoreProc:
     def run(self) -> None:
         core = self.core
         while not self.stop:
-            self.drain_inputs(block=not core.has_unfinished_requests())
+            idle = not core.has_unfinished_requests()
+            if idle:
+                self.summaries.flush()  # the state the last steps left, before blocking
+            self.drain_inputs(block=idle)
             if self.stop:
                 break
             if core.has_unfinished_requests():
                 outputs = core.step()
+                # Requests the engine could not serve (a grammar that failed to compile) go
+                # back as errors: the API process answers them as refused requests.
+                errors = {o.request_id: str(o.stop_reason) for o in outputs
+                          if o.finish_reason == "error"}
+                if errors:
+                    outputs = [o for o in outputs if o.finish_reason != "error"]
+                    for rid in errors:
+                        self.requests.pop(rid, None)
                 self.send(EngineCoreOutputs(outputs=outputs, stats=core.stats(),
-                                            timings=self.pop_timings(outputs)))
+                                            timings=self.pop_timings(outputs), errors=errors))
             if not self.parent_alive():
                 logger.warning("engine core: the API process (pid %s) is gone; exiting",
                                self.parent_pid)
@@ -280,12 +309,18 @@ def run_engine_core(config: dict, input_address: str, output_address: str,
     ``model.path`` already names the resolved model (the API process fetched it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Before torch loads (EngineCore below imports it): this process computes, and its
+    # OpenMP threads must not spin against whatever else runs on the cores.
+    from llmkit.config.openmp_env import apply_engine_openmp_env
+    omp_env = apply_engine_openmp_env(config.get("platform", {}).get("name", "auto"))
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(levelname)s %(asctime)s [engine-core pid={os.getpid()}] "
                                "%(name)s: %(message)s")
     proc = None
     exit_code = 0
-    logger.info("engine core process started (parent pid %s)", parent_pid)
+    logger.info("engine core process started (parent pid %s)%s", parent_pid,
+                f"; OpenMP: {' '.join(f'{k}={v}' for k, v in omp_env.items())}" if omp_env
+                else "")
     try:
         from llmkit.config.schema import EngineConfig
 

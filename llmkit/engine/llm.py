@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from typing import Any, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
@@ -11,15 +12,20 @@ from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
 from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
+from llmkit.startup import startup_step
+from llmkit.structured_output.validation import validate_structured_outputs
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -29,6 +35,9 @@ class LLM:
     is a preset name or a path (HF folder or .gguf); each keyword names a config group, a
     ``str`` picks its implementation and a ``dict`` sets its fields. Bad values raise
     ``ConfigError`` naming the key.
+
+    ``sampling_params=None`` means the model's recommended defaults
+    (``get_default_sampling_params()``, from ``model.generation_config``), as in vLLM.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
@@ -43,10 +52,13 @@ class LLM:
         return llm
 
     def _init_from_config(self, config: EngineConfig) -> None:
-        source: ModelSource = resolve_model_source(config.model)
+        with startup_step("reading the model's config and tokenizer"):
+            source: ModelSource = resolve_model_source(config.model)
+            self.tokenizer = source.load_tokenizer()
         self.config = config
         self.model_source = source
-        self.tokenizer = source.load_tokenizer()
+        self.default_sampling_fields = default_sampling_fields(config.model, source.path)
+        logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
         # vLLM's rule: the first EOS id is the EOS (ignore_eos turns it off); further ones from
         # the model's generation config act as stop tokens.
@@ -56,6 +68,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: the model's recommended defaults
+        (``model.generation_config``) over ``SamplingParams``' own. Change a field with
+        ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
+        return SamplingParams(**self.default_sampling_fields)
 
     @property
     def max_model_len(self) -> int:
@@ -102,6 +120,8 @@ class LLM:
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"SamplingParams.prompt_logprobs: at most the vocabulary size "
                              f"({vocab}), got {params.prompt_logprobs}")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(self.config, params.structured_outputs)
         changes: dict[str, Any] = {}
         if self._extra_stop_ids:
             changes["stop_token_ids"] = list(params.stop_token_ids) + self._extra_stop_ids
@@ -113,6 +133,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
         rids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY)
                 for p, sp in zip(prompt_list, params)]
@@ -136,7 +158,9 @@ class LLM:
     def stream(self, prompt: PromptType,
                sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding each step's new text and tokens (delta outputs)."""
-        rid = self._add(prompt, sampling_params or SamplingParams(), RequestOutputKind.DELTA)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        rid = self._add(prompt, sampling_params, RequestOutputKind.DELTA)
         try:
             while True:
                 for out in self._step():

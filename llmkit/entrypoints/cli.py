@@ -125,9 +125,12 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
     from llmkit.config.compose import build_config
 
     from llmkit.engine.components import validate_components
+    from llmkit.startup import startup_step
 
-    cfg = build_config(args.model, overrides=args.overrides if overrides is None else overrides)
-    validate_components(cfg)
+    with startup_step("reading the configuration"):
+        cfg = build_config(args.model,
+                           overrides=args.overrides if overrides is None else overrides)
+        validate_components(cfg)
     return cfg
 
 
@@ -138,12 +141,40 @@ def _cmd_config(args: CliArgs) -> int:
     texts = []
     for overrides in runs:
         cfg = load_config(args, overrides)
-        text = config_to_yaml(cfg)
+        # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
+        # runs here: shown only when asked for (hardware=NAME, hardware.x=...).
+        asked = any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "hardware"
+                    for o in overrides)
+        text = config_to_yaml(cfg, exclude=() if asked else ("hardware",))
+        if not asked and cfg.hardware is not None:
+            text += (f"# hardware ({cfg.hardware.name}): what `llmkit sim` models; "
+                     "`llmkit config hardware=NAME` shows it\n")
         if args.multirun:
             text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
         texts.append(text)
     sys.stdout.write("---\n".join(texts))
     return 0
+
+
+def _set_engine_openmp_env(args: CliArgs) -> None:
+    """generate and chat run the engine in this process: its OpenMP wait policy must be in the
+    environment before torch loads (``llmkit.config.openmp_env``), i.e. before the config is
+    validated (which imports the components)."""
+    from llmkit.config.openmp_env import apply_engine_openmp_env
+
+    platform = "auto"
+    for o in args.overrides:
+        key, _, value = o.partition("=")
+        if key in ("platform", "platform.name"):
+            platform = value
+    apply_engine_openmp_env(platform)
+
+
+def _show_progress() -> None:
+    """The terminal commands print their slow start-up steps on stderr (llmkit.startup)."""
+    from llmkit.startup import show_startup_progress
+
+    show_startup_progress()
 
 
 def _offline(name: str):
@@ -161,12 +192,16 @@ def _cmd_generate(args: CliArgs) -> int:
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     _no_multirun(args)
+    _set_engine_openmp_env(args)
+    _show_progress()
     cfg = load_config(args)
     return int(_offline("run_generate")(cfg, args.prompt) or 0)
 
 
 def _cmd_chat(args: CliArgs) -> int:
     _no_multirun(args)
+    _set_engine_openmp_env(args)
+    _show_progress()
     cfg = load_config(args)
     return int(_offline("run_chat")(cfg) or 0)
 

@@ -14,10 +14,17 @@ def sampling_params_from(config: EngineConfig) -> SamplingParams:
                           top_k=d.top_k, min_p=d.min_p, seed=d.seed)
 
 
-def run_generate(config: EngineConfig, prompt: str) -> int:
-    from llmkit.engine.llm import LLM
+def _start_llm(config: EngineConfig):
+    """The engine (the CLI shows its slow start-up steps on stderr)."""
+    from llmkit.startup import startup_step
 
-    llm = LLM.from_config(config)
+    with startup_step("loading torch and transformers"):
+        from llmkit.engine.llm import LLM
+    return LLM.from_config(config)
+
+
+def run_generate(config: EngineConfig, prompt: str) -> int:
+    llm = _start_llm(config)
     params = sampling_params_from(config)
     start = time.perf_counter()
     n = 0
@@ -32,14 +39,18 @@ def run_generate(config: EngineConfig, prompt: str) -> int:
 
 
 def run_chat(config: EngineConfig) -> int:
-    from llmkit.engine.llm import LLM
+    import dataclasses
 
-    llm = LLM.from_config(config)
+    from llmkit.entrypoints.chat_history import ChatHistory
+
+    llm = _start_llm(config)
     params = sampling_params_from(config)
-    history: list[dict[str, str]] = []
+    limit, max_reply = llm.max_model_len, config.chat.max_tokens
+    # A reply always has room for min(chat.max_tokens, half the context).
+    history = ChatHistory(llm.apply_chat_template, limit - min(max_reply, limit // 2))
     name = config.model.served_name or config.model.name or "model"
-    print(f"llmkit chat with {name} — empty line or Ctrl-D to quit, /reset to forget.",
-          file=sys.stderr)
+    print(f"llmkit chat with {name} — empty line or Ctrl-D to quit, /reset to forget "
+          f"(replies up to chat.max_tokens={max_reply} tokens).", file=sys.stderr)
     while True:
         try:
             user = input(">>> ")
@@ -50,16 +61,37 @@ def run_chat(config: EngineConfig) -> int:
             return 0
         if user.strip() == "/reset":
             history.clear()
+            print("[conversation forgotten: the next message starts a new one]",
+                  file=sys.stderr)
             continue
-        history.append({"role": "user", "content": user})
-        reply = []
+        history.add("user", user)
+        prompt = history.fit()
+        if prompt.dropped_turns:
+            print(f"[the conversation outgrew model.max_model_len={limit}: dropped the "
+                  f"oldest {prompt.dropped_turns} turn(s)]", file=sys.stderr)
+        if prompt.token_ids is None:
+            history.pop()
+            print(f"[this message alone is too long for model.max_model_len={limit}; "
+                  "shorten it]", file=sys.stderr)
+            continue
+        max_tokens = min(max_reply, limit - len(prompt.token_ids))
+        reply, finish = [], None
         try:
-            for out in llm.stream(llm.apply_chat_template(history), params):
+            for out in llm.stream(prompt.token_ids,
+                                  dataclasses.replace(params, max_tokens=max_tokens)):
                 piece = out.outputs[0].text
                 reply.append(piece)
+                finish = out.outputs[0].finish_reason or finish
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            pass  # stop this answer, keep the conversation
+            finish = "interrupted"  # stop this answer, keep the conversation
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+        if finish == "length":
+            if max_tokens < max_reply:
+                print(f"[reply cut: the context is full (model.max_model_len={limit}); the "
+                      "oldest turns go next]", file=sys.stderr)
+            else:
+                print(f"[reply cut at chat.max_tokens={max_reply} tokens; raise "
+                      "chat.max_tokens for longer replies]", file=sys.stderr)
+        history.add("assistant", "".join(reply))

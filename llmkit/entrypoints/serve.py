@@ -82,6 +82,8 @@ def run_server(config: EngineConfig) -> int:
                         format="%(levelname)s %(asctime)s [api pid=%(process)d] %(name)s: "
                                "%(message)s")
     srv = config.server
+    from llmkit.entrypoints.openai.tool_parsers import check_tool_call_parser
+    check_tool_call_parser(srv.tool_call_parser)
     sock = bind_socket(srv.host, srv.port)
     port = sock.getsockname()[1]
     # Start the engine process first: it imports torch and loads the model while this

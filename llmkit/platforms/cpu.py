@@ -8,7 +8,7 @@ import torch
 from llmkit.compilation.base import StepGraphs
 from llmkit.config.schema import CompilationConfig
 from llmkit.kernels.cpu_native import cpu_flags
-from llmkit.models.default_model import cache_dir
+from llmkit.config.paths import cache_dir
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
@@ -29,20 +29,33 @@ class CpuPlatform(Platform):
     default_attention = "cpu"
     dist_backend = "gloo"
 
-    @property
-    def default_dtype(self) -> torch.dtype:  # type: ignore[override]
-        # bf16 halves the bytes a decode step reads, and AMX / AVX-512-BF16 CPUs compute it
-        # natively. Elsewhere (AVX2 only) torch emulates bf16 matmuls 2-5x slower than float32,
-        # so `model.dtype: auto` picks float32 there.
-        if has_native_bf16():
-            return torch.bfloat16
-        logger.info("this CPU has no native bf16 (AMX/AVX-512-BF16): model.dtype=auto uses "
-                    "float32; set model.dtype=bfloat16 to force bf16")
-        return torch.float32
-
     def __init__(self, config) -> None:
         super().__init__(config)
         self._native: dict[torch.dtype, object] = {}
+
+    # -- model.dtype=auto --------------------------------------------------------------------
+    def preferred_dtype(self) -> torch.dtype:
+        """The faster dtype here for what llmkit runs (decode is bound by the bytes it reads,
+        prefill and large batches by GEMMs): bf16 where the CPU computes it natively (AMX /
+        AVX-512-BF16), and on AVX2 CPUs with llmkit's C++ kernels, whose linear streams bf16
+        weights for up to 8 rows (one-sequence decode ~2x float32's speed) while larger
+        batches and prefill compute bf16 layers in float32 (packed copies): the same GEMMs
+        as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
+        (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
+        if has_native_bf16():
+            return torch.bfloat16
+        if self._native_bf16_linear_available():
+            logger.info("model.dtype=auto: bfloat16 (llmkit's C++ kernels decode bf16 on this "
+                        "AVX2 CPU; model.dtype=float32 for float32)")
+            return torch.bfloat16
+        logger.info("model.dtype=auto: float32 (no native bf16 here, and no C++ kernels; set "
+                    "model.dtype=bfloat16 to force bf16)")
+        return torch.float32
+
+    def _native_bf16_linear_available(self) -> bool:
+        if self.config.native_kernels == "off" or not {"avx2", "fma", "f16c"} <= cpu_flags():
+            return False
+        return self.native_kernels(torch.bfloat16) is not None
 
     @classmethod
     def is_available(cls) -> bool:

@@ -3,7 +3,7 @@
 The sampler (torch) loads on first use, so that importing ``SamplingParams`` stays light.
 """
 from llmkit.registry import Registry
-from llmkit.sampling.params import SamplingParams
+from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 SAMPLERS: Registry = Registry("sampler")
 SAMPLERS.register_lazy("torch", "llmkit.sampling.sampler.TorchSampler")
@@ -18,5 +18,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'llmkit.sampling' has no attribute {name!r}")
 
 
-__all__ = ["SAMPLERS", "SamplingParams", "Sampler", "SamplerOutput", "SamplingMetadata",
+__all__ = ["SAMPLERS", "SamplingParams", "StructuredOutputsParams", "Sampler", "SamplerOutput", "SamplingMetadata",
            "PenaltyInputs", "TorchSampler"]

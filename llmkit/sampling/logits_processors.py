@@ -16,7 +16,12 @@ _NEG_INF = float("-inf")
 
 
 def apply_token_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """External mask, allowed ids, banned ids and logit bias, in place."""
+    """Grammar bitmask, external mask, allowed ids, banned ids and logit bias, in place."""
+    if meta.grammar_bitmask is not None:
+        import xgrammar  # the structured-output backend's C++ (CPU) / Triton (GPU) kernel
+
+        xgrammar.apply_token_bitmask_inplace(logits, meta.grammar_bitmask,
+                                             vocab_size=logits.shape[-1])
     keep = meta.token_mask
     if meta.allowed_token_ids is not None:
         rows, ids = meta.allowed_token_ids

@@ -75,6 +75,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> own RNG
     # The structured-output seam: True = may be sampled. None = everything allowed.
     token_mask: torch.Tensor | None = None  # bool [B, V]
+    # Structured output: xgrammar's packed bitmask, one int32 row of ceil(V / 32) words per
+    # row (bit i of word j allows token 32 j + i; unconstrained rows all ones).
+    grammar_bitmask: torch.Tensor | None = None
     # allowed_token_ids: rows listed in ``rows`` may sample only the listed ids.
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) int64
     # Set to -inf: bad words whose prefix was just generated, EOS / stop ids before min_tokens.
@@ -88,6 +91,7 @@ class SamplingMetadata:
 
     @property
     def has_processors(self) -> bool:
-        return (self.token_mask is not None or self.allowed_token_ids is not None
+        return (self.token_mask is not None or self.grammar_bitmask is not None
+                or self.allowed_token_ids is not None
                 or self.banned_token_ids is not None or self.logit_bias is not None
                 or self.penalties is not None)

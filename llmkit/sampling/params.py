@@ -11,6 +11,50 @@ _GREEDY_EPS = 1e-5
 _MAX_ABS_LOGIT_BIAS = 100.0
 
 
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's names): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value of it;
+    - ``regex``: the output fully matches this regular expression;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: an EBNF (GBNF) grammar as xgrammar reads it, with a ``root`` rule;
+    - ``json_object=True``: the output is some JSON object.
+
+    The engine compiles the grammar off the step path; an invalid or unsupported spec fails
+    that request alone with a ``ValueError`` naming what is wrong.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams: give exactly one of json, regex, choice, "
+                             f"grammar, json_object=True; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"StructuredOutputsParams.json: a JSON schema (dict or JSON "
+                             f"text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputsParams.{name}: a non-empty string, got "
+                                 f"{v!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice: a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+
 class RequestOutputKind(enum.Enum):
     """What each streamed ``RequestOutput`` carries (vLLM's names)."""
 
@@ -39,6 +83,8 @@ class SamplingParams:
       from the model's raw distribution (before penalties and temperature).
     - ``seed``: this request's own RNG; its output does not depend on the rest of the batch.
     - ``skip_special_tokens``, ``spaces_between_special_tokens``: detokenization.
+    - ``structured_outputs``: a :class:`StructuredOutputsParams` (JSON schema, regex, choice,
+      grammar); the sampler may only pick tokens that keep the output in its language.
 
     ``bad_words_token_ids`` is filled by the front end from ``bad_words`` and the tokenizer.
     """
@@ -65,6 +111,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +132,8 @@ class SamplingParams:
                                for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if isinstance(self.structured_outputs, dict):  # as it crosses a process boundary
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _validate(self) -> None:
         def bad(name: str, why: str, value: Any = None) -> ValueError:
@@ -139,6 +188,9 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must be None or a non-empty list")
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, (StructuredOutputsParams, dict)):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
+
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
@@ -54,11 +56,12 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens each request verifies this step (its scheduled
     # tokens are its next token plus these); its logits are computed at all 1 + K positions.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Structured output (vLLM's names): the requests whose logits are constrained, in the
-    # order of ``grammar_bitmask``'s rows, one row per logits position (1 + K per request);
-    # int32 [rows, ceil(vocab / 32)], bit i of word j allows token 32 * j + i.
+    # Structured output: the step's requests whose logits are constrained, in bitmask order,
+    # and their packed bitmask (xgrammar's layout: int32 [rows, ceil(V / 32)], bit i of word j
+    # allows token 32 * j + i), one row per logits position of each listed request in order
+    # (1 + K rows for a request verifying K draft tokens). None when no request is constrained.
     structured_output_request_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: object | None = None  # numpy.ndarray
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -124,7 +127,13 @@ class SchedulerStats:
 
 
 class Scheduler(ABC):
-    """What the engine core drives: add, schedule, update, abort."""
+    """What the engine core drives: add, schedule, update, abort.
+
+    The engine core builds a scheduler as ``cls(config, kv_cache_manager, max_model_len=...,
+    eos_token_id=..., clock=..., structured_output_manager=...)``; a scheduler that admits
+    requests with ``sampling_params.structured_outputs`` holds them until the manager's
+    grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
+    """
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...

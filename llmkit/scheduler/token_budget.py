@@ -8,8 +8,9 @@ its KV recomputed later); prefix caching usually keeps most of its blocks reusab
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
@@ -18,6 +19,11 @@ from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats, SpecDecodeStats)
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
+
+if TYPE_CHECKING:
+    from llmkit.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class TokenBudgetScheduler(Scheduler):
@@ -30,6 +36,7 @@ class TokenBudgetScheduler(Scheduler):
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         drop_last_cached_block: bool = False,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -52,6 +59,9 @@ class TokenBudgetScheduler(Scheduler):
         self._step_tokens = 0
         self._spec_stats = SpecDecodeStats()
         self._step_spec_stats = SpecDecodeStats()
+        # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
+        self.structured_output_manager = structured_output_manager
+        self._waiting_for_fsm: list[Request] = []
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -70,6 +80,15 @@ class TokenBudgetScheduler(Scheduler):
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
                                                                            max(room, 1))
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise ValueError(f"request {request.request_id!r} asks for structured output, "
+                                 "but this scheduler has no structured-output manager")
+            self.structured_output_manager.grammar_init(request)
+            request.set_status(RequestStatus.WAITING_FOR_FSM)
+            self._waiting_for_fsm.append(request)
+            self.requests[request.request_id] = request
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -81,6 +100,8 @@ class TokenBudgetScheduler(Scheduler):
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                self._waiting_for_fsm.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -89,6 +110,8 @@ class TokenBudgetScheduler(Scheduler):
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self._waiting_for_fsm:
+            self._admit_compiled()
         cfg, kv = self.config, self.kv
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -198,6 +221,9 @@ class TokenBudgetScheduler(Scheduler):
         total = cfg.max_num_batched_tokens - budget
         self._step_tokens = total
         self._step_preemptions = len(preempted_ids)
+        so_ids, bitmask = ([], None) if self.structured_output_manager is None else \
+            self.structured_output_manager.grammar_bitmask(self.requests, num_scheduled,
+                                                           spec_tokens)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -206,9 +232,35 @@ class TokenBudgetScheduler(Scheduler):
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted_ids,
             scheduled_spec_tokens=spec_tokens,
+            structured_output_request_ids=so_ids,
+            grammar_bitmask=bitmask,
         )
         self._finished_req_ids = set()
         return out
+
+    # -- structured output ---------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; failed ones end."""
+        idle = not self.running and not len(self.waiting)
+        ready, failed, self._waiting_for_fsm = self.structured_output_manager.take_ready(
+            self._waiting_for_fsm, wait=idle)
+        for req in ready:
+            req.set_status(RequestStatus.WAITING)
+            self.waiting.add(req)
+        for req in failed:
+            req.stop_reason = req.structured_output_request.error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self._pending_outputs.append(self._output(req, []))
+
+    def _advance_grammar(self, req: Request, tok: int) -> bool:
+        """Feed ``tok`` to the request's matcher; True if that ended the request (a token its
+        grammar refuses means the bitmask was not applied: fail loudly, never drift)."""
+        if self.structured_output_manager.accept_tokens(req, [tok]):
+            return False
+        req.stop_reason = f"the sampled token {tok} is not allowed by the request's grammar"
+        logger.error("request %r: %s", req.request_id, req.stop_reason)
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return True
 
     def _refuse(self, req: Request) -> None:
         if req.status == RequestStatus.PREEMPTED:
@@ -279,12 +331,24 @@ class TokenBudgetScheduler(Scheduler):
                 self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
                 self._step_spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
+            constrained = req.structured_output_request is not None
             for tok in new_tokens:
                 req.append_output_token(tok)
                 kept.append(tok)
                 req.times.token_times.append(now)
+                if constrained and self._advance_grammar(req, tok):
+                    break
                 if self._check_stop(req, tok):
                     break
+            else:
+                if constrained and self.structured_output_manager.should_terminate(req):
+                    # Only EOS may follow: take it now (what sampling under the bitmask would
+                    # pick) rather than after another step.
+                    req.append_output_token(req.eos_token_id)
+                    kept.append(req.eos_token_id)
+                    req.times.token_times.append(now)
+                    if not self._advance_grammar(req, req.eos_token_id):
+                        self._check_stop(req, req.eos_token_id)
             if req.times.first_token is None:
                 req.times.first_token = now
             if req.is_finished:
@@ -350,7 +414,7 @@ class TokenBudgetScheduler(Scheduler):
         pc = self.kv.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._waiting_for_fsm),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=pc.queries,

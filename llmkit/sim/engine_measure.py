@@ -143,7 +143,7 @@ def engine_dtype(cfg: Any) -> str:
     if cfg.model.dtype != "auto":
         return cfg.model.dtype
     from llmkit.platforms import resolve_platform
-    return str(resolve_platform(cfg.platform).default_dtype).replace("torch.", "")
+    return str(resolve_platform(cfg.platform).preferred_dtype()).replace("torch.", "")
 
 
 def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,

@@ -111,7 +111,7 @@ def hardware_names() -> list[str]:
 
 
 def default_calibration_path() -> Path:
-    from llmkit.models.default_model import cache_dir
+    from llmkit.config.paths import cache_dir
     return cache_dir() / "hardware" / f"{CALIBRATED_NAME}.yaml"
 
 

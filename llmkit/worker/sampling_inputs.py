@@ -94,8 +94,8 @@ def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size:
         all_greedy=not any_random,
         top_k=top_k, top_p=top_p, min_p=min_p,
         generators=generators,
-        token_mask=_grammar_mask(batch, layout, req_bitmask_rows, grammar_bitmask, vocab_size,
-                                 device),
+        grammar_bitmask=_grammar_bitmask(batch, layout, req_bitmask_rows, grammar_bitmask,
+                                         vocab_size, device),
         allowed_token_ids=_allowed(batch, lrows, device),
         banned_token_ids=_banned(batch, lrows, history, device),
         logit_bias=_bias(batch, lrows, device),
@@ -149,19 +149,12 @@ def _pairs(row_idx: list[int], ids: list[np.ndarray], device: torch.device,
     return tuple(out)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's packed int32 bitmask ``[R, ceil(V / 32)]`` -> bool ``[R, V]`` (True =
-    allowed): bit i of word j is token 32 j + i."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def _grammar_mask(batch: InputBatch, layout: LogitsLayout, req_rows: dict[str, int] | None,
-                  bitmask: np.ndarray | None, vocab_size: int,
-                  device: torch.device) -> torch.Tensor | None:
-    """The structured-output seam: the bitmask rows of the constrained requests, unpacked
-    into a bool ``[logits rows, V]`` mask (unconstrained rows allow everything)."""
+def _grammar_bitmask(batch: InputBatch, layout: LogitsLayout, req_rows: dict[str, int] | None,
+                     bitmask: np.ndarray | None, vocab_size: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """The structured-output seam: the scheduler's bitmask rows of the constrained requests
+    placed at their logits rows (unconstrained rows allow everything), packed int32
+    ``[logits rows, ceil(V / 32)]``; tokens past the grammar's vocabulary are refused."""
     if bitmask is None or not req_rows:
         return None
     src, dst = [], []
@@ -174,10 +167,12 @@ def _grammar_mask(batch: InputBatch, layout: LogitsLayout, req_rows: dict[str, i
         start += n
     if not src:
         return None
-    packed = torch.from_numpy(np.ascontiguousarray(bitmask[src])).to(device)
-    mask = torch.ones(start, vocab_size, dtype=torch.bool, device=device)
-    mask[torch.tensor(dst, device=device)] = unpack_bitmask(packed, vocab_size)
-    return mask
+    words = -(-vocab_size // 32)
+    out = np.full((start, words), -1, dtype=np.int32)
+    out[dst] = 0
+    width = min(words, bitmask.shape[1])
+    out[dst, :width] = bitmask[src, :width]
+    return torch.from_numpy(out).to(device)
 
 
 def _allowed(batch: InputBatch, lrows: np.ndarray,

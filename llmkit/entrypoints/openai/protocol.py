@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # torch.Generator seeds are 64-bit.
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+# Integers cross to the engine core as msgpack: beyond 64 bits they cannot (a 400, not a 500).
+_I64 = 2 ** 63 - 1
 
 
 class _Request(BaseModel):
@@ -44,6 +46,38 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaSpec(_Request):
+    """``response_format.json_schema``: OpenAI's named schema (``schema`` is the JSON schema;
+    the output always follows it, ``strict`` or not)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema (a JSON schema)")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Fields that both endpoints share (they map onto ``SamplingParams`` by name)."""
 
@@ -60,12 +94,12 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_I64)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    priority: int = 0
+    min_tokens: int = Field(0, ge=0, le=_I64)
+    priority: int = Field(0, ge=-_I64, le=_I64)
     # vLLM's: requests with different salts share no prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(None, min_length=1)
     stop_token_ids: list[int] | None = None
@@ -74,6 +108,14 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, and the older
+    # guided_* names many clients still send (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -81,7 +123,7 @@ class SamplingFields(_Request):
         if v is None:
             return v
         for key, bias in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -104,6 +146,12 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+        chunk carries the usage so far, so a client can count the tokens of each chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 # --------------------------------------------------------------------------- completions
@@ -168,10 +216,24 @@ class CompletionResponse(_Response):
 
 # --------------------------------------------------------------------------- chat
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # assistant turns that called tools, and the tool results that answer them
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -191,8 +253,25 @@ class ChatMessage(_Request):
         return "".join(p["text"] for p in self.content)
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -201,9 +280,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # None = "auto" when tools are given, else "none" (OpenAI's default)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -232,6 +312,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -252,9 +333,22 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

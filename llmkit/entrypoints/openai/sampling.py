@@ -2,15 +2,19 @@
 
 A field set to a non-neutral value that this build's ``SamplingParams`` lacks is refused with a
 400 naming it, never silently ignored.
+
+Fields the request leaves unset take the model's recommended defaults (``defaults``: vLLM's
+generation config, ``llmkit.models.generation_config``) before ``SamplingParams``' own; the
+model's ``max_tokens`` caps the request's, as in vLLM.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from llmkit.entrypoints.openai.errors import bad_request, param_of
 from llmkit.entrypoints.openai.protocol import SamplingFields
-from llmkit.sampling.params import SamplingParams
+from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["check_token_ids", "to_sampling_params"]
 
@@ -31,9 +35,17 @@ def check_token_ids(ids: list[int], param: str, vocab_size: int) -> None:
 
 
 def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                       vocab_size: int) -> SamplingParams:
+                       vocab_size: int,
+                       defaults: Mapping[str, Any] | None = None,
+                       structured_outputs: StructuredOutputsParams | None = None
+                       ) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; a 400 for ids outside the
-    vocabulary, for a field this build lacks, or for a value ``SamplingParams`` refuses."""
+    vocabulary, for a field this build lacks, or for a value ``SamplingParams`` refuses.
+    ``defaults``: the model's values for fields the request leaves unset (``None``)."""
+    defaults = dict(defaults or {})
+    model_max = defaults.pop("max_tokens", None)
+    if model_max is not None:
+        max_tokens = model_max if max_tokens is None else min(max_tokens, model_max)
     stop = req.stop
     wanted: dict[str, Any] = {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -49,7 +61,11 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs:
         "skip_special_tokens": req.skip_special_tokens,
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "bad_words": req.bad_words, "allowed_token_ids": req.allowed_token_ids,
+        "structured_outputs": structured_outputs,
     }
+    for name, value in defaults.items():
+        if wanted.get(name) is None:
+            wanted[name] = value
     for name, ids in (("logit_bias", list(wanted["logit_bias"] or ())),
                       ("stop_token_ids", req.stop_token_ids or []),
                       ("allowed_token_ids", req.allowed_token_ids or [])):

@@ -5,7 +5,9 @@ app; ``llmkit.entrypoints.serve.run_server`` runs it under uvicorn.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
 ``stream`` is true), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
-once the engine process is gone), ``GET /metrics`` (Prometheus text), ``GET /docs``.
+once the engine process is gone), ``GET /metrics`` (Prometheus text), ``GET /docs``;
+``GET /v1/engine/stats`` and ``GET /v1/engine/events`` (``engine_view.py``); the pages ``/``
+and ``/engine`` (``web.py``).
 
 Errors: ``{"error": {"message", "type", "param", "code"}}`` — 400 for bad JSON, wrong types,
 out-of-range values and prompts that do not fit ``max_model_len``; 401 for a missing or wrong
@@ -13,7 +15,10 @@ API key (``server.api_key`` or ``LLMKIT_API_KEY``; ``/v1/*``, ``/tokenize`` and
 ``/detokenize`` need ``Authorization: Bearer KEY``, ``/health``, ``/metrics`` and ``/docs`` do
 not); 404 for an unknown model or route; 503 with ``Retry-After`` when
 ``server.max_waiting_requests`` requests already wait for their first token; 500 when the
-engine process has died.
+engine process has died; 413 for a body over ``server.max_request_bytes`` (``limits.py``).
+``server.allowed_origins`` lists the origins whose pages may call the API (CORS; none by
+default: same origin only). ``server.restart_engine`` starts a new engine core when it dies
+(``engine_restart.py``).
 """
 from __future__ import annotations
 
@@ -25,16 +30,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.async_llm import AsyncLLM
 from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from llmkit.entrypoints.openai.engine_restart import keep_engine_running
+from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
+from llmkit.entrypoints.openai.limits import RequestSizeLimit
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, ErrorResponse, ModelList,
                                                 TokenizeRequest)
 from llmkit.entrypoints.openai.serving import OpenAIError, OpenAIServing
+from llmkit.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +53,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body over server.max_request_bytes"},
     500: {"model": ErrorResponse, "description": "The engine is not running"},
     503: {"model": ErrorResponse, "description": "Overloaded; retry after Retry-After seconds"},
 }
+# completions and chat answer JSON, or server-sent events when `stream` is true
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {**_ERRORS, 200: {
+    "description": "A JSON body, or server-sent events when `stream` is true",
+    "content": {"text/event-stream": {}}}}
 
 
 def served_model_names(config: EngineConfig, model_path: str | None = None) -> list[str]:
@@ -134,16 +150,23 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        import asyncio
+
+        supervisor = (asyncio.ensure_future(keep_engine_running(engine))
+                      if config.server.restart_engine else None)
         yield
         # uvicorn has stopped accepting and waited (server.shutdown_timeout) for requests in
         # flight; whatever still runs is ended here, then the engine process is stopped.
-        import asyncio
-
+        if supervisor is not None:
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
         engine.fail_in_flight()
         await asyncio.to_thread(engine.shutdown, engine_stop_timeout)
 
-    app = FastAPI(title="llmkit OpenAI-compatible server", lifespan=lifespan,
-                  description="OpenAI-compatible API served by llmkit.")
+    # Swagger UI (/docs) and ReDoc (/redoc) from assets inside the fastapi-offline package:
+    # FastAPI's own pages load them from a CDN, a blank page on a machine without internet.
+    app = FastAPIOffline(title="llmkit OpenAI-compatible server", lifespan=lifespan,
+                         description="OpenAI-compatible API served by llmkit.")
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
@@ -163,8 +186,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(OpenAIError(exc.status_code, str(exc.detail),
-                                          code="not_found" if exc.status_code == 404 else None))
+        code = {404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large"}.get(exc.status_code)
+        return error_response(OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -172,16 +196,25 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
                                           type="server_error"))
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is running (an empty body)"},
+        503: {"model": ErrorResponse, "description": "The engine is not running"}})
     async def health():
         if engine.is_running:
             return Response(status_code=200)
+        if engine.restarting:
+            return error_response(OpenAIError(503, f"the engine is restarting after: "
+                                                   f"{engine.dead_error}",
+                                              type="service_unavailable_error",
+                                              code="engine_restarting"))
         return error_response(OpenAIError(503, f"the engine is not running: "
                                                f"{engine.dead_error}",
                                           type="service_unavailable_error",
                                           code="engine_dead"))
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def get_metrics():
         if metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
@@ -191,11 +224,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
     async def list_models():
         return serving.list_models()
 
-    @app.post("/v1/completions", responses=_ERRORS)
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return await serving.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions", responses=_ERRORS)
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await serving.create_chat_completion(request, raw_request)
 
@@ -207,6 +240,40 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
     async def detokenize(request: DetokenizeRequest):
         return serving.detokenize(request)
 
+    add_engine_view_routes(app, engine, events_per_s=config.server.engine_events_per_s)
+    add_web_routes(app)
+
+    # Middleware: the last added runs first. CORS answers preflights and labels every answer
+    # (401 and 413 included, so a page can read them); then the size limit; then the key.
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, metrics=metrics)
+        _document_bearer_auth(app)
+    app.add_middleware(RequestSizeLimit, max_bytes=config.server.max_request_bytes,
+                       on_refused=metrics.on_http_error if metrics is not None else None)
+    if config.server.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.server.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["Retry-After"], max_age=600)
     return app
+
+
+def _document_bearer_auth(app: FastAPI) -> None:
+    """Mark the key-protected operations in the OpenAPI schema (and so in /docs)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+            "type": "http", "scheme": "bearer",
+            "description": "server.api_key (or LLMKIT_API_KEY)"}
+        for path, ops in schema.get("paths", {}).items():
+            if path.startswith(ApiKeyMiddleware.PROTECTED_PREFIXES):
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

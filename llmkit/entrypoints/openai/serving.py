@@ -30,15 +30,22 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 CompletionChoice, CompletionRequest,
                                                 CompletionResponse, DeltaMessage,
                                                 DetokenizeRequest, DetokenizeResponse,
-                                                ModelCard, ModelList, PromptTokensDetails,
-                                                SamplingFields, TokenizeRequest,
-                                                TokenizeResponse, Usage)
+                                                FunctionCall, ModelCard, ModelList,
+                                                PromptTokensDetails, SamplingFields,
+                                                TokenizeRequest, TokenizeResponse, ToolCall,
+                                                Usage)
 from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
 from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
                                                  sse)
+from llmkit.entrypoints.openai.structured import (checked_structured_outputs,
+                                                  requested_structured_outputs)
+from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_parser
+from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
+from llmkit.entrypoints.openai.tools import (ToolUse, template_messages, template_supports_tools,
+                                             tool_use)
 from llmkit.outputs import RequestOutput
-from llmkit.sampling.params import SamplingParams
+from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,12 @@ class OpenAIServing:
         cfg = engine.model_source.hf_config
         self.vocab_size = int(getattr(cfg, "vocab_size", None) or len(self.tokenizer))
         self._warned_fields: set[str] = set()
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.template_has_tools = template_supports_tools(template)
+        parser_name = engine.config.server.tool_call_parser
+        if parser_name == "auto":
+            parser_name = default_tool_parser(template)
+        self.tool_parser = TOOL_PARSERS.get(parser_name)()
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -70,14 +83,43 @@ class OpenAIServing:
             self._warned_fields |= extra
             logger.warning("ignored unknown request fields: %s", ", ".join(sorted(extra)))
 
+    def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Token ids of ``text``; a 400 naming ``param`` for text the tokenizer cannot take
+        (JSON allows lone UTF-16 surrogates, which are not Unicode text)."""
+        try:
+            return self.tokenizer.encode(text, **kwargs)
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise bad_request(f"the text cannot be tokenized (is it valid Unicode, without "
+                              f"lone surrogates?): {e}", param) from None
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         check_token_ids(ids, param, self.vocab_size)
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
         return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                  vocab_size=self.vocab_size)
+                                  vocab_size=self.vocab_size,
+                                  defaults=self.engine.default_sampling_fields,
+                                  structured_outputs=structured_outputs)
+
+    def structured_outputs(self, req: SamplingFields,
+                           forced: tuple[StructuredOutputsParams, str] | None = None
+                           ) -> StructuredOutputsParams | None:
+        """The request's output constraint, checked by the engine's grammar backend (a 400
+        naming the field for a bad or unsupported spec). ``forced``: the constraint tool
+        calls need, and the field it comes from."""
+        params, field = requested_structured_outputs(req)
+        if forced is not None:
+            if params is not None:
+                raise bad_request(f"`{field}` cannot be combined with a tool_choice that "
+                                  "forces tool calls", field)
+            params, field = forced
+        if params is None:
+            return None
+        return checked_structured_outputs(self.engine.config, params, field)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                       prompt_param: str) -> None:
@@ -115,7 +157,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             abort_all(streams)
             raise engine_dead(e) from None
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             abort_all(streams)
             raise bad_request(str(e), param_of(str(e))) from None
         return streams
@@ -139,7 +181,7 @@ class OpenAIServing:
         ids_list, texts = [], []
         for item in items:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item)
+                ids = self.encode(item, "prompt")
                 if not ids:
                     raise bad_request("the prompt is empty (no tokens)", "prompt")
                 ids_list.append(ids)
@@ -163,7 +205,8 @@ class OpenAIServing:
         prompts, texts = self._completion_prompts(req)
         for ids in prompts:
             self._check_length(len(ids), req.max_tokens, "prompt")
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                                      structured_outputs=self.structured_outputs(req))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, prompts, texts, params, req.n, req.priority,
@@ -216,7 +259,8 @@ class OpenAIServing:
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield sse({**base, "choices": [choice]})
+                    yield sse({**base, "choices": [choice],
+                               **_usage_so_far(usage, req.continuous_usage)})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, sum(cached.values()))
@@ -228,14 +272,14 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # -- /v1/chat/completions ---------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
+                    use: ToolUse | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               "messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name
-                                                              else {})}
-                    for m in req.messages or []]
-        kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+        messages, tool_kwargs = template_messages(req, use or ToolUse("none", []),
+                                                  native=self.template_has_tools)
+        kwargs = {**tool_kwargs, **dict(getattr(req, "chat_template_kwargs", None) or {})}
         continue_final = getattr(req, "continue_final_message", False)
         add_gen = req.add_generation_prompt and not continue_final
         try:
@@ -245,7 +289,7 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise bad_request(f"the chat template failed on these messages: {e}",
                               "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode(text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
@@ -254,25 +298,24 @@ class OpenAIServing:
         self._warn_extra(req)
         self.check_model(req.model)
         self.check_engine()
-        if req.tools:
-            raise bad_request("`tools` are not supported by this server", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported",
-                              "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        ids = self.chat_prompt(req)
+        use = tool_use(req, self.tool_parser)
+        forced = (use.structured_outputs, "tools") if use.structured_outputs else None
+        structured = self.structured_outputs(req, forced)
+        ids = self.chat_prompt(req, use)
         max_tokens = req.max_output_tokens
         self._check_length(len(ids), max_tokens, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k)
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                                      structured_outputs=structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, [ids], [None], params, req.n, req.priority,
                                     req.stream, req.cache_salt)
         if req.stream:
             return EngineStreamingResponse(
-                self._chat_events(req, request_id, created, streams, len(ids), k),
+                self._chat_events(req, request_id, created, streams, len(ids), k, use),
                 on_close=lambda: abort_all(streams))
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
@@ -284,10 +327,10 @@ class OpenAIServing:
         choices = []
         for c in ro.outputs:
             usage.completion_tokens += len(c.token_ids)
-            choices.append(ChatChoice(index=c.index,
-                                      message=ChatResponseMessage(content=c.text),
+            message, finish_reason = _chat_message(c.text, c.finish_reason, use)
+            choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=chat_logprobs(self.tokenizer, c, k),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
@@ -295,10 +338,13 @@ class OpenAIServing:
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, created: int,
                            streams: list[RequestStream], num_prompt_tokens: int,
-                           k: int | None) -> AsyncIterator[str]:
+                           k: int | None, use: ToolUse) -> AsyncIterator[str]:
         base = dict(id=request_id, created=created, model=self.model_name)
         usage = Usage(prompt_tokens=num_prompt_tokens)
         cached = 0
+        # Per choice: tool calls found as the text grows, sent as OpenAI deltas.
+        streamers = {i: ToolCallStreamer(use.parser) for i in range(req.n)} \
+            if use.parser is not None else {}
         try:
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(**base, choices=[ChatStreamChoice(
@@ -308,17 +354,25 @@ class OpenAIServing:
                 cached = ro.num_cached_tokens
                 for c in ro.outputs:
                     usage.completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and c.logprobs is None:
+                    finish_reason = c.finish_reason
+                    streamer = streamers.get(c.index)
+                    if streamer is not None:
+                        delta = streamer.feed(c.text, finish_reason is not None)
+                        if streamer.tools_called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    else:
+                        delta = {"content": c.text} if c.text else {}
+                    if not delta and finish_reason is None and c.logprobs is None:
                         continue
                     lp = chat_logprobs(self.tokenizer, c, k)
-                    choice = {"index": c.index,
-                              "delta": {"content": c.text} if c.text else {},
+                    choice = {"index": c.index, "delta": delta,
                               "logprobs": lp.model_dump() if lp else None,
-                              "finish_reason": c.finish_reason}
+                              "finish_reason": finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     yield sse({**base, "object": "chat.completion.chunk",
-                                "choices": [choice]})
+                                "choices": [choice],
+                                **_usage_so_far(usage, req.continuous_usage)})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 _set_cached(usage, cached)
@@ -336,7 +390,7 @@ class OpenAIServing:
         if req.messages is not None:
             ids = self.chat_prompt(req)
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
                                 tokens=ids)
 
@@ -348,7 +402,33 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
 
+# --------------------------------------------------------------------------- tool calls
+
+def _chat_message(text: str, finish_reason: str | None,
+                  use: ToolUse) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message: its tool calls (``finish_reason`` "tool_calls") when the
+    tool-call parser finds any, else its text."""
+    if use.parser is None:
+        return ChatResponseMessage(content=text), finish_reason
+    parsed = use.parser.parse(text, final=True)
+    calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=c.name,
+                                                                    arguments=c.arguments))
+             for c in parsed.tool_calls]
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatResponseMessage(content=parsed.content, tool_calls=calls), finish_reason
+
+
 # --------------------------------------------------------------------------- usage
+
+def _usage_so_far(usage: Usage, continuous: bool) -> dict[str, Any]:
+    """``{"usage": ...}`` for a chunk of a ``continuous_usage_stats`` stream, else nothing."""
+    if not continuous:
+        return {}
+    return {"usage": {"prompt_tokens": usage.prompt_tokens,
+                      "completion_tokens": usage.completion_tokens,
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
+
 
 def _add_cached(usage: Usage, ro: RequestOutput) -> None:
     _set_cached(usage, (usage.prompt_tokens_details.cached_tokens

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 import torch
 
-from llmkit.models.default_model import cache_dir
+from llmkit.config.paths import cache_dir
+from llmkit.startup import startup_step
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -83,15 +84,17 @@ def gguf_cache_folder(path: Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 
-def _cached(folder: Path, build: Callable[[Path], None]) -> Path:
+def _cached(folder: Path, build: Callable[[Path], None], what: str) -> Path:
     """``folder``, built by ``build(tmp)`` into a temporary folder and renamed into place, so a
-    reader never sees a half-written one and concurrent builders do not collide."""
+    reader never sees a half-written one and concurrent builders do not collide. ``what`` the
+    build makes, for the start-up progress."""
     if folder.is_dir():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".tmp", dir=folder.parent))
     try:
-        build(tmp)
+        with startup_step(f"converting the {what} (once; cached)"):
+            build(tmp)
         try:
             os.rename(tmp, folder)
         except OSError:
@@ -122,7 +125,7 @@ def load_gguf_config(path: Path):
         config.save_pretrained(str(tmp))
         (tmp / "source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
 
-    return AutoConfig.from_pretrained(str(_cached(folder, build)))
+    return AutoConfig.from_pretrained(str(_cached(folder, build, f"config of {path.name}")))
 
 
 def _fix_head_dim(config, path: Path) -> None:
@@ -152,7 +155,7 @@ def load_gguf_tokenizer(path: Path):
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(tmp))
 
-    return AutoTokenizer.from_pretrained(str(_cached(folder, build)))
+    return AutoTokenizer.from_pretrained(str(_cached(folder, build, f"tokenizer of {path.name}")))
 
 
 # -- weights ---------------------------------------------------------------------------------
