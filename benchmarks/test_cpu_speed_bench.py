@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 
 from llmkit.bench.throughput import format_throughput, run_throughput
-from llmkit.config.compose import build_config
+from llmkit.config.compose import build_tool_config
+from llmkit.config.schema import BenchToolConfig
 from llmkit.platforms.cpu import has_native_bf16
 
 WORKLOADS = {
@@ -37,8 +38,8 @@ FLOORS = {"A": (2.9, 1.3), "B": (2.2, 1.5), "C": (None, 1.3)}
 @pytest.mark.parametrize("name", list(WORKLOADS))
 @pytest.mark.benchmark(group="cpu speed vs hf")
 def test_cpu_speed_vs_hf(benchmark, name):
-    cfg = build_config(None, overrides=[*WORKLOADS[name], "bench.baseline=hf",
-                                        "bench.progress=false", "bench.ignore_eos=true"])
+    cfg = build_tool_config(BenchToolConfig, None, overrides=[
+        *WORKLOADS[name], "bench.baseline=hf", "bench.progress=false", "bench.ignore_eos=true"])
     result = benchmark.pedantic(run_throughput, args=(cfg,), rounds=1, iterations=1)
     ratio = result["ratio"]["output_throughput"]
     benchmark.extra_info.update(workload=name, ratio_output_throughput=ratio,

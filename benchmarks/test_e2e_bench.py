@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 
 from llmkit.bench.throughput import format_throughput, run_throughput  # noqa: E402
-from llmkit.config.compose import build_config  # noqa: E402
+from llmkit.config.compose import build_tool_config  # noqa: E402
+from llmkit.config.schema import BenchToolConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.benchmark(group="e2e throughput")
 def test_offline_throughput_vs_hf(benchmark, model_dir):
-    cfg = build_config(str(model_dir), dtype="float32", overrides=[
+    cfg = build_tool_config(BenchToolConfig, str(model_dir), dtype="float32", overrides=[
         "bench.num_requests=48", "bench.input_len=64", "bench.output_len=32",
         "bench.range_ratio=0.5", "bench.baseline=hf", "bench.progress=false"])
     result = benchmark.pedantic(run_throughput, args=(cfg,), rounds=1, iterations=1)

@@ -8,6 +8,9 @@ of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_
 K/V through the block table in place) and a small-batch ``linear`` (up to a few rows:
 decoding's GEMVs). Each op also has a fake (meta) implementation, so that step graphs
 (``torch.compile``) trace through them as opaque calls.
+The quantized-weight ops (``quant_repack``, ``quant_linear``, ``quant_dequantize``,
+``quantize_activations_q8``: GGUF blocks, int8 and fp8 kept packed) are wrapped by
+``llmkit.kernels.quant``.
 Each rounds to the model's dtype exactly where the torch ops of Hugging Face's model round, and
 where it can, adds in their order too: RMSNorm, SiLU-and-mul, rotary and the bf16 linear (each
 row in torch's one-row GEMV order) give their bits; bf16 decode attention follows SDPA's flash

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_helpers import check_result_consistency  # noqa: E402
 
 from llmkit.bench.datasets import build_workload  # noqa: E402
-from llmkit.config.compose import compose_config  # noqa: E402
+from llmkit.config.compose import compose_tool_config  # noqa: E402
+from llmkit.config.schema import BenchToolConfig  # noqa: E402
 from llmkit.entrypoints import cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def test_bench_serve_against_live_server(live, tmp_path, capsys):
     check_result_consistency(doc, expected_requests=6)
     assert doc["summary"]["completed"] == 6
     # the same workload, rebuilt: the server saw these exact prompt ids and lengths
-    tok_cfg = compose_config([f"model.path={live['model']}", *args]).bench
+    tok_cfg = compose_tool_config(BenchToolConfig, [f"model.path={live['model']}", *args]).bench
     from transformers import AutoTokenizer
     workload = build_workload(tok_cfg, AutoTokenizer.from_pretrained(str(live["model"])))
     recs = {r["request_id"]: r for r in doc["requests"]}

@@ -14,7 +14,8 @@ from llmkit.bench.datasets import build_workload, load_jsonl
 from llmkit.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, request_record,
                                   stats, summarize)
 from llmkit.bench.results import make_result, plot_serve_result, write_result
-from llmkit.config.compose import compose_config
+from llmkit.config.compose import compose_config, compose_tool_config
+from llmkit.config.schema import BenchToolConfig
 from llmkit.config.errors import ConfigError
 
 
@@ -165,7 +166,7 @@ def test_percentile_matches_numpy_and_empty_stats():
 # --------------------------------------------------------------------------- workloads
 
 def bench_cfg(**kw):
-    return compose_config([f"bench.{k}={v}" for k, v in kw.items()]).bench
+    return compose_tool_config(BenchToolConfig, [f"bench.{k}={v}" for k, v in kw.items()]).bench
 
 
 class FakeTokenizer:
@@ -252,9 +253,11 @@ def test_text_prompt_format():
 
 
 def test_bench_config_keys_and_errors():
-    cfg = compose_config(["bench.rate=inf", "bench.arrival=constant", "slo.ttft_ms=250",
-                          "bench.max_concurrency=4"])
+    cfg = compose_tool_config(BenchToolConfig, ["bench.rate=inf", "bench.arrival=constant",
+                                                 "slo.ttft_ms=250", "bench.max_concurrency=4"])
     assert math.isinf(cfg.bench.rate) and cfg.slo.ttft_ms == 250
+    # the engine's config holds no tool's section; every command validates them all
+    assert not {"bench", "slo", "hardware", "sim"} & set(type(cfg.engine).model_fields)
     with pytest.raises(ConfigError, match="bench.arrival"):
         compose_config(["bench.arrival=gamma"])
     with pytest.raises(ConfigError, match="bench.dataset_path"):
@@ -262,7 +265,7 @@ def test_bench_config_keys_and_errors():
     with pytest.raises(ConfigError, match="slo.ttft_ms"):
         compose_config(["slo.ttft_ms=-1"])
     from llmkit.config.schema import BenchConfig
-    assert compose_config().bench == BenchConfig()
+    assert compose_tool_config(BenchToolConfig).bench == BenchConfig()
     # a config with rate=inf survives JSON (the engine process gets its config that way)
     assert math.isinf(BenchConfig.model_validate_json(BenchConfig().model_dump_json()).rate)
 

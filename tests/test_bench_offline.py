@@ -84,7 +84,7 @@ def test_step_trace_file(model, tmp_path):
               overrides=[f"observability.trace_file={trace_path}"])
     prompts = [[5 + i] * n for i, n in enumerate((3, 7, 40))]
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    trace: StepTrace = llm.engine.step_trace
+    (trace,) = [o for o in llm.engine.step_observers if isinstance(o, StepTrace)]
     steps = list(trace.steps)
     assert sum(s.prefill_tokens for s in steps) == 50
     assert sum(s.decode_tokens for s in steps) == 3 * 3
@@ -114,5 +114,5 @@ def test_step_trace_file(model, tmp_path):
 
 def test_no_trace_by_default(model):
     llm = LLM(model, dtype="float32")
-    assert llm.engine.step_trace is None
+    assert not llm.engine.step_observers
     llm.shutdown()

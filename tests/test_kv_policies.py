@@ -8,7 +8,7 @@ import pytest
 from llmkit.kv_cache import (EVICTION_POLICIES, BlockPool, EvictionPolicy, KVCacheManager,
                              LFUEvictionPolicy, LRUEvictionPolicy, PrefixCacheStats)
 from llmkit.kv_cache.base import KVCacheIntegrityError
-from llmkit.kv_cache.block_pool import FreeBlockQueue, KVCacheBlock
+from llmkit.kv_cache.blocks import FreeBlockQueue, KVCacheBlock
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
 

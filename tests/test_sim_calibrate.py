@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmkit.config.compose import compose_config
+from llmkit.config.compose import compose_tool_config
+from llmkit.config.schema import SimToolConfig
 from llmkit.entrypoints import cli
 from llmkit.sim.calibrate import profile_yaml
 
@@ -23,13 +24,13 @@ def test_calibrate_writes_cpu_local_and_hardware_cpu_local_reads_it(tmp_path, ca
     assert f"wrote {path}" in capsys.readouterr().out
     text = path.read_text()
     assert "measured by `llmkit sim calibrate`" in text and "calibrated_at:" in text
-    hw = resolve_hardware(compose_config(["hardware=cpu-local", *over]))
+    hw = resolve_hardware(compose_tool_config(SimToolConfig, ["hardware=cpu-local", *over]))
     assert hw.source_path == str(path) and hw.calibrated_at is not None
     assert hw.peak_flops["float32"] > 0 and hw.memory_bandwidth > 0  # a shared CPU: any rate
     assert hw.compute_efficiency == 1.0 and hw.memory_efficiency == 1.0
     # without a calibrated file: the shipped placeholder
-    missing = compose_config(["hardware=cpu-local",
-                              f"sim.calibrate_output={tmp_path / 'none.yaml'}"])
+    missing = compose_tool_config(SimToolConfig, [
+        "hardware=cpu-local", f"sim.calibrate_output={tmp_path / 'none.yaml'}"])
     assert resolve_hardware(missing).source_path is None
     # the calibrated profile drives a simulation
     out_dir = tmp_path / "out"
@@ -208,7 +209,7 @@ def test_calibrate_engine_and_calibrate_model_pick_the_engine_model(monkeypatch,
     seen = []
 
     def fake(cfg, log=None):
-        seen.append(cfg.model)
+        seen.append(cfg.engine.model)
         raise SystemExit(0)
 
     monkeypatch.setattr(calibrate, "run_engine_calibrate", fake)
@@ -236,7 +237,7 @@ def test_engine_calibration_of_a_tiny_model_predicts_its_own_steps(tiny_model_di
 
 
 def _calibrate_tiny(tiny_model_dir, tmp_path):
-    from llmkit.config.compose import build_config
+    from llmkit.config.compose import build_tool_config
     from llmkit.sim.calibrate import run_engine_calibrate
     from llmkit.sim.cost_model import CostModel
     from llmkit.sim.hardware import resolve_hardware
@@ -246,7 +247,7 @@ def _calibrate_tiny(tiny_model_dir, tmp_path):
     path = tmp_path / "cpu-local.yaml"
     over = [f"sim.calibrate_output={path}", "sim.calibrate_gemm_size=128",
             "sim.calibrate_buffer_mib=8", "hardware=cpu-local", "platform.num_threads=1"]
-    cfg = build_config(str(model), overrides=over)
+    cfg = build_tool_config(SimToolConfig, str(model), overrides=over)
     lines = []
     written, profile, fit, meas = run_engine_calibrate(
         cfg, log=lines.append, decode_batches=(1, 4, 16), decode_contexts=(64, 256),
@@ -270,7 +271,7 @@ def _calibrate_tiny(tiny_model_dir, tmp_path):
     errors = sorted(abs(p / g.seconds - 1) for p, g in zip(predicted, fit.groups))
     assert errors[len(errors) // 2] < 0.3, "\n".join(fit.table())
     # and drives a simulation of the same model
-    sim_cfg = build_config(str(model), overrides=over + [
+    sim_cfg = build_tool_config(SimToolConfig, str(model), overrides=over + [
         f"sim.dtype={meas.dtype}", "bench.num_requests=4", "bench.input_len=16",
         "bench.output_len=4", f"bench.output_dir={tmp_path}"])
     result = run_sim(sim_cfg)

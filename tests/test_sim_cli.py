@@ -5,16 +5,34 @@ import json
 
 import pytest
 
-from llmkit.config.compose import compose_config
+from llmkit.config.compose import compose_tool_config
+from llmkit.config.schema import SimToolConfig
 from llmkit.entrypoints import cli
 
 
 def test_hardware_group_and_sim_executor_compose():
-    cfg = compose_config()
+    cfg = compose_tool_config(SimToolConfig)
     assert cfg.hardware.name == "a100-80gb" and cfg.sim.model is None
-    cfg = compose_config(["hardware=l4", "executor=sim"])
-    assert (cfg.hardware.name, cfg.executor.name) == ("l4", "sim")
+    cfg = compose_tool_config(SimToolConfig, ["hardware=l4", "executor=sim"])
+    assert (cfg.hardware.name, cfg.engine.executor.name) == ("l4", "sim")
     assert cfg.hardware.efficiency.memory == 0.8  # the profile's own, as shipped
+
+
+def test_llmkit_config_prints_the_engine_and_only_the_tool_sections_named(capsys):
+    """The engine's config holds no tool's section: a plain ``llmkit config`` shows no
+    hardware profile (no a100-80gb block on a CPU); naming one shows it."""
+    import yaml
+
+    assert cli.main(["config"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert "scheduler" in doc and not {"bench", "slo", "hardware", "sim"} & set(doc)
+    assert cli.main(["config", "hardware=h100-sxm", "sim.tensor_parallel_size=2"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["hardware"]["name"] == "h100-sxm" and doc["sim"]["tensor_parallel_size"] == 2
+    assert "scheduler" in doc and not {"bench", "slo"} & set(doc)
+    # a tool's key is validated whichever command runs
+    assert cli.main(["config", "bench.rate=abc"]) == 2
+    assert capsys.readouterr().err.startswith("llmkit: error: bench.rate: got 'abc'")
 
 
 def test_bad_hardware_is_one_line_with_the_options(capsys):

@@ -6,14 +6,16 @@ import pytest
 
 from llmkit.bench.datasets import WorkloadRequest, build_workload
 from llmkit.bench.metrics import summarize
-from llmkit.config.compose import compose_config
+from llmkit.config.compose import compose_tool_config
+from llmkit.config.schema import SimToolConfig
 from llmkit.sim.cost_model import StepCost
 from llmkit.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.sim.virtual_clock import VirtualClock
 
 
-def cfg_of(*overrides: str):
-    return compose_config(["sim.model=llama-2-7b", "bench.progress=false", *overrides])
+def cfg_of(*overrides: str) -> SimToolConfig:
+    return compose_tool_config(SimToolConfig,
+                               ["sim.model=llama-2-7b", "bench.progress=false", *overrides])
 
 
 def strip_wall(result: dict) -> dict:
@@ -27,7 +29,7 @@ def strip_wall(result: dict) -> dict:
 def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     from llmkit.engine.core import EngineCore
     from llmkit.executor import EXECUTORS
-    from llmkit.executor.sim import SimExecutor
+    from llmkit.sim.executor import SimExecutor
     from llmkit.kv_cache import KV_CACHE_MANAGERS
     from llmkit.kv_cache.manager import KVCacheManager
     from llmkit.scheduler import SCHEDULERS
@@ -37,13 +39,25 @@ def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     core, executor, clock = build_sim_engine(cfg)
     assert type(core) is EngineCore
     assert type(core.scheduler) is TokenBudgetScheduler
-    assert type(core.scheduler) is SCHEDULERS.get(cfg.scheduler.name)
+    assert type(core.scheduler) is SCHEDULERS.get(cfg.engine.scheduler.name)
     assert type(core.kv_cache_manager) is KVCacheManager
-    assert type(core.kv_cache_manager) is KV_CACHE_MANAGERS.get(cfg.kv_cache.name)
+    assert type(core.kv_cache_manager) is KV_CACHE_MANAGERS.get(cfg.engine.kv_cache.name)
     assert core.scheduler.kv is core.kv_cache_manager
     assert type(executor) is SimExecutor and EXECUTORS.get("sim") is SimExecutor
     assert core.executor is executor and executor.clock is clock
     assert core.scheduler.clock is clock  # the scheduler's timestamps are virtual
+
+
+def test_sim_executor_registers_through_the_entry_point_group():
+    """executor/ imports nothing of sim/: ``sim`` comes from pyproject.toml's
+    ``llmkit.executor`` entry points (a stale install needs ``pip install -e .`` again)."""
+    from importlib.metadata import entry_points
+
+    from llmkit.executor import EXECUTORS
+    from llmkit.sim.executor import SimExecutor
+
+    (ep,) = [e for e in entry_points(group="llmkit.executor") if e.name == "sim"]
+    assert ep.load() is SimExecutor and EXECUTORS.get("sim") is SimExecutor
 
 
 def test_no_scheduler_or_kv_manager_is_reimplemented_in_llmkit_sim():
@@ -245,7 +259,8 @@ def test_executor_sim_by_name_in_a_plain_engine_core():
     from llmkit.request import Request
     from llmkit.sampling.params import SamplingParams
 
-    core = EngineCore(cfg_of("executor=sim", "kv_cache.num_blocks=64"))
+    cfg = cfg_of("executor=sim", "kv_cache.num_blocks=64")
+    core = EngineCore(cfg.engine, settings=cfg)
     core.add_request(Request("r", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)))
     tokens = []
     while core.has_unfinished_requests():

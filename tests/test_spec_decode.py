@@ -516,8 +516,12 @@ def test_prometheus_names():
 
 # -- the simulator reads the same group --------------------------------------------------------
 def test_sim_speculation_with_an_acceptance_model():
-    from llmkit.config.compose import compose_config
+    from llmkit.config import SimToolConfig
+    from llmkit.config.compose import compose_tool_config
     from llmkit.sim.replay import run_sim
+
+    def compose_config(overrides):
+        return compose_tool_config(SimToolConfig, overrides)
 
     common = ["sim.model=llama-2-7b", "hardware=a100-80gb", "bench.num_requests=16",
               "bench.input_len=64", "bench.output_len=32", "bench.max_concurrency=1",

@@ -7,6 +7,9 @@
 #include "decode_attention.h"
 #include "linear.h"
 #include "norm.h"
+#include "quant_activation.h"
+#include "quant_linear.h"
+#include "quant_repack.h"
 #include "rotary.h"
 
 TORCH_LIBRARY(llmkit_cpu, m) {
@@ -19,6 +22,15 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
+  // Quantized weights (quant_*.h): repack GGUF blocks / int8 / fp8 rows into the packed x8
+  // layout, read it back as floats, and multiply with it.
+  m.def("quant_repack(Tensor raw, str format, int in_features) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, str format, int out_features, int in_features, "
+        "Tensor? scales=None, Tensor? rows=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, str format, int out_features, "
+        "Tensor? scales=None, Tensor? bias=None, bool float_activations=False, "
+        "bool portable=False) -> Tensor");
+  m.def("quantize_activations_q8(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
@@ -29,4 +41,8 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
+  m.impl("quant_repack", &llmkit_cpu::quant::quant_repack);
+  m.impl("quant_dequantize", &llmkit_cpu::quant::quant_dequantize);
+  m.impl("quant_linear", &llmkit_cpu::quant::quant_linear);
+  m.impl("quantize_activations_q8", &llmkit_cpu::quant::quantize_activations_q8);
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llmkit.bench.datasets import WorkloadError
+from llmkit.config.schema import BenchToolConfig
 
 __all__ = ["SUBCOMMANDS", "rewrite_shorthands", "run_bench", "sweep_points"]
 
@@ -102,7 +103,8 @@ def _plot(args: Any, load_config: Callable[..., Any], out: Any) -> int:
         raise BenchError("-m (multirun) does not apply to bench plot", code=2)
     directory = args.model
     if directory is None:
-        directory = load_config(args, rewrite_shorthands(args.overrides)).bench.output_dir
+        directory = load_config(args, rewrite_shorthands(args.overrides),
+                                tool=BenchToolConfig).bench.output_dir
     if not Path(directory).is_dir():
         raise BenchError(f"bench plot: {directory!r} is not a directory of results", code=2)
     try:
@@ -115,7 +117,8 @@ def _plot(args: Any, load_config: Callable[..., Any], out: Any) -> int:
 
 
 def run_bench(args: Any, load_config: Callable[..., Any], out=None) -> int:
-    """Run ``args.subcommand``; ``load_config(args, overrides)`` composes one run's config."""
+    """Run ``args.subcommand``; ``load_config(args, overrides, tool=BenchToolConfig)``
+    composes one run's config."""
     out = out or sys.stdout
     sub = args.subcommand
     if sub is None:
@@ -127,7 +130,8 @@ def run_bench(args: Any, load_config: Callable[..., Any], out=None) -> int:
         overrides = rewrite_shorthands(args.overrides)
         points = sweep_points(overrides, args.multirun)
         # Compose every point first: a bad value fails before anything runs.
-        configs = [(load_config(args, run), sweep) for run, sweep in points]
+        configs = [(load_config(args, run, tool=BenchToolConfig), sweep)
+                   for run, sweep in points]
         if sub != "throughput" and any(c.bench.baseline != "none" for c, _ in configs):
             raise BenchError(f"bench.baseline applies to bench throughput only, not bench {sub}",
                              code=2)

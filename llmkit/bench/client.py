@@ -47,7 +47,8 @@ class ClientOptions:
     def from_config(cls, cfg: Any) -> "ClientOptions":
         """From an ``EngineConfig`` (its ``bench`` and ``server`` sections)."""
         b = cfg.bench
-        base = b.base_url or f"http://{cfg.server.host}:{cfg.server.port}"
+        server = cfg.engine.server
+        base = b.base_url or f"http://{server.host}:{server.port}"
         key = (b.api_key or os.environ.get("LLMKIT_API_KEY")
                or os.environ.get("OPENAI_API_KEY") or None)
         return cls(base_url=base, endpoint=b.endpoint, model=b.model, api_key=key,

@@ -4,8 +4,9 @@ of every engine step.
 One batch of ``bench.batch_size`` requests (``bench.dataset``, ``input_len`` / ``output_len``;
 a fresh seed per iteration so that no iteration hits the prefix cache of another) is generated
 ``bench.num_iters_warmup`` times untimed, then ``bench.num_iters`` times timed. Each engine step
-is timed by the same ``StepTrace`` that ``observability.trace_file`` writes; steps are
-**prefill** steps when they compute any prompt token, else **decode** steps.
+is timed by a ``StepTrace`` (the step observer that ``observability.trace_file`` writes with),
+registered on the engine for the run; steps are **prefill** steps when they compute any prompt
+token, else **decode** steps.
 """
 from __future__ import annotations
 
@@ -20,19 +21,19 @@ __all__ = ["format_latency", "run_latency"]
 
 def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                 llm: Any = None) -> dict[str, Any]:
-    from llmkit import LLM, SamplingParams
+    from llmkit.engine.llm import LLM
+    from llmkit.sampling.params import SamplingParams
     from llmkit.bench.results import make_result
     from llmkit.engine.step_trace import StepTrace
 
     b = cfg.bench
     own = llm is None
     if own:
-        llm = LLM.from_config(cfg)
+        llm = LLM.from_config(cfg.engine)
     tokenizer = llm.get_tokenizer()
     engine = llm.engine
-    saved_trace = engine.step_trace
     trace = StepTrace()
-    engine.step_trace = trace
+    engine.add_step_observer(trace)
     latencies: list[float] = []
     steps: list[dict[str, Any]] = []
     last_steps: list[dict[str, Any]] = []
@@ -52,7 +53,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             last_steps = [s.to_dict() for s in trace.steps]
             steps.extend(last_steps)
     finally:
-        engine.step_trace = saved_trace
+        engine.remove_step_observer(trace)
         if own:
             llm.shutdown()
     prefill = [s["step_ms"] for s in steps if s["prefill_tokens"]]
@@ -66,7 +67,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         "decode_tokens_per_s": (sum(s["decode_tokens"] for s in steps)
                                 / (sum(decode) / 1e3) if decode else None),
     }
-    if cfg.speculative.enabled:
+    if cfg.engine.speculative.enabled:
         drafts = sum(s["spec_drafts"] for s in steps)
         proposed = sum(s["spec_draft_tokens"] for s in steps)
         accepted = sum(s["spec_accepted_tokens"] for s in steps)
@@ -78,7 +79,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
-    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
     return make_result(config, summary, [{"latency_s": x, "ok": True} for x in latencies],
                        simulated=False, kind="latency", steps=last_steps)
 

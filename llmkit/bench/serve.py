@@ -26,7 +26,7 @@ def load_bench_tokenizer(cfg: Any, required: bool = True):
             from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(b.tokenizer)
         from llmkit.models.loader import resolve_model_source
-        return resolve_model_source(cfg.model).load_tokenizer()
+        return resolve_model_source(cfg.engine.model).load_tokenizer()
     except Exception as e:  # noqa: BLE001 - any loader failure is the same user error
         if required:
             raise WorkloadError(f"cannot load a tokenizer for the workload ({type(e).__name__}: "
@@ -37,7 +37,8 @@ def load_bench_tokenizer(cfg: Any, required: bool = True):
 
 def run_serve(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
               tokenizer: Any = None) -> dict[str, Any]:
-    """Run ``bench serve`` for ``cfg`` (an ``EngineConfig``); returns the result document."""
+    """Run ``bench serve`` for ``cfg`` (a ``BenchToolConfig``); returns the result
+    document."""
     from llmkit.bench.results import make_result
 
     b = cfg.bench

@@ -43,24 +43,26 @@ def format_spec_decode(spec: Mapping[str, Any]) -> str:
 
 
 def _engine_facts(llm: Any) -> dict[str, Any]:
+    import dataclasses
+
     import torch
 
-    from llmkit.executor.uniproc import resolve_dtype
-
-    return {"dtype": resolve_dtype(llm.config.model.dtype, llm.engine.platform),
-            "num_threads": torch.get_num_threads(), "device": llm.engine.platform.device}
+    info = llm.engine.backend_info
+    return {"dtype": getattr(torch, info.dtype), "num_threads": torch.get_num_threads(),
+            "device": torch.device(info.device), "backend": dataclasses.asdict(info)}
 
 
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                    llm: Any = None) -> dict[str, Any]:
-    """Run the benchmark for ``cfg`` (an ``EngineConfig``); returns the result document."""
-    from llmkit import LLM, SamplingParams
+    """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
+    from llmkit.engine.llm import LLM
+    from llmkit.sampling.params import SamplingParams
     from llmkit.bench.results import make_result
 
     b = cfg.bench
     own = llm is None
     if own:
-        llm = LLM.from_config(cfg)
+        llm = LLM.from_config(cfg.engine)
     tokenizer = llm.get_tokenizer()
     workload = build_workload(b, tokenizer)
     prompts = [r.payload_prompt for r in workload]
@@ -87,8 +89,8 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                "total_token_throughput": (in_tok + out_tok) / elapsed,
                "total_input_tokens": in_tok, "total_output_tokens": out_tok,
                "dtype": str(facts["dtype"]), "num_threads": facts["num_threads"],
-               "device": str(facts["device"])}
-    if cfg.speculative.enabled:
+               "device": str(facts["device"]), "backend": facts["backend"]}
+    if cfg.engine.speculative.enabled:
         summary["spec_decode"] = spec
     baseline = ratio = None
     if b.baseline == "hf":
@@ -115,7 +117,7 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                  for k in ("output_throughput", "request_throughput")}
     if own and llm is not None:
         llm.shutdown()
-    config = {**cfg.model_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
+    config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
     return make_result(config, summary, records, simulated=False, kind="throughput",
                        baseline=baseline, ratio=ratio)
 

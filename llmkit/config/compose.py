@@ -3,7 +3,13 @@ a one-line ``ConfigError`` (dotted key, value, what is allowed).
 
 - ``compose_config(overrides)``: the CLI's path — Hydra overrides only.
 - ``build_config(model, dtype=, overrides=, groups=)``: the Python API's path (``LLM(...)``).
+- ``build_tool_config(tool, model, ...)`` / ``compose_tool_config(tool, overrides)``: the same
+  composition as a tool's config (``BenchToolConfig``, ``SimToolConfig``: the engine's config
+  beside the tool's sections), for ``llmkit bench`` and ``llmkit sim``.
 - ``config_to_yaml(cfg)``: what ``llmkit config`` prints.
+
+Every composition validates the whole document (``ComposedConfig``: the engine's sections and
+every tool's), so a key means the same and fails the same way whichever command runs.
 
 ``recipes/*.yaml`` form the Hydra group ``recipe`` (default null): they are registered into
 Hydra's ConfigStore under that group with package ``_global_`` before each composition.
@@ -24,13 +30,15 @@ from typing import Any
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.hydra_errors import first_line, hydra_error_to_config_error, parse_override
-from llmkit.config.schema import EngineConfig
-from llmkit.config.schema_errors import (model_at, validate_engine_config,
+from llmkit.config.schema import EngineConfig, ToolConfig
+from llmkit.config.schema_errors import (model_at, validate_engine_config, validate_tool_config,
                                          validation_error_to_config_error)
 
 __all__ = [
     "build_config",
+    "build_tool_config",
     "compose_config",
+    "compose_tool_config",
     "config_to_yaml",
     "conf_dir",
     "expand_overrides",
@@ -228,6 +236,15 @@ def compose_config(overrides: Sequence[str] = ()) -> EngineConfig:
     return validate_engine_config(_compose_dict(overrides))
 
 
+def compose_tool_config(tool: type[ToolConfig], overrides: Sequence[str] = ()
+                        ) -> ToolConfig:
+    """``compose_config`` for a tool: its config class (``BenchToolConfig``,
+    ``SimToolConfig``) with the engine's config inside."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    return validate_tool_config(_compose_dict(overrides), tool)
+
+
 def resolve_model_arg(model: str) -> tuple[list[str], dict]:
     """A preset name (``conf/model/NAME.yaml``) → ``(["model=NAME"], {})``; else a path →
     ``(["model=custom"], {"model": {"path": ABS}})``. A path that does not exist, or a file that
@@ -278,6 +295,19 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     Order: Hydra composition (group choices, ``overrides``), then the mappings, then ``dtype``
     and the model path. Raises ``ConfigError``.
     """
+    return validate_engine_config(_build_dict(model, dtype, overrides, groups))
+
+
+def build_tool_config(tool: type[ToolConfig], model: str | None = None, *,
+                      dtype: str | None = None, overrides: Sequence[str] = (),
+                      groups: Mapping[str, str | Mapping] | None = None) -> ToolConfig:
+    """``build_config`` for a tool: its config class (``BenchToolConfig``, ``SimToolConfig``)
+    with the engine's config inside."""
+    return validate_tool_config(_build_dict(model, dtype, overrides, groups), tool)
+
+
+def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
+                groups: Mapping[str, str | Mapping] | None) -> dict:
     if isinstance(overrides, str):
         overrides = [overrides]
     hydra_overrides: list[str] = []
@@ -316,17 +346,25 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     if dtype is not None:
         _deep_merge(data, {"model": {"dtype": dtype}})
     _deep_merge(data, model_merges)
-    return validate_engine_config(data)
+    return data
 
 
 # --------------------------------------------------------------------------- printing
 
-def config_to_yaml(cfg: EngineConfig, *, exclude: Sequence[str] = ()) -> str:
-    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries and
-    without the top-level sections in ``exclude``."""
+def config_to_yaml(cfg: EngineConfig | ToolConfig, *,
+                   tool_sections: Sequence[str] | None = None) -> str:
+    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries; a
+    tool's config shows the engine's sections and its own side by side (``flat_dump``), only
+    the ``tool_sections`` named if given."""
     from omegaconf import OmegaConf
 
-    data = cfg.model_dump(by_alias=True, mode="json", exclude=set(exclude) or None)
+    if isinstance(cfg, ToolConfig):
+        data = cfg.flat_dump(by_alias=True, mode="json")
+        if tool_sections is not None:
+            data = {k: v for k, v in data.items()
+                    if k in EngineConfig.model_fields or k in tool_sections}
+    else:
+        data = cfg.model_dump(by_alias=True, mode="json")
 
     def strip(node: Any) -> Any:
         if isinstance(node, dict):

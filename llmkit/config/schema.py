@@ -1,4 +1,11 @@
-"""Typed configs, one per component kind, and the engine config that holds them all.
+"""Typed configs, one per component kind; the engine config that holds the engine's; the tools'
+configs (``bench``, ``sim``) that hold an engine config beside their own sections.
+
+``conf/config.yaml`` composes one document with the engine's sections and the tools' (``bench``,
+``slo``, ``hardware``, ``sim``) at the top level, so every key is typed the same way for every
+command (``scheduler.max_num_seqs=8``, ``bench.rate=4``). ``ComposedConfig`` validates that
+document; the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
+``SimToolConfig``.
 
 Every model forbids unknown keys, so a typo fails at start-up with the dotted key. Implementation
 names are checked against the component's registry by the composer (`compose.py`), which knows
@@ -442,6 +449,20 @@ class SimConfig(_Strict):
     calibrate_trace: str | None = None
 
 
+class EvalConfig(_Strict):
+    """``llmkit eval ppl`` (``llmkit/eval/perplexity.py``)."""
+
+    # null = the public-domain text shipped in llmkit/eval/texts/
+    text_file: str | None = None
+    # tokens per window (request)
+    window: int = Field(default=512, ge=2)
+    # sliding: a window starts every `stride` tokens (null = window / 2); llamacpp: must be null
+    stride: int | None = Field(default=None, ge=1)
+    # sliding: Hugging Face's strided perplexity; llamacpp: what llama-perplexity computes
+    # (non-overlapping windows, the second half of each scored)
+    mode: Literal["sliding", "llamacpp"] = "sliding"
+
+
 class EngineConfig(_Strict):
     model: ModelConfig
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -455,13 +476,8 @@ class EngineConfig(_Strict):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
-    bench: BenchConfig = Field(default_factory=BenchConfig)
-    slo: SloConfig = Field(default_factory=SloConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
-    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
-    hardware: HardwareConfig | None = None
-    sim: SimConfig = Field(default_factory=SimConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None
@@ -481,3 +497,69 @@ class EngineConfig(_Strict):
             # sets num_lookahead_slots the same way).
             s.num_lookahead_tokens = spec.num_speculative_tokens
         return self
+
+
+class ToolConfig(_Strict):
+    """A tool's config: the engine's inside, the tool's own sections beside it."""
+
+    engine: EngineConfig
+
+    def flat_dump(self, **kwargs) -> dict:
+        """The config as ``llmkit config`` and result files show it: the engine's sections
+        and the tool's side by side, keyed as on the command line (``model_dump`` kwargs)."""
+        data = self.engine.model_dump(**kwargs)
+        for name in type(self).model_fields:
+            if name != "engine":
+                value = getattr(self, name)
+                data[name] = value.model_dump(**kwargs) if value is not None else None
+        return data
+
+
+class BenchToolConfig(ToolConfig):
+    """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
+    takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+
+class EvalToolConfig(ToolConfig):
+    """``llmkit eval ppl``: the engine that scores the text and the evaluation's settings."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class SimToolConfig(BenchToolConfig):
+    """``llmkit sim``: a ``bench serve`` workload (``bench``, ``slo``) replayed through the
+    engine's scheduler and KV cache on a modelled accelerator (group ``hardware``)."""
+
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+
+class ComposedConfig(EngineConfig):
+    """What ``conf/config.yaml`` composes to: the engine's sections and every tool's. Used to
+    validate a composition (every key, whichever command runs) and to name keys in errors;
+    nothing past the composer receives it."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+    # `llmkit eval ppl`
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's part (already validated: no second validation)."""
+        fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
+        return EngineConfig.model_construct(
+            _fields_set=self.model_fields_set & set(fields), **fields)
+
+    def tool_config(self, tool: type[ToolConfig]) -> ToolConfig:
+        sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
+        return tool(engine=self.engine_config(), **sections)
+
+
+#: The top-level sections of the composed document that belong to tools, not to the engine.
+TOOL_SECTIONS = tuple(n for n in ComposedConfig.model_fields if n not in EngineConfig.model_fields)

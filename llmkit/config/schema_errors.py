@@ -1,4 +1,5 @@
-"""Pydantic validation errors against ``EngineConfig`` as one-line ``ConfigError``s: the
+"""Pydantic validation errors against the composed config (``ComposedConfig``: the engine's
+sections and the tools') as one-line ``ConfigError``s: the
 dotted key the user typed, the value, and what the schema allows, in plain words ("an integer
 >= 1", "one of: fcfs, priority", "a key of scheduler: ...").
 
@@ -16,10 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.schema import EngineConfig
+from llmkit.config.schema import ComposedConfig, EngineConfig, ToolConfig
 
-__all__ = ["known_keys_text", "model_at", "validate_engine_config",
-           "validation_error_to_config_error", "value_at"]
+__all__ = ["known_keys_text", "model_at", "validate_composed", "validate_engine_config",
+           "validate_tool_config", "validation_error_to_config_error", "value_at"]
 
 
 def _fields_by_alias(model: type[BaseModel]) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def _walk_loc(loc: Sequence[Any]) -> tuple[str, Any | None, type[BaseModel] | No
     """(dotted key, FieldInfo of the last field reached or None, the model the key names
     (None unless the key is a section), the annotation of what the key names)."""
     key = ""
-    model: type[BaseModel] | None = EngineConfig
+    model: type[BaseModel] | None = ComposedConfig
     ann: Any = None
     field = None
     for part in loc:
@@ -155,7 +156,7 @@ def model_at(dotted: str) -> type[BaseModel] | None:
     """The config section (a pydantic model) that ``dotted`` names; None for a plain field or
     an unknown key."""
     if not dotted:
-        return EngineConfig
+        return ComposedConfig
     key, _, model, _ = _walk_loc(dotted.split("."))
     return model if key == dotted else None
 
@@ -170,18 +171,30 @@ def value_at(data: Any, dotted: str, default: Any) -> Any:
     return cur
 
 
-def validate_engine_config(data: dict) -> EngineConfig:
-    """``EngineConfig`` from plain data; the first validation error as a ``ConfigError``."""
+def validate_composed(data: dict) -> ComposedConfig:
+    """The whole composed document from plain data (every tool's sections too, so a bad
+    ``bench.*`` key fails whichever command runs); the first error as a ``ConfigError``."""
     try:
-        return EngineConfig.model_validate(data)
+        return ComposedConfig.model_validate(data)
     except ValidationError as e:
         raise validation_error_to_config_error(e, data) from None
+
+
+def validate_engine_config(data: dict) -> EngineConfig:
+    """The ``EngineConfig`` of a composed document (validated whole: ``validate_composed``)."""
+    return validate_composed(data).engine_config()
+
+
+def validate_tool_config(data: dict, tool: type[ToolConfig]) -> ToolConfig:
+    """A tool's config (``BenchToolConfig``, ``SimToolConfig``, ``EvalToolConfig``) of a composed
+    document."""
+    return validate_composed(data).tool_config(tool)
 
 
 def known_keys_text(dotted: str) -> str:
     """'a key of scheduler: name, _target_, ...' for the section that holds ``dotted``."""
     parts = dotted.split(".")
-    model: type[BaseModel] = EngineConfig
+    model: type[BaseModel] = ComposedConfig
     where = "the config"
     for part in parts[:-1]:
         fields = _fields_by_alias(model)

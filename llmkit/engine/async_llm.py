@@ -49,6 +49,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
+from llmkit.engine.input_processor import InputProcessor, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
@@ -59,12 +60,10 @@ from llmkit.models.generation_config import default_sampling_fields, describe_de
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
-from llmkit.structured_output.validation import validate_structured_outputs
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
 
-PromptType = str | list[int]
 Message = Mapping[str, Any]
 
 logger = logging.getLogger(__name__)
@@ -128,9 +127,6 @@ class AsyncLLM:
                                                                    source.path)
             logger.info("%s", describe_defaults(engine_config.model,
                                                 self.default_sampling_fields))
-            self.vocab_size = int(getattr(source.hf_config, "vocab_size", None)
-                                  or len(self.tokenizer))
-            self._extra_stop_ids = list(source.eos_token_ids[1:])
             self._processor = OutputProcessor(self.tokenizer)
             self._tracker = RequestTracker(self._processor, engine_core, stat_logger)
             # Before wait_ready, which starts the client's reader thread (the engine sends
@@ -142,7 +138,11 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
             raise
-        self.max_model_len = self.engine_core.max_model_len
+        # The engine's own facts (what it reported when ready) check every request here.
+        self.model_facts = self.engine_core.model_facts
+        self.max_model_len = self.model_facts.max_model_len
+        self.vocab_size = self.model_facts.vocab_size
+        self._inputs = InputProcessor(self.tokenizer, self.model_facts, engine_config)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -201,46 +201,6 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is serving requests from another event loop")
         self._loop = loop
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-            ids = [int(t) for t in prompt]
-            self._check_token_ids("prompt", ids)
-            return None, ids
-        raise TypeError(f"prompt must be a str or a list of token ids, got "
-                        f"{type(prompt).__name__}")
-
-    def _check_token_ids(self, what: str, ids) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{what}: token id {t} is out of range (the vocabulary has "
-                                 f"{self.vocab_size} tokens)")
-
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        # Ids beyond the vocabulary would fail inside the engine's step, for the whole batch.
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
-            value = getattr(params, name, None)
-            if value:
-                self._check_token_ids(name, [int(t) for t in value])
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name, None)
-            if value is not None and value > self.vocab_size:
-                raise ValueError(f"{name}: at most the vocabulary size ({self.vocab_size}), "
-                                 f"got {value}")
-        if getattr(params, "structured_outputs", None) is not None:
-            # A bad spec is a ValueError (a 400) here, before the engine sees the request.
-            validate_structured_outputs(self.config, params.structured_outputs)
-        changes: dict[str, Any] = {}
-        if self._extra_stop_ids:
-            changes["stop_token_ids"] = list(params.stop_token_ids or []) + self._extra_stop_ids
-        if getattr(params, "bad_words", None) and getattr(params, "bad_words_token_ids",
-                                                          None) is None:
-            from llmkit.sampling.bad_words import tokenize_bad_words
-            changes["bad_words_token_ids"] = tokenize_bad_words(params.bad_words, self.tokenizer)
-        return dataclasses.replace(params, **changes) if changes else params
-
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams | None = None, *,
                           n: int | None = None, priority: int = 0,
@@ -261,20 +221,15 @@ class AsyncLLM:
         params = sampling_params or self.get_default_sampling_params()
         if n is not None and n != params.n:
             params = dataclasses.replace(params, n=n)
-        text, ids = self._tokenize(prompt)
+        p = self._inputs.process(prompt, params, cache_salt=cache_salt)
+        text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
         if prompt_text is not None:
             text = prompt_text
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's "
-                             f"maximum context length ({self.max_model_len} tokens)")
         num_pending = self._tracker.num_pending
         if num_pending + params.n > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_pending} requests wait for their first "
                 f"token (server.max_waiting_requests={self.max_waiting_requests}); retry later")
-        params = self._engine_params(params)
         # The output processor fans n > 1 out into children "{i}_{id}" with seeds seed + i.
         children = self._processor.add_request(request_id, text, ids, params, output_kind) \
             or [(request_id, params)]

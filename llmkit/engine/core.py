@@ -7,13 +7,15 @@ from typing import Callable, Iterable
 
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.components import validate_components
+from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserver,
+                                    split_prefill_decode)
 from llmkit.engine.step_trace import StepTrace
-from llmkit.executor import EXECUTORS, Executor
+from llmkit.executor import EXECUTORS, BackendInfo, Executor, ModelFacts
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.platforms import resolve_platform
-from llmkit.request import Request
-from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerStats
+from llmkit.request import Request, RequestStatus
+from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerOutput, SchedulerStats
 from llmkit.startup import startup_step
 from llmkit.structured_output.manager import StructuredOutputManager
 
@@ -60,9 +62,41 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager, **sched_kwargs)
         self.clock = clock
         self._speculative = config.speculative.enabled
-        # Per-step stats as a Chrome trace (observability.trace_file); None = off.
-        self.step_trace: StepTrace | None = StepTrace.from_config(
-            getattr(config, "observability", None))
+        self._observers: list[StepObserver] = []
+        self._num_steps = 0
+        # Per-step stats as a Chrome trace (observability.trace_file): an observer like any.
+        trace = StepTrace.from_config(config.observability)
+        if trace is not None:
+            self.add_step_observer(trace)
+
+    # -- public facts and the observer API (llmkit/engine/observer.py) ---------------------
+    @property
+    def model_facts(self) -> ModelFacts:
+        """The served model's limits: max_model_len, vocab_size, EOS ids."""
+        return self.executor.model_facts
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        """How the executor computes (attention backend, ops, linear methods, dtype, step
+        graphs), for logs and benchmark results."""
+        return self.executor.backend_info
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call ``observer.on_step(StepEvent)`` after every step from now on."""
+        if not callable(getattr(observer, "on_step", None)):
+            raise TypeError(f"a step observer needs an on_step(event) method; got "
+                            f"{type(observer).__name__}")
+        if observer not in self._observers:
+            self._observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        """Stop calling ``observer`` (its ``close`` is not called). Unknown ones are ignored."""
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    @property
+    def step_observers(self) -> tuple[StepObserver, ...]:
+        return tuple(self._observers)
 
     def _pinned_prefix_ids(self) -> list[list[int]]:
         """``kv_cache.pinned_prefixes`` as token ids (text is tokenized as prompts are)."""
@@ -132,34 +166,84 @@ class EngineCore:
         """Run one scheduling step; return every request's new tokens and finishes."""
         if not self.scheduler.has_unfinished_requests():
             return []
-        trace = self.step_trace
-        if trace is not None:
-            trace.begin_step()
+        if self._observers:
+            return self._observed_step()
+        self._num_steps += 1
         scheduler_output = self.scheduler.schedule()
-        if trace is not None:
-            trace.scheduled(scheduler_output, self.scheduler)
+        runner_output = self._execute(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
-            runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # Still tell the runner about finished/preempted requests so it drops them.
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
-                runner_output = self.executor.execute_model(scheduler_output)
-        else:
-            runner_output = self.executor.execute_model(scheduler_output)
-        if trace is not None:
-            trace.executed()
+                return self.executor.execute_model(scheduler_output)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.executor.execute_model(scheduler_output)
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+                ) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.draft_token_ids or self._speculative:
             # Also an empty dict: drafts are for the next step only.
             self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
-        if trace is not None:
-            trace.end_step(self.scheduler)
         return outputs
+
+    def _observed_step(self) -> list[EngineCoreOutput]:
+        """``step`` with timings and a ``StepEvent`` for the observers. An observer that
+        raises fails the step (as any part of the step would)."""
+        perf = time.perf_counter
+        index = self._num_steps
+        self._num_steps += 1
+        t0 = perf()
+        scheduler_output = self.scheduler.schedule()
+        t1 = perf()
+        # Before the update: a request that finishes in this step leaves the scheduler in it.
+        split = split_prefill_decode(scheduler_output,
+                                     getattr(self.scheduler, "get_request", None))
+        t2 = perf()
+        runner_output = self._execute(scheduler_output)
+        t3 = perf()
+        outputs = self._update(scheduler_output, runner_output)
+        t4 = perf()
+        event = StepEvent(step=index, start_s=t0, schedule_s=t1 - t0, execute_s=t3 - t2,
+                          update_s=t4 - t3, scheduler_output=scheduler_output,
+                          runner_output=runner_output, outputs=outputs,
+                          stats=self.scheduler.stats(), split=split)
+        for observer in tuple(self._observers):
+            observer.on_step(event)
+        return outputs
+
+    def request_states(self) -> list[RequestState]:
+        """Every request the engine holds, running first then in arrival order."""
+        names = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_FSM: "waiting",
+                 RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
+        kv = self.kv_cache_manager
+        reqs = sorted(self.scheduler.unfinished_requests(),
+                      key=lambda r: (r.status != RequestStatus.RUNNING, r.arrival_index))
+        return [RequestState(r.request_id, names.get(r.status, "finished"), r.num_prompt_tokens,
+                             r.num_computed_tokens, r.num_output_tokens,
+                             len(kv.get_block_ids(r.request_id)), r.arrival_index)
+                for r in reqs]
+
+    def kv_state(self) -> KVState:
+        kv = self.kv_cache_manager
+        return KVState(kv.num_blocks, kv.num_free_blocks,
+                       getattr(kv, "num_prefix_cached_blocks", 0))
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``KVCacheIntegrityError`` if the KV bookkeeping is inconsistent (O(blocks))."""
+        self.kv_cache_manager.check_integrity()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        if self.step_trace is not None:
-            self.step_trace.close()
-        self.structured_output_manager.shutdown()
-        self.executor.shutdown()
+        try:
+            for observer in self._observers:
+                close = getattr(observer, "close", None)
+                if callable(close):
+                    close()
+        finally:
+            self.structured_output_manager.shutdown()
+            self.executor.shutdown()

@@ -31,6 +31,7 @@ from llmkit.engine.core_proc import (AbortRequests, EngineCoreOutputs, EngineCor
                                      EngineFailed, EngineMessage, EngineReady, ShutdownEngine,
                                      decode_sampling_params, make_encoder, run_engine_core)
 from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
+from llmkit.facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class InprocClient:
         self.core = EngineCore(config, **engine_kwargs)
         self.max_model_len = self.core.max_model_len
         self.eos_token_id = self.core.eos_token_id
+        self.model_facts = self.core.model_facts
 
     def add_request(self, request: EngineCoreRequest) -> None:
         from llmkit.request import Request
@@ -150,6 +152,10 @@ class MPClient:
         self.pid = self.ready.pid
         self.max_model_len = self.ready.max_model_len
         self.eos_token_id = self.ready.eos_token_id
+        self.model_facts = ModelFacts(max_model_len=self.ready.max_model_len,
+                                      vocab_size=self.ready.vocab_size,
+                                      eos_token_id=self.ready.eos_token_id,
+                                      eos_token_ids=tuple(self.ready.eos_token_ids))
         self._reader = threading.Thread(target=self._read_loop, name="llmkit-engine-output",
                                         daemon=True)
         self._reader.start()

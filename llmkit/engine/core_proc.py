@@ -78,6 +78,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_blocks: int
     block_size: int
     eos_token_id: int | None = None
+    # The rest of the engine's ModelFacts (the front end's input checks use them).
+    vocab_size: int = 0
+    eos_token_ids: list[int] = []
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -174,7 +177,9 @@ class EngineCoreProc:
         self.send(EngineReady(pid=os.getpid(), max_model_len=self.core.max_model_len,
                               num_blocks=self.core.num_blocks,
                               block_size=config.kv_cache.block_size,
-                              eos_token_id=self.core.eos_token_id))
+                              eos_token_id=self.core.eos_token_id,
+                              vocab_size=self.core.model_facts.vocab_size,
+                              eos_token_ids=list(self.core.model_facts.eos_token_ids)))
 
     # -- I/O -------------------------------------------------------------------------------
     def send(self, msg: EngineMessage) -> None:

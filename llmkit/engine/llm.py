@@ -1,7 +1,6 @@
 """The offline API: ``LLM(model).generate(prompts, params)`` with an in-process engine core."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from typing import Any, Iterator, Mapping, Sequence
@@ -11,18 +10,14 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
+from llmkit.engine.input_processor import InputProcessor, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
-from llmkit.request import Request
-from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.sampling.params import SamplingParams
 from llmkit.startup import startup_step
-from llmkit.structured_output.validation import validate_structured_outputs
 
-# A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
-PromptType = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 logger = logging.getLogger(__name__)
@@ -60,9 +55,7 @@ class LLM:
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
-        # vLLM's rule: the first EOS id is the EOS (ignore_eos turns it off); further ones from
-        # the model's generation config act as stop tokens.
-        self._extra_stop_ids = [t for t in source.eos_token_ids[1:]]
+        self._inputs = InputProcessor(self.tokenizer, self.engine.model_facts, config)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -82,52 +75,15 @@ class LLM:
     # -- requests --------------------------------------------------------------------------
     def _add(self, prompt: PromptType, params: SamplingParams,
              kind: RequestOutputKind) -> str:
-        cache_salt = None
-        if isinstance(prompt, Mapping):
-            prompt, cache_salt = _unpack_prompt_dict(prompt)
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than model.max_model_len "
-                             f"({self.max_model_len}); shorten it or raise model.max_model_len")
-        params = self._prepare_params(params)
+        p = self._inputs.process(prompt, params)
         rid = str(next(self._ids))
-        for child_id, child_params in self._processor.add_request(rid, text, ids, params, kind):
-            self.engine.add_request(Request(child_id, ids, child_params,
-                                            eos_token_id=self.engine.eos_token_id,
-                                            arrival_time=self.engine.clock(),
-                                            cache_salt=cache_salt))
+        engine = self.engine
+        for child_id, child_params in self._processor.add_request(rid, p.text, p.token_ids,
+                                                                  p.params, kind):
+            engine.add_request(p.to_request(child_id, child_params,
+                                            eos_token_id=engine.model_facts.eos_token_id,
+                                            arrival_time=engine.clock()))
         return rid
-
-    def _prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """Check token ids against the vocabulary; add the model's extra EOS ids as stop ids;
-        tokenize bad words."""
-        vocab = self.engine.executor.model_facts.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"SamplingParams.{name}: token ids {bad[:5]} are outside the "
-                                 f"vocabulary (size {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs: at most the vocabulary size ({vocab}), "
-                             f"got {params.logprobs}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"SamplingParams.prompt_logprobs: at most the vocabulary size "
-                             f"({vocab}), got {params.prompt_logprobs}")
-        if params.structured_outputs is not None:
-            validate_structured_outputs(self.config, params.structured_outputs)
-        changes: dict[str, Any] = {}
-        if self._extra_stop_ids:
-            changes["stop_token_ids"] = list(params.stop_token_ids) + self._extra_stop_ids
-        if params.bad_words and params.bad_words_token_ids is None:
-            changes["bad_words_token_ids"] = tokenize_bad_words(params.bad_words, self.tokenizer)
-        return dataclasses.replace(params, **changes) if changes else params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -219,22 +175,6 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
             raise TypeError(f"prompts[{i}] must be a str, a list of token ids or a dict, "
                             f"got {type(p).__name__}")
     return [p if isinstance(p, (str, Mapping)) else list(p) for p in prompts]
-
-
-def _unpack_prompt_dict(prompt: Mapping[str, Any]) -> tuple[str | list[int], str | None]:
-    """vLLM's TextPrompt / TokensPrompt: the prompt and its ``cache_salt`` (requests with
-    different salts share no KV blocks, e.g. to isolate tenants)."""
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-    if unknown:
-        raise ValueError(f"prompt dict: unknown keys {sorted(unknown)}; allowed: prompt, "
-                         "prompt_token_ids, cache_salt")
-    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError("prompt dict: give exactly one of 'prompt' and 'prompt_token_ids'")
-    salt = prompt.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ValueError(f"prompt dict: cache_salt must be a string, got {type(salt).__name__}")
-    body = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
-    return body, salt
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -11,12 +11,9 @@ duration) and the state after it: running/waiting counts, the KV pool (blocks fr
 holding a cached prefix), prefix-cache counters, and up to ``MAX_LISTED_REQUESTS`` requests
 with the blocks each holds.
 
-``StepSummaryPublisher`` is the only part that runs inside the engine core. It takes
-``EngineCore``'s step hooks (the ``StepTrace`` protocol: ``begin_step``, ``scheduled``,
-``executed``, ``end_step``, ``close``) and forwards them to the core's own trace if one is set.
-It reads the scheduler and KV manager through their public methods plus the scheduler's
-``requests`` table; this is the piece to re-base on the engine's observer API (step hooks that
-receive the ``SchedulerOutput``, timings and stats) once that lands.
+``StepSummaryPublisher`` is the only part that runs inside the engine core: an observer of its
+steps (``engine/observer.py``) that reads the core through its public accessors
+(``stats()``, ``request_states()``, ``kv_state()``, ``check_kv_integrity()``).
 """
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from llmkit.engine.step_trace import split_prefill_decode
-from llmkit.request import RequestStatus
+from llmkit.engine.observer import StepEvent
 
 __all__ = ["EngineSnapshotQuery", "EngineStepSummary", "MAX_LISTED_REQUESTS", "RequestSummary",
            "StepSummaryPublisher"]
@@ -89,12 +85,10 @@ class EngineSnapshotQuery(msgspec.Struct, array_like=True, tag="snapshot"):
     check_kv: bool = False
 
 
-_STATUS_NAMES = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_FSM: "waiting",
-                 RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
 
 
 class StepSummaryPublisher:
-    """Builds summaries from the engine core's step hooks and hands them to ``send`` at most
+    """Builds summaries from the engine core's steps and hands them to ``send`` at most
     ``max_per_s`` times a second (see the module docstring)."""
 
     def __init__(self, core: Any, send: Callable[[EngineStepSummary], None], max_per_s: float,
@@ -104,56 +98,28 @@ class StepSummaryPublisher:
         self.enabled = max_per_s > 0
         self.interval = 1.0 / max_per_s if max_per_s > 0 else float("inf")
         self.clock = clock
-        # The core's own trace (observability.trace_file) keeps getting every hook.
-        self.inner = core.step_trace
         self.step = 0
         self.total_tokens = 0
-        self._t0 = 0.0
-        self._out: Any = None
         self._last_sent = -float("inf")
         self._skipped = self._skipped_tokens = 0
         self._dirty = False  # state changed since the last summary
 
     def install(self) -> "StepSummaryPublisher":
-        self.core.step_trace = self
+        self.core.add_step_observer(self)
         return self
 
-    # -- the StepTrace hooks EngineCore.step() calls, in order ------------------------------
-    def begin_step(self) -> None:
-        self._t0 = self.clock()
-        if self.inner is not None:
-            self.inner.begin_step()
-
-    def scheduled(self, scheduler_output: Any, scheduler: Any) -> None:
-        self._out = scheduler_output
-        if self.inner is not None:
-            self.inner.scheduled(scheduler_output, scheduler)
-
-    def executed(self) -> None:
-        if self.inner is not None:
-            self.inner.executed()
-
-    def end_step(self, scheduler: Any) -> None:
-        if self.inner is not None:
-            self.inner.end_step(scheduler)
-        out, self._out = self._out, None
-        if out is None:
-            return
+    def on_step(self, event: StepEvent) -> None:
+        out = event.scheduler_output
         self.step += 1
         self.total_tokens += out.total_num_scheduled_tokens
         now = self.clock()
-        # The prefill/decode split costs a pass over the batch: only published steps pay it.
         if self.enabled and now - self._last_sent >= self.interval:
             self._last_sent = now
-            self.send(self.summary(out, step_ms=1e3 * (now - self._t0)))
+            self.send(self.summary(event))
         else:
             self._skipped += 1
             self._skipped_tokens += out.total_num_scheduled_tokens
             self._dirty = True
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
 
     # -- between steps ----------------------------------------------------------------------
     def state_changed(self) -> None:
@@ -173,27 +139,25 @@ class StepSummaryPublisher:
         if query.check_kv:
             s.kv_checked = True
             try:
-                self.core.kv_cache_manager.check_integrity()
+                self.core.check_kv_integrity()
             except AssertionError as e:  # KVCacheIntegrityError
                 s.kv_integrity_error = str(e) or type(e).__name__
         return s
 
     # -- building one -----------------------------------------------------------------------
-    def summary(self, out: Any | None, step_ms: float = 0.0) -> EngineStepSummary:
+    def summary(self, event: StepEvent | None) -> EngineStepSummary:
         core = self.core
-        scheduler = core.scheduler
-        kv = core.kv_cache_manager
-        stats = scheduler.stats()
+        stats = event.stats if event is not None else core.stats()
+        step_ms = 1e3 * event.step_s if event is not None else 0.0
         s = EngineStepSummary(step=self.step, time=time.time(), step_ms=step_ms,
                               steps_skipped=self._skipped, tokens_skipped=self._skipped_tokens)
         self._skipped = self._skipped_tokens = 0
         self._dirty = False
-        if out is not None:
-            pr, pt, dr, dt, _, _ = split_prefill_decode(out, getattr(scheduler, "get_request",
-                                                                     None))
+        if event is not None:
+            out, split = event.scheduler_output, event.split
             s.num_scheduled_tokens = out.total_num_scheduled_tokens
-            s.num_prefill_tokens, s.num_prefill_reqs = pt, pr
-            s.num_decode_tokens, s.num_decode_reqs = dt, dr
+            s.num_prefill_tokens, s.num_prefill_reqs = split.prefill_tokens, split.prefill_reqs
+            s.num_decode_tokens, s.num_decode_reqs = split.decode_tokens, split.decode_reqs
             s.num_preempted = len(out.preempted_req_ids)
         s.total_scheduled_tokens = self.total_tokens
         s.num_running, s.num_waiting = stats.num_running, stats.num_waiting
@@ -201,23 +165,17 @@ class StepSummaryPublisher:
         s.prefix_cache_queries = stats.prefix_cache_queries
         s.prefix_cache_hits = stats.prefix_cache_hits
         s.num_preemptions_total = stats.num_preemptions_total
+        kv = core.kv_state()
         s.num_blocks = kv.num_blocks
         s.num_free_blocks = kv.num_free_blocks
         s.num_held_blocks = kv.num_blocks - kv.num_free_blocks
-        s.num_cached_blocks = getattr(kv, "num_prefix_cached_blocks", 0)
-        s.requests, s.num_requests_omitted = self._requests(scheduler, kv)
+        s.num_cached_blocks = kv.num_prefix_cached_blocks
+        states = core.request_states()
+        s.requests = [RequestSummary(request_id=r.request_id, status=r.status,
+                                     num_prompt_tokens=r.num_prompt_tokens,
+                                     num_computed_tokens=r.num_computed_tokens,
+                                     num_output_tokens=r.num_output_tokens,
+                                     num_blocks=r.num_blocks)
+                      for r in states[:MAX_LISTED_REQUESTS]]
+        s.num_requests_omitted = max(len(states) - MAX_LISTED_REQUESTS, 0)
         return s
-
-    @staticmethod
-    def _requests(scheduler: Any, kv: Any) -> tuple[list[RequestSummary], int]:
-        table = getattr(scheduler, "requests", None) or {}
-        listed: list[RequestSummary] = []
-        reqs = sorted(table.values(), key=lambda r: (r.status != RequestStatus.RUNNING, r.arrival_index))
-        for req in reqs[:MAX_LISTED_REQUESTS]:
-            listed.append(RequestSummary(
-                request_id=req.request_id, status=_STATUS_NAMES.get(req.status, "finished"),
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_computed_tokens=req.num_computed_tokens,
-                num_output_tokens=req.num_output_tokens,
-                num_blocks=len(kv.get_block_ids(req.request_id))))
-        return listed, max(len(reqs) - MAX_LISTED_REQUESTS, 0)

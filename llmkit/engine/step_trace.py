@@ -9,7 +9,9 @@ The file is written when the engine shuts down (and at interpreter exit); open i
 https://ui.perfetto.dev or chrome://tracing: one track of step slices (each with its numbers as
 args) and counter tracks for tokens, batch size, queue length and KV usage.
 
-``bench latency`` uses a ``StepTrace`` without a file to time each step.
+A ``StepTrace`` is a step observer (``llmkit/engine/observer.py``): ``EngineCore`` registers
+one for ``observability.trace_file``; ``bench latency`` registers one without a file to time
+each step.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import atexit
 import json
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["StepRecord", "StepTrace"]
+from llmkit.engine.observer import StepEvent, split_prefill_decode
+
+# split_prefill_decode lived here before the observer API; it is re-exported for its callers.
+__all__ = ["StepRecord", "StepTrace", "split_prefill_decode"]
 
 
 @dataclass(slots=True)
@@ -62,45 +66,15 @@ class StepRecord:
         return d
 
 
-def split_prefill_decode(scheduler_output: Any, get_request: Callable[[str], Any] | None
-                         ) -> tuple[int, int, int, int, int, int]:
-    """``(prefill_reqs, prefill_tokens, decode_reqs, decode_tokens, prefill_context,
-    decode_context)`` of one step. A request the runner (re)builds this step is prefill; a
-    running one is prefill while the tokens it had computed before this step are fewer than its
-    prompt, else decode. A request's context is its tokens computed after the step."""
-    counts = scheduler_output.num_scheduled_tokens
-    pr = pt = dr = dt = pc = dc = 0
-    for new in scheduler_output.scheduled_new_reqs:
-        n = counts.get(new.req_id, 0)
-        if n:
-            pr, pt, pc = pr + 1, pt + n, pc + new.num_computed_tokens + n
-    cached = scheduler_output.scheduled_cached_reqs
-    for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
-        n = counts.get(rid, 0)
-        if not n:
-            continue
-        req = get_request(rid) if get_request is not None else None
-        prompt_len = req.num_prompt_tokens if req is not None else 0
-        if computed < prompt_len:
-            pr, pt, pc = pr + 1, pt + n, pc + computed + n
-        else:
-            dr, dt, dc = dr + 1, dt + n, dc + computed + n
-    return pr, pt, dr, dt, pc, dc
-
-
 class StepTrace:
     """Records steps (at most ``max_steps``, the first ones); ``write()`` saves the trace."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, max_steps: int = 100_000,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, *,
+                 max_steps: int = 100_000) -> None:
         self.path = Path(path).expanduser() if path else None
         self.max_steps = max_steps
-        self.clock = clock
         self.steps: list[StepRecord] = []
         self.dropped = 0
-        self._marks: list[float] = []
-        self._split = (0, 0, 0, 0, 0, 0)
-        self._num_reqs = self._tokens = self._preempted = 0
         self._lock = threading.Lock()
         self._written = False
         if self.path is not None:
@@ -114,41 +88,24 @@ class StepTrace:
             return None
         return cls(path, max_steps=observability.trace_max_steps)
 
-    # -- the hooks EngineCore.step() calls, in order ---------------------------------------
-    def begin_step(self) -> None:
-        self._marks = [self.clock()]
-
-    def scheduled(self, scheduler_output: Any, scheduler: Any) -> None:
-        self._marks.append(self.clock())
-        get = getattr(scheduler, "get_request", None)
-        self._split = split_prefill_decode(scheduler_output, get)
-        self._num_reqs = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n)
-        self._tokens = scheduler_output.total_num_scheduled_tokens
-        self._preempted = len(scheduler_output.preempted_req_ids)
-
-    def executed(self) -> None:
-        self._marks.append(self.clock())
-
-    def end_step(self, scheduler: Any) -> None:
-        t3 = self.clock()
-        if len(self._marks) != 3:
-            return
-        t0, t1, t2 = self._marks
+    # -- the step observer ------------------------------------------------------------------
+    def on_step(self, event: StepEvent) -> None:
         if len(self.steps) >= self.max_steps:
             self.dropped += 1
             return
-        stats = scheduler.stats()
+        stats, split = event.stats, event.split
         spec = getattr(stats, "step_spec_decode", None)
-        pr, pt, dr, dt, pc, dc = self._split
         with self._lock:
             self.steps.append(StepRecord(
-                step=len(self.steps) + self.dropped, start_s=t0,
-                schedule_ms=1e3 * (t1 - t0), execute_ms=1e3 * (t2 - t1),
-                update_ms=1e3 * (t3 - t2), num_reqs=self._num_reqs,
-                scheduled_tokens=self._tokens, prefill_reqs=pr, prefill_tokens=pt,
-                decode_reqs=dr, decode_tokens=dt, num_preempted=self._preempted,
-                num_running=stats.num_running, num_waiting=stats.num_waiting,
-                kv_usage=float(stats.kv_usage), prefill_context=pc, decode_context=dc,
+                step=len(self.steps) + self.dropped, start_s=event.start_s,
+                schedule_ms=1e3 * event.schedule_s, execute_ms=1e3 * event.execute_s,
+                update_ms=1e3 * event.update_s, num_reqs=event.num_reqs,
+                scheduled_tokens=event.num_scheduled_tokens,
+                prefill_reqs=split.prefill_reqs, prefill_tokens=split.prefill_tokens,
+                decode_reqs=split.decode_reqs, decode_tokens=split.decode_tokens,
+                num_preempted=event.num_preempted, num_running=stats.num_running,
+                num_waiting=stats.num_waiting, kv_usage=float(stats.kv_usage),
+                prefill_context=split.prefill_context, decode_context=split.decode_context,
                 spec_drafts=spec.num_drafts if spec else 0,
                 spec_draft_tokens=spec.num_draft_tokens if spec else 0,
                 spec_accepted_tokens=spec.num_accepted_tokens if spec else 0))

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from llmkit.config.errors import ConfigError
 
-COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim")
+COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "eval")
 BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
 SIM_SUBCOMMANDS = ("calibrate",)
+EVAL_SUBCOMMANDS = ("ppl",)
 EXIT_USAGE = 2
 
 USAGE = """\
@@ -35,6 +36,7 @@ commands:
   bench      benchmarks: bench serve|throughput|latency|plot
   sim        simulate bench serve on modelled hardware: sim [MODEL] hardware=NAME;
              sim calibrate measures this CPU (hardware=cpu-local)
+  eval       eval ppl [MODEL] eval.text_file=PATH: perplexity over a text file (JSON)
 
 MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
              model folder or a .gguf file
@@ -53,6 +55,7 @@ examples:
   llmkit bench plot sweep
   llmkit bench throughput ./my-model baseline=hf
   llmkit sim llama-2-7b hardware=h100-sxm bench.rate=8 bench.num_requests=2000 slo.ttft_ms=500
+  llmkit eval ppl eval.text_file=book.txt eval.window=512 eval.mode=llamacpp
 """
 
 
@@ -90,6 +93,10 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
         args.subcommand, rest = rest[0], rest[1:]
     elif command == "sim" and rest and rest[0] in SIM_SUBCOMMANDS:
         args.subcommand, rest = rest[0], rest[1:]
+    elif command == "eval":
+        if not rest or rest[0] not in EVAL_SUBCOMMANDS:
+            raise UsageError(f"eval needs a sub-command: {', '.join(EVAL_SUBCOMMANDS)}")
+        args.subcommand, rest = rest[0], rest[1:]
     i = 0
     while i < len(rest):
         word = rest[i]
@@ -119,36 +126,57 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
     return args
 
 
-def load_config(args: CliArgs, overrides: Sequence[str] | None = None):
+def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
+                tool: type | None = None):
     """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
-    component name is registered (``llmkit.engine.components.validate_components``)."""
-    from llmkit.config.compose import build_config
+    component name is registered (``llmkit.engine.components.validate_components``). ``tool``
+    (``BenchToolConfig``, ``SimToolConfig``): that tool's config, the engine's inside."""
+    from llmkit.config.compose import build_config, build_tool_config
 
     from llmkit.engine.components import validate_components
     from llmkit.startup import startup_step
 
+    overrides = args.overrides if overrides is None else overrides
     with startup_step("reading the configuration"):
-        cfg = build_config(args.model,
-                           overrides=args.overrides if overrides is None else overrides)
+        if tool is not None:
+            cfg = build_tool_config(tool, args.model, overrides=overrides)
+            validate_components(cfg.engine)
+            return cfg
+        cfg = build_config(args.model, overrides=overrides)
         validate_components(cfg)
     return cfg
 
 
+def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
+    """The tools' sections (bench, slo, hardware, sim) that ``overrides`` set."""
+    from llmkit.config.schema import TOOL_SECTIONS
+
+    named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]
+             for o in overrides}
+    return [s for s in TOOL_SECTIONS if s in named]
+
+
 def _cmd_config(args: CliArgs) -> int:
+    """The engine's config; with the tools' sections that the command line sets (``llmkit
+    config hardware=h100-sxm`` shows the hardware profile too)."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
+    from llmkit.config.schema import EvalToolConfig, SimToolConfig
 
     runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
     texts = []
     for overrides in runs:
-        cfg = load_config(args, overrides)
-        # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
-        # runs here: shown only when asked for (hardware=NAME, hardware.x=...).
-        asked = any(o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "hardware"
-                    for o in overrides)
-        text = config_to_yaml(cfg, exclude=() if asked else ("hardware",))
-        if not asked and cfg.hardware is not None:
-            text += (f"# hardware ({cfg.hardware.name}): what `llmkit sim` models; "
-                     "`llmkit config hardware=NAME` shows it\n")
+        sections = _tool_sections_named(overrides)
+        tool_cfg = load_config(args, overrides,
+                               tool=EvalToolConfig if "eval" in sections else SimToolConfig)
+        if sections:
+            text = config_to_yaml(tool_cfg, tool_sections=sections)
+        else:
+            # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
+            # runs here: shown only when asked for, named in a closing hint.
+            text = config_to_yaml(tool_cfg.engine)
+            if tool_cfg.hardware is not None:
+                text += (f"# hardware ({tool_cfg.hardware.name}): what `llmkit sim` models; "
+                         "`llmkit config hardware=NAME` shows it\n")
         if args.multirun:
             text = f"# overrides: {' '.join(overrides) or '(none)'}\n{text}"
         texts.append(text)
@@ -245,6 +273,16 @@ def _cmd_sim(args: CliArgs) -> int:
         return e.code
 
 
+def _cmd_eval(args: CliArgs) -> int:
+    _no_multirun(args)
+    from llmkit.config.schema import EvalToolConfig
+
+    cfg = load_config(args, tool=EvalToolConfig)
+    from llmkit.eval.perplexity import run_eval_ppl
+
+    return int(run_eval_ppl(cfg) or 0)
+
+
 def _not_implemented(args: CliArgs) -> int:
     print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
     return EXIT_USAGE
@@ -257,6 +295,7 @@ HANDLERS = {
     "serve": _cmd_serve,
     "bench": _cmd_bench,
     "sim": _cmd_sim,
+    "eval": _cmd_eval,
 }
 
 

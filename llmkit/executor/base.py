@@ -3,21 +3,12 @@ or nowhere at all (a simulator). The engine core talks to them through this inte
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 from llmkit.config.schema import EngineConfig
+from llmkit.facts import BackendInfo, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.scheduler.base import SchedulerOutput
-
-
-@dataclass(slots=True, frozen=True)
-class ModelFacts:
-    """What the core needs to know about the model it serves."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None
 
 
 class Executor(ABC):
@@ -28,6 +19,11 @@ class Executor(ABC):
     @property
     @abstractmethod
     def model_facts(self) -> ModelFacts: ...
+
+    @property
+    @abstractmethod
+    def backend_info(self) -> BackendInfo:
+        """What computes the steps (after ``initialize_kv_cache``, which builds step graphs)."""
 
     @abstractmethod
     def kv_cache_bytes_per_block(self) -> int:

@@ -7,9 +7,10 @@ import torch
 
 from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
-from llmkit.executor.base import Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.models.base import ModelContext
+from llmkit.models.layers.linear import Linear
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -56,7 +57,10 @@ class UniprocExecutor(Executor):
             max_model_len=source.max_model_len,
             vocab_size=source.hf_config.vocab_size,
             eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
+            eos_token_ids=tuple(source.eos_token_ids),
         )
+        self._dtype = dtype
+        self._names = (attn.name, ops.name)
         self.runner = ModelRunner(
             model, attn, sampler,
             max_num_reqs=config.scheduler.max_num_seqs,
@@ -75,6 +79,19 @@ class UniprocExecutor(Executor):
     @property
     def model_facts(self) -> ModelFacts:
         return self._facts
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        runner = self.runner
+        methods = sorted({m.method.describe() for m in runner.model.modules()
+                          if isinstance(m, Linear)})
+        graphs = runner.step_graphs
+        return BackendInfo(attention=self._names[0], ops=self._names[1],
+                           linear_methods=tuple(methods),
+                           dtype=str(self._dtype).removeprefix("torch."),
+                           device=str(self.platform.device),
+                           step_graphs=graphs.name if graphs is not None else None,
+                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

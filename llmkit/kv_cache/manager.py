@@ -15,7 +15,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
-from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool
+from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
 

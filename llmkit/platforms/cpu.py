@@ -6,6 +6,7 @@ import os
 import torch
 
 from llmkit.compilation.base import StepGraphs
+from llmkit.config.paths import cache_dir
 from llmkit.config.schema import CompilationConfig
 from llmkit.kernels.cpu_native import cpu_flags
 from llmkit.config.paths import cache_dir

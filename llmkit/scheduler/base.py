@@ -155,6 +155,10 @@ class Scheduler(ABC):
     def get_num_unfinished_requests(self) -> int: ...
 
     @abstractmethod
+    def unfinished_requests(self) -> Iterable[Request]:
+        """Every request the scheduler holds (waiting, compiling, running, preempted)."""
+
+    @abstractmethod
     def stats(self) -> SchedulerStats: ...
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:

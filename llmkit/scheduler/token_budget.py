@@ -407,6 +407,9 @@ class TokenBudgetScheduler(Scheduler):
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def unfinished_requests(self) -> Iterable[Request]:
+        return list(self.requests.values())
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 

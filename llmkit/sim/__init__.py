@@ -8,6 +8,7 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
   (named shapes in ``shapes/``);
 - ``hardware``: profiles from ``conf/hardware/`` (``HardwareProfile``);
 - ``cost_model``: the step-time equations;
+- ``executor``: ``SimExecutor``, the data plane that prices steps instead of running them;
 - ``source``: which model is simulated (named shape, config.json, HF folder, .gguf) and its
   dtype; ``virtual_clock``, ``replay``: the simulation loop; ``cli``: the command;
 - ``calibrate``: ``llmkit sim calibrate``; ``engine_measure`` + ``engine_fit``: ``llmkit sim
@@ -15,6 +16,7 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
   ``gpu_check``: a device script that sets a GPU profile's predictions beside torch
   measurements (a validation, never a fit).
 
-The executor is ``llmkit.executor.sim.SimExecutor``. Modules here import nothing heavy at import
+The executor is ``llmkit.sim.executor.SimExecutor`` (``executor=sim``, registered through the
+``llmkit.executor`` entry point group in pyproject.toml). Modules here import nothing heavy at import
 time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).
 """

@@ -302,7 +302,7 @@ def run_calibrate(cfg: Any, device: str = "cpu") -> tuple[Path, dict[str, Any]]:
     profile as a mapping."""
     from llmkit.platforms import resolve_platform
 
-    resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
+    resolve_platform(cfg.engine.platform).apply_runtime_settings()  # the engine's threads
     sim = cfg.sim
     m = measure(device, sim.calibrate_gemm_size, sim.calibrate_buffer_mib)
     return _write_profile(cfg, profile_yaml(m))
@@ -322,13 +322,13 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
     from llmkit.sim.hardware import HardwareProfile
 
     log = log or (lambda s: None)
-    resolve_platform(cfg.platform).apply_runtime_settings()  # the engine's thread count
+    resolve_platform(cfg.engine.platform).apply_runtime_settings()  # the engine's threads
     sim = cfg.sim
     if sim.calibrate_trace:
         from llmkit.sim.frontend_cost import trace_steps
 
         trace_steps(sim.calibrate_trace)  # a bad file fails now, not after the measurements
-    dtype = engine_dtype(cfg)
+    dtype = engine_dtype(cfg.engine)
     # the engine's dtype at the configured size; the others smaller (a CPU without native
     # bf16 runs a 1024^3 bf16 GEMM for seconds, and the engine fit does not use them)
     small = min(sim.calibrate_gemm_size, 512)

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from llmkit.config.schema import SimToolConfig
+
 __all__ = ["SUBCOMMANDS", "SimError", "format_sim_block", "run_sim_command"]
 
 SUBCOMMANDS = ("calibrate",)
@@ -94,14 +96,14 @@ def _calibrate(args: Any, load_config: Callable[..., Any], out: Any) -> int:
     if args.multirun:
         raise SimError("-m (multirun) does not apply to sim calibrate")
     if args.model is None:
-        cfg = load_config(args, args.overrides)
+        cfg = load_config(args, args.overrides, tool=SimToolConfig)
         path, profile = run_calibrate(cfg)
         print(format_calibration(profile), file=out)
         print(f"wrote {path} (used by hardware=cpu-local)", file=out)
         return 0
     if args.model == ENGINE_WORD:
         args.model = None  # the configured model
-    cfg = load_config(args, args.overrides)
+    cfg = load_config(args, args.overrides, tool=SimToolConfig)
 
     def log(line: str) -> None:
         print(line, file=out, flush=True)
@@ -132,7 +134,8 @@ def run_sim_command(args: Any, load_config: Callable[..., Any], out: Any = None)
         overrides = _model_overrides(args) + list(args.overrides)
         points = sweep_points(overrides, args.multirun)
         # Compose every point first: a bad value fails before anything runs.
-        configs = [(load_config(args, run), sweep) for run, sweep in points]
+        configs = [(load_config(args, run, tool=SimToolConfig), sweep)
+                   for run, sweep in points]
         for i, (cfg, sweep) in enumerate(configs):
             if len(configs) > 1:
                 point = " ".join(f"{k}={v}" for k, v in sweep.items())

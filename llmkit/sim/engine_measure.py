@@ -14,9 +14,9 @@ simulated step stands for) of known shapes, after a warm-up:
 - a mixed phase (twice): 8 decoders while fresh 128- and 256-token prompts join (the
   scheduler mixes their prefill into the decode steps, as under a serving load).
 
-Each step's work is read from its ``SchedulerOutput`` exactly as ``executor=sim`` reads it
-(``q_i`` new tokens, context ``c_i`` after the step, whether it samples), through the engine
-core's step-trace hooks. Steps of one shape are grouped; a group's time is its lower median
+Each step's work is read from its ``SchedulerOutput`` as ``executor=sim`` reads it (``q_i`` new
+tokens, context ``c_i`` after the step) and whether it sampled from its ``ModelRunnerOutput``,
+by a step observer on the engine core (``llmkit/engine/observer.py``), which also times it. Steps of one shape are grouped; a group's time is its lower median
 (robust to a neighbour's burst of CPU use on a shared machine).
 """
 from __future__ import annotations
@@ -65,42 +65,23 @@ class EngineMeasurement:
 
 
 class _Recorder:
-    """Stands in for ``EngineCore.step_trace``: times each step and reads its work."""
+    """A step observer: each step's work and its time (schedule + execute + update)."""
 
-    def __init__(self, requests: dict[str, Any]) -> None:
-        self.requests = requests
+    def __init__(self) -> None:
         self.samples: list[StepSample] = []
         self.phase: str | None = None
-        self._t0 = 0.0
-        self._work: list[Work] = []
 
-    def begin_step(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def scheduled(self, scheduler_output: Any, scheduler: Any) -> None:
-        so = scheduler_output
+    def on_step(self, event: Any) -> None:
+        so = event.scheduler_output
         before = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        work = []
-        for rid, q in so.num_scheduled_tokens.items():
-            if q <= 0:
-                continue
-            c = before[rid] + q
-            work.append((q, c, c >= self.requests[rid].num_tokens))  # as executor=sim reads it
-        self._work = work
-
-    def executed(self) -> None:
-        """Nothing to mark: the step is timed whole, from begin_step to end_step."""
-
-    def end_step(self, scheduler: Any) -> None:
-        t = time.perf_counter() - self._t0
-        if self.phase is not None and self._work:
-            self.samples.append(StepSample(self.phase, self._work, t))
-        self._work = []
-
-    def close(self) -> None:
-        """Nothing to write: ``measure_engine`` reads ``samples`` directly."""
+        ro = event.runner_output
+        sampled = {rid: bool(t) for rid, t in zip(ro.req_ids, ro.sampled_token_ids)}
+        work = [(q, before[rid] + q, sampled.get(rid, False))
+                for rid, q in so.num_scheduled_tokens.items() if q > 0]
+        if self.phase is not None and work:
+            self.samples.append(StepSample(self.phase, work, event.step_s))
 
 
 class _Driver:
@@ -110,8 +91,7 @@ class _Driver:
         self.temperature = temperature
         self.rng = random.Random(f"llmkit-calibrate-{seed}")
         self.ids = itertools.count()
-        self.requests: dict[str, Any] = {}
-        self.recorder = _Recorder(self.requests)
+        self.recorder = _Recorder()
 
     def prompt(self, n: int) -> list[int]:
         """``n`` random ids (fresh prompts never share a cached block)."""
@@ -124,8 +104,7 @@ class _Driver:
         rid = f"calibrate-{next(self.ids)}"
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                   temperature=self.temperature),
-                      eos_token_id=self.core.eos_token_id)
-        self.requests[rid] = req
+                      eos_token_id=self.core.model_facts.eos_token_id)
         self.core.add_request(req)
 
     def step(self, phase: str | None) -> None:
@@ -135,7 +114,6 @@ class _Driver:
     def drain(self, phase: str | None) -> None:
         while self.core.has_unfinished_requests():
             self.step(phase)
-        self.requests.clear()
 
 
 def engine_dtype(cfg: Any) -> str:
@@ -152,8 +130,8 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
                    decode_steps: int = DECODE_STEPS, prefill_reps: int = PREFILL_REPS,
                    mixed: bool = True, budget_s: float = 120.0,
                    log: Callable[[str], None] | None = None) -> EngineMeasurement:
-    """Time the real engine of ``cfg`` (an ``EngineConfig``) on steps of known shapes (see the
-    module's docstring). Shapes are capped by the model's ``max_model_len`` and
+    """Time the real engine of ``cfg`` (a ``SimToolConfig``: its engine, and ``bench.temperature``)
+    on steps of known shapes (see the module's docstring). Shapes are capped by the model's ``max_model_len`` and
     ``scheduler.max_num_seqs``; phases left when ``budget_s`` is spent are skipped (named in
     ``skipped``)."""
     import torch
@@ -162,29 +140,27 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
 
     log = log or (lambda s: None)
     # prefix caching gives each decode batch its shared context without recomputing it
-    cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(
+    engine_cfg = cfg.engine.model_copy(update={"kv_cache": cfg.engine.kv_cache.model_copy(
         update={"enable_prefix_caching": True})})
     t_load = time.perf_counter()
-    llm = LLM.from_config(cfg)
+    llm = LLM.from_config(engine_cfg)
     load_s = time.perf_counter() - t_load
     core = llm.engine
     source = llm.model_source
-    name = cfg.model.served_name or cfg.model.name or source.path.stem
+    name = engine_cfg.model.served_name or engine_cfg.model.name or source.path.stem
     if name == "custom":
         name = source.path.stem if source.is_gguf else source.path.name
     shape = ModelShape.from_hf_config(source.hf_config, name=name)
-    dtype = engine_dtype(cfg)
-    backend = getattr(getattr(core.executor, "runner", None), "attn_backend", None)
-    attention = type(backend).__name__ if backend is not None else cfg.attention.name
+    dtype = engine_dtype(engine_cfg)
+    attention = core.backend_info.attention
     log(f"engine: {name} ({shape.num_params / 1e6:.0f} M params, {dtype}, "
         f"{torch.get_num_threads()} threads), loaded in {load_s:.1f} s")
 
-    max_len = core.max_model_len
-    block = cfg.kv_cache.block_size
-    max_seqs = cfg.scheduler.max_num_seqs
-    drv = _Driver(core, shape.vocab_size, cfg.bench.temperature, cfg.seed)
-    saved_trace = core.step_trace
-    core.step_trace = drv.recorder  # the core's step hooks, timing each step
+    max_len = core.model_facts.max_model_len
+    block = engine_cfg.kv_cache.block_size
+    max_seqs = engine_cfg.scheduler.max_num_seqs
+    drv = _Driver(core, shape.vocab_size, cfg.bench.temperature, engine_cfg.seed)
+    core.add_step_observer(drv.recorder)
     t0 = time.perf_counter()
     skipped: list[str] = []
 
@@ -254,7 +230,7 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
         if skipped:
             log(f"  budget of {budget_s:.0f} s spent: skipped {', '.join(skipped)}")
     finally:
-        core.step_trace = saved_trace
+        core.remove_step_observer(drv.recorder)
         llm.shutdown()
     return EngineMeasurement(model_name=name, shape=shape, dtype=dtype,
                              samples=list(drv.recorder.samples), load_s=load_s,

@@ -151,7 +151,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 
 def resolve_hardware(cfg: Any) -> HardwareProfile:
-    """The profile ``cfg`` (an ``EngineConfig``) simulates: ``cfg.hardware``, or for
+    """The profile ``cfg`` (a ``SimToolConfig``) simulates: ``cfg.hardware``, or for
     ``cpu-local`` the calibrated file when there is one."""
     from llmkit.config.errors import ConfigError
 

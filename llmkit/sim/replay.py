@@ -57,19 +57,22 @@ class SimRun:
 
 def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any = None,
                      hardware: Any = None):
-    """``(EngineCore, SimExecutor, clock)`` for ``cfg``: the real core with ``executor=sim``, the
-    KV pool sized from the hardware unless ``kv_cache.num_blocks`` is set."""
+    """``(EngineCore, SimExecutor, clock)`` for ``cfg`` (a ``SimToolConfig``): the real core with
+    ``executor=sim``, the KV pool sized from the hardware unless ``kv_cache.num_blocks`` is
+    set."""
     from llmkit.config.errors import ConfigError
     from llmkit.engine.core import EngineCore
-    from llmkit.executor.sim import SimExecutor
+    from llmkit.sim.executor import SimExecutor
     from llmkit.platforms import resolve_platform
 
     clock = clock or VirtualClock()
-    platform = resolve_platform(cfg.platform)
-    executor = SimExecutor(cfg, platform, clock=clock, model=model, hardware=hardware)
-    update: dict[str, Any] = {"executor": cfg.executor.model_copy(update={"name": "sim",
-                                                                          "target": None})}
-    if cfg.kv_cache.num_blocks is None:
+    engine = cfg.engine
+    platform = resolve_platform(engine.platform)
+    executor = SimExecutor(engine, platform, clock=clock, model=model, hardware=hardware,
+                           settings=cfg)
+    update: dict[str, Any] = {"executor": engine.executor.model_copy(update={"name": "sim",
+                                                                             "target": None})}
+    if engine.kv_cache.num_blocks is None:
         blocks = executor.num_kv_blocks()
         if blocks < 1:
             cm, hw = executor.cost_model, executor.hardware
@@ -80,8 +83,8 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
                    "smaller dtype (sim.dtype=fp8)")
             raise ConfigError("sim.tensor_parallel_size", cfg.sim.tensor_parallel_size, "",
                               message=why)
-        update["kv_cache"] = cfg.kv_cache.model_copy(update={"num_blocks": blocks})
-    engine_cfg = cfg.model_copy(update=update)
+        update["kv_cache"] = engine.kv_cache.model_copy(update={"num_blocks": blocks})
+    engine_cfg = engine.model_copy(update=update)
     core = EngineCore(engine_cfg, executor=executor, clock=clock)
     return core, executor, clock
 
@@ -113,7 +116,7 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
     queued: deque[WorkloadRequest] = deque()  # arrived, waiting for a concurrency slot
     inflight: dict[str, tuple[WorkloadRequest, Any, float]] = {}
     records: dict[str, RequestRecord] = {}
-    scheduler = core.scheduler
+    max_model_len = core.model_facts.max_model_len
     steps = 0
     idle_steps = 0
     peak_kv = 0.0
@@ -125,7 +128,7 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
         n_out = req.num_output_tokens
         if error is None and req.status == RequestStatus.FINISHED_IGNORED:
             error = (f"prompt of {req.num_prompt_tokens} tokens is longer than max_model_len="
-                     f"{core.max_model_len}")
+                     f"{max_model_len}")
         elif error is None and req.status == RequestStatus.FINISHED_ABORTED:
             error = "aborted by the engine"
         end = times.finished if times.finished is not None else clock()
@@ -173,8 +176,9 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
         for out in outputs:
             if out.finished and out.request_id in inflight:
                 finish(out.request_id)
-        peak_kv = max(peak_kv, core.kv_cache_manager.usage)
-        peak_running = max(peak_running, len(getattr(scheduler, "running", ())))
+        stats = core.stats()
+        peak_kv = max(peak_kv, stats.kv_usage)
+        peak_running = max(peak_running, stats.num_running)
         if clock() == before and not outputs:
             idle_steps += 1
             if idle_steps > 3:
@@ -203,7 +207,7 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
 
 def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any = None
             ) -> dict[str, Any]:
-    """Simulate ``bench serve`` for ``cfg`` (an ``EngineConfig``); returns the result document
+    """Simulate ``bench serve`` for ``cfg`` (a ``SimToolConfig``); returns the result document
     (``llmkit.bench.results.make_result`` with ``simulated=True``)."""
     from llmkit.bench.results import make_result
     from llmkit.sim.hardware import resolve_hardware
@@ -229,10 +233,10 @@ def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any 
         "sweep": dict(sweep or {}),
         "hardware": hardware.name,
         "sim": cfg.sim.model_dump(mode="json"),
-        "scheduler": cfg.scheduler.model_dump(mode="json", by_alias=True),
-        "kv_cache": cfg.kv_cache.model_dump(mode="json", by_alias=True),
-        "seed": cfg.seed,
-        "speculative": cfg.speculative.model_dump(mode="json", by_alias=True),
+        "scheduler": cfg.engine.scheduler.model_dump(mode="json", by_alias=True),
+        "kv_cache": cfg.engine.kv_cache.model_dump(mode="json", by_alias=True),
+        "seed": cfg.engine.seed,
+        "speculative": cfg.engine.speculative.model_dump(mode="json", by_alias=True),
     }
     return make_result(config, summary, run.records, simulated=True, kind="sim",
                        sim=sim_block(core, executor, run))
@@ -248,7 +252,7 @@ def sim_block(core: Any, executor: Any, run: SimRun) -> dict[str, Any]:
         "hardware": executor.hardware.as_dict(),
         "hardware_file": executor.hardware.source_path,
         "model": executor.model.shape.summary(cm.dtype),
-        "max_model_len": core.max_model_len,
+        "max_model_len": core.model_facts.max_model_len,
         "cost_model": cm.describe(),
         "num_kv_blocks": core.num_blocks,
         "kv_capacity_tokens": core.num_blocks * core.config.kv_cache.block_size,

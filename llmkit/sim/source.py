@@ -48,7 +48,7 @@ def _from_source(source: Any, name: str) -> SimModel:
 
 
 def resolve_sim_model(cfg: Any) -> SimModel:
-    """The model ``cfg`` (an ``EngineConfig``) simulates."""
+    """The model ``cfg`` (a ``SimToolConfig``) simulates."""
     from llmkit.config.errors import ConfigError
     from llmkit.config.schema import ModelConfig
     from llmkit.models.loader import resolve_model_source
@@ -56,13 +56,14 @@ def resolve_sim_model(cfg: Any) -> SimModel:
     spec = cfg.sim.model
     if spec is None:
         try:
-            source = resolve_model_source(cfg.model)
+            source = resolve_model_source(cfg.engine.model)
         except (ValueError, OSError, RuntimeError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ShapeError(f"{e} (or simulate a named shape: sim.model="
                              f"{'|'.join(shape_names())})") from None
-        name = cfg.model.served_name or cfg.model.name or source.path.stem
+        model = cfg.engine.model
+        name = model.served_name or model.name or source.path.stem
         if name == "custom":
             name = source.path.stem if source.is_gguf else source.path.name
         return _from_source(source, name)
@@ -93,8 +94,8 @@ def resolve_sim_model(cfg: Any) -> SimModel:
 def resolve_sim_dtype(cfg: Any, shape: ModelShape, hardware: Any) -> str:
     if cfg.sim.dtype != "auto":
         return cfg.sim.dtype
-    if cfg.sim.model is None and cfg.model.dtype != "auto":
-        return cfg.model.dtype
+    if cfg.sim.model is None and cfg.engine.model.dtype != "auto":
+        return cfg.engine.model.dtype
     if shape.checkpoint_dtype in ("float32", "bfloat16", "float16"):
         return shape.checkpoint_dtype
     return hardware.default_dtype

@@ -56,8 +56,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.model_name = served_model_names[0]
-        cfg = engine.model_source.hf_config
-        self.vocab_size = int(getattr(cfg, "vocab_size", None) or len(self.tokenizer))
+        # the engine's own (AsyncLLM's input processor checks against the same)
+        self.vocab_size = engine.model_facts.vocab_size
         self._warned_fields: set[str] = set()
         template = getattr(self.tokenizer, "chat_template", None)
         self.template_has_tools = template_supports_tools(template)

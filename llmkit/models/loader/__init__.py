@@ -114,7 +114,7 @@ def build_model(source: ModelSource, ctx: ModelContext,
     """Instantiate the architecture's implementation on ``device`` with ``ctx`` (dtype,
     attention backend, ops, linear methods), load the weights into it and let each linear
     method prepare its weights."""
-    from llmkit.models import get_model_class
+    from llmkit.models.registry import get_model_class
 
     cls = get_model_class(source.hf_config)
     with torch.device(device):

@@ -31,8 +31,8 @@ import logging
 import random
 from typing import Any, Callable
 
-from llmkit.config.schema import EngineConfig
-from llmkit.executor.base import Executor, ModelFacts
+from llmkit.config.schema import EngineConfig, SimToolConfig
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.sim.cost_model import CostModel, StepCost
@@ -78,16 +78,31 @@ class SimStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+def default_settings(config: EngineConfig) -> SimToolConfig:
+    """The simulator's settings when an engine is built with ``executor=sim`` alone: the
+    composed defaults (``conf/config.yaml``'s ``hardware`` and ``sim``) around ``config``."""
+    from llmkit.config.compose import compose_tool_config
+
+    return compose_tool_config(SimToolConfig).model_copy(update={"engine": config})
+
+
 class SimExecutor(Executor):
+    """``settings``: the ``llmkit sim`` config (``hardware``, ``sim.*``) of this engine; unset,
+    the composed defaults (``default_settings``)."""
+
     def __init__(self, config: EngineConfig, platform: Any, *,
                  clock: Callable[[], float] | None = None, model: SimModel | None = None,
-                 hardware: HardwareProfile | None = None) -> None:
+                 hardware: HardwareProfile | None = None,
+                 settings: SimToolConfig | None = None) -> None:
         super().__init__(config, platform)
-        self.model = model or resolve_sim_model(config)
-        self.hardware = hardware or resolve_hardware(config)
+        if settings is None:
+            settings = default_settings(config)
+        self.settings = settings
+        self.model = model or resolve_sim_model(settings)
+        self.hardware = hardware or resolve_hardware(settings)
         shape = self.model.shape
-        self.dtype = resolve_sim_dtype(config, shape, self.hardware)
-        tp = config.sim.tensor_parallel_size
+        self.dtype = resolve_sim_dtype(settings, shape, self.hardware)
+        tp = settings.sim.tensor_parallel_size
         try:
             self.cost_model = CostModel(shape, self.hardware, self.dtype, tp)
         except (KeyError, ValueError) as e:
@@ -99,7 +114,8 @@ class SimExecutor(Executor):
         eos = self.model.eos_token_ids
         self._facts = ModelFacts(max_model_len=self.model.max_model_len,
                                  vocab_size=shape.vocab_size,
-                                 eos_token_id=eos[0] if eos else None)
+                                 eos_token_id=eos[0] if eos else None,
+                                 eos_token_ids=tuple(eos))
         self._banned = frozenset(eos)
         self._rng = random.Random(f"llmkit-sim-{config.seed}")
         self._num_tokens: dict[str, int] = {}
@@ -117,6 +133,12 @@ class SimExecutor(Executor):
     @property
     def model_facts(self) -> ModelFacts:
         return self._facts
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        """No kernels run: the cost model prices each step for the hardware profile."""
+        return BackendInfo(attention="sim", ops="sim", linear_methods=(), dtype=self.dtype,
+                           device=f"{self.hardware.name} x{self.cost_model.tp} (simulated)")
 
     def kv_cache_bytes_per_block(self) -> int:
         """One block of every layer on every rank (KV heads replicate when fewer than ranks)."""
@@ -238,7 +260,7 @@ class SimExecutor(Executor):
     def kv_budget_bytes(self) -> float:
         """Per rank: usable memory minus this rank's weights and activations."""
         cm = self.cost_model
-        usable = self.hardware.memory_bytes * self.config.sim.gpu_memory_utilization
+        usable = self.hardware.memory_bytes * self.settings.sim.gpu_memory_utilization
         return usable - cm.weight_bytes / cm.tp - self.activation_bytes()
 
     def num_kv_blocks(self) -> int:

@@ -1,0 +1,1 @@
+"""Model-quality evaluations: ``llmkit eval ppl`` (perplexity over a text file)."""

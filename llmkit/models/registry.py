@@ -1,0 +1,28 @@
+"""The model registry: Hugging Face architecture name -> implementation class (lazy)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmkit.registry import Registry
+
+if TYPE_CHECKING:
+    from llmkit.models.base import CausalLM
+
+MODELS: Registry["CausalLM"] = Registry("model")
+for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    MODELS.register_lazy(_arch, "llmkit.models.llama.LlamaForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture has no implementation; the message lists those that do."""
+
+
+def get_model_class(hf_config) -> type["CausalLM"]:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODELS:
+            return MODELS.get(arch)
+    what = ", ".join(archs) if archs else f"none given (model_type {hf_config.model_type!r})"
+    raise UnsupportedModelError(
+        f"model architecture {what} is not supported; supported architectures: "
+        f"{', '.join(MODELS.names())}")

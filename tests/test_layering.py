@@ -1,0 +1,214 @@
+"""The import graph of llmkit: no cycles among its modules, and no arrow up the layers.
+
+Every ``import`` of every module counts, at module level or inside a function (a lazy import
+is still a dependency), and so does a ``Registry.register_lazy`` class path. Imports under
+``if TYPE_CHECKING:`` do not: they annotate a protocol the caller satisfies and never run.
+"""
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# where each importable root lives in the repository (pyproject.toml's package-dir)
+SOURCE_ROOTS = {"llmkit": REPO / "llmkit", "llmkit.kernels": REPO / "kernels"}
+
+# The layers, top to bottom, by llmkit's top-level package or module (``llmkit.<name>``): a
+# module may import its own layer and the layers below it, never one above.
+LAYERS: list[tuple[str, set[str]]] = [
+    # the package root: re-exports the public names (LLM, SamplingParams, ...) for users
+    ("facade", {""}),
+    # the CLI, the OpenAI server, the terminal chat: they run the engine and the tools
+    ("entrypoints", {"entrypoints"}),
+    # tools beside the engine: they may drive it, it never imports them
+    ("tools", {"bench", "sim", "eval"}),
+    # the front ends (LLM, AsyncLLM), the core loop and its process
+    ("engine", {"engine"}),
+    # what the core assembles: who runs when, where KV lives, who computes, and how
+    ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
+                 "platforms", "structured_output"}),
+    # what a step computes: the model, its attention, sampling, linear methods and ops
+    ("model", {"models", "attention", "sampling", "linear", "ops", "request"}),
+    # kernels (C++, Triton) with their torch references
+    ("kernels", {"kernels"}),
+    # plain data and the machinery every layer uses
+    ("base", {"config", "registry", "outputs", "facts", "startup"}),
+]
+
+# Narrower rules on top of the layers: these packages may import only what is listed
+# (and themselves).
+ONLY = {
+    # the platform picks linear methods, ops, step graphs and kernels for a device; it never
+    # sees the models it serves nor the engine that asks
+    "platforms": {"linear", "ops", "compilation", "kernels", "config", "registry"},
+    # the cache folder, the build: nothing of the components that call them
+    "kernels": {"config", "startup"},
+    # below everything
+    "config": set(),
+    "registry": set(),
+    "outputs": set(),
+    "facts": set(),
+    "startup": set(),
+}
+
+
+def _module_files() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for root, folder in SOURCE_ROOTS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if root == "llmkit" and parts and parts[0] == "kernels":
+                continue  # llmkit/kernels does not exist; kernels/ is llmkit.kernels
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([root, *parts])] = path
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, int, int]]:
+    """``(module or module.name, relative level, line)`` of every import outside
+    ``if TYPE_CHECKING:`` blocks, and of every ``register_lazy(name, "class.path")``."""
+    found: list[tuple[str, int, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, 0, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            found.extend((f"{base}.{a.name}" if base else a.name, node.level, node.lineno)
+                         for a in node.names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "register_lazy" and len(node.args) == 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            found.append((node.args[1].value.rpartition(".")[0], 0, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+@cache
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported llmkit module: line of the first such import}."""
+    mods = _module_files()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for target, level, line in _imports(ast.parse(path.read_text(), str(path))):
+            if level:
+                base = package
+                for _ in range(level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{target}" if target else base
+            if not (target == "llmkit" or target.startswith("llmkit.")):
+                continue
+            # `from pkg import name`: the submodule pkg.name if there is one, else pkg
+            dep = target if target in mods else resolve(target)
+            if dep and dep != name:
+                edges.setdefault(dep, line)
+        graph[name] = edges
+    return graph
+
+
+def component(module: str) -> str:
+    """``llmkit.<name>`` of a module: its top-level package or module ("" for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_of(comp: str) -> int:
+    for i, (_, comps) in enumerate(LAYERS):
+        if comp in comps:
+            return i
+    raise KeyError(comp)
+
+
+def where(module: str) -> str:
+    return str(_module_files()[module].relative_to(REPO))
+
+
+def test_the_parser_sees_lazy_and_module_level_imports():
+    g = import_graph()
+    assert "llmkit.engine.core" in g["llmkit.sim.replay"]  # inside a function
+    assert "llmkit.scheduler.base" in g["llmkit.engine.core"] or \
+        "llmkit.scheduler" in g["llmkit.engine.core"]
+    assert "llmkit.executor.uniproc" in g["llmkit.executor"]  # a register_lazy path
+    assert "llmkit.kv_cache.blocks" not in g["llmkit.kv_cache.base"]  # TYPE_CHECKING only
+
+
+def test_every_component_has_a_layer():
+    comps = {component(m) for m in import_graph()}
+    placed = set().union(*(c for _, c in LAYERS))
+    assert comps - placed == set(), "place these in LAYERS (tests/test_layering.py)"
+
+
+def test_no_import_cycles():
+    g = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                cycles.append(sorted(scc))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_arrow_runs_up_the_layers():
+    bad = []
+    for module, deps in sorted(import_graph().items()):
+        src = component(module)
+        for dep, line in sorted(deps.items()):
+            dst = component(dep)
+            if dst == src:
+                continue
+            allowed = ONLY.get(src)
+            if allowed is not None and dst not in allowed:
+                bad.append(f"{where(module)}:{line}: {module} -> {dep} ({src} may import only "
+                           f"{', '.join(sorted(allowed)) or 'nothing of llmkit'})")
+            elif layer_of(dst) < layer_of(src):
+                bad.append(f"{where(module)}:{line}: {module} -> {dep} (layer "
+                           f"{LAYERS[layer_of(src)][0]} -> {LAYERS[layer_of(dst)][0]})")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
