@@ -16,15 +16,34 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from llmkit.models.base import CausalLM, ModelContext
-
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
-from llmkit.worker.input_batch import InputBatch
+
+
+class ProposerBatch(Protocol):
+    """What a proposer reads of the runner's persistent batch (the worker's ``InputBatch``
+    satisfies it): proposers sit below the worker, which calls them, so they name the rows'
+    arrays here instead of importing the worker's class. Arrays are indexed by batch row."""
+
+    req_ids: list[str]
+    max_model_len: int
+    token_ids: np.ndarray  # int64 [max_reqs, max_model_len]: prompt + output tokens so far
+    num_tokens: np.ndarray  # int64 [max_reqs]: tokens held in token_ids
+    block_table: np.ndarray  # int32 [max_reqs, max_blocks]: the KV blocks, in order
+    num_blocks: np.ndarray  # int64 [max_reqs]
+    temperature: np.ndarray  # float32 [max_reqs]: sampling settings (drafts drawn like them)
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    generators: list[torch.Generator | None]  # per-request seeds' generators
+
+    @property
+    def num_reqs(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -54,7 +73,7 @@ class ProposerEnv:
     seed: int = 0
 
 
-def num_valid_tokens(batch: InputBatch, ctx: StepContext) -> np.ndarray:
+def num_valid_tokens(batch: ProposerBatch, ctx: StepContext) -> np.ndarray:
     """Per scheduled row: how many of its step's positions hold KV of known tokens (its
     prefill chunk; or its next token plus the accepted drafts)."""
     return np.minimum(ctx.num_scheduled, batch.num_tokens[ctx.rows] - 1 - ctx.computed)
@@ -76,7 +95,7 @@ class Proposer(ABC):
         raise NotImplementedError(f"{cls.__name__} does not define from_config(config, env)")
 
     @abstractmethod
-    def propose(self, batch: InputBatch, rows: np.ndarray,
+    def propose(self, batch: ProposerBatch, rows: np.ndarray,
                 step: StepContext | None = None) -> dict[str, list[int]]:
         """Drafts for the requests at batch ``rows`` (those that sampled this step), keyed by
         request id; requests left out (or given ``[]``) are not drafted. ``step`` says what the

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
-from llmkit.worker.input_batch import InputBatch
+from llmkit.spec_decode.base import ProposerBatch
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class DraftInputs:
     last: np.ndarray  # int64 [R]: each row's last token in the flat batch (its logits row)
 
 
-def build_draft_inputs(batch: InputBatch, rows: np.ndarray, starts: np.ndarray,
+def build_draft_inputs(batch: ProposerBatch, rows: np.ndarray, starts: np.ndarray,
                        counts: np.ndarray, block_size: int, backend: AttentionBackend,
                        device: torch.device, token_offset: int = 0) -> DraftInputs:
     """Row ``rows[i]`` computes positions ``starts[i] .. starts[i] + counts[i] - 1`` (every

@@ -15,10 +15,9 @@ import torch
 
 from llmkit.config.errors import ConfigError
 from llmkit.models.base import CausalLM
-from llmkit.spec_decode.base import ProposerEnv, StepContext
+from llmkit.spec_decode.base import ProposerBatch, ProposerEnv, StepContext
 from llmkit.spec_decode.draft_inputs import DraftInputs
 from llmkit.spec_decode.model_proposer import ModelProposer, catch_up_ranges
-from llmkit.worker.input_batch import InputBatch
 
 
 def resolve_draft_source(spec_model: str, max_model_len: int):
@@ -80,7 +79,7 @@ class DraftModelProposer(ModelProposer):
         m = self.model
         return [(m.num_kv_heads, m.head_dim)] * m.num_layers
 
-    def _catch_up_inputs(self, batch: InputBatch, step: StepContext
+    def _catch_up_inputs(self, batch: ProposerBatch, step: StepContext
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
         index, starts, counts = catch_up_ranges(batch, step, include_new_token=True)
         return index, starts, counts, None

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from llmkit.sampling.sampler import TorchSampler
-from llmkit.worker.input_batch import InputBatch
+from llmkit.spec_decode.base import ProposerBatch
 
 _GREEDY_EPS = 1e-5
 
 
-def draw_drafts(logits: torch.Tensor, batch: InputBatch, rows: np.ndarray,
+def draw_drafts(logits: torch.Tensor, batch: ProposerBatch, rows: np.ndarray,
                 generator: torch.Generator) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray]:
     """``(tokens [R], q [S, V] or None, sampled [S])``: one draft per row of float32 ``logits
     [R, V]`` (row i belongs to batch row ``rows[i]``); ``q[j]`` is the distribution row

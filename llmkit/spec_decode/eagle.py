@@ -20,10 +20,9 @@ import torch
 
 from llmkit.config.errors import ConfigError
 from llmkit.models.llama_eagle import EagleLlamaHead
-from llmkit.spec_decode.base import ProposerEnv, StepContext
+from llmkit.spec_decode.base import ProposerBatch, ProposerEnv, StepContext
 from llmkit.spec_decode.draft_inputs import DraftInputs
 from llmkit.spec_decode.model_proposer import ModelProposer, catch_up_ranges
-from llmkit.worker.input_batch import InputBatch
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -102,7 +101,7 @@ class EagleProposer(ModelProposer):
     def kv_cache_layers(self) -> list[tuple[int, int]]:
         return [(self.head.num_kv_heads, self.head.head_dim)] * self.head.num_layers
 
-    def _catch_up_inputs(self, batch: InputBatch, step: StepContext
+    def _catch_up_inputs(self, batch: ProposerBatch, step: StepContext
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
         index, starts, counts = catch_up_ranges(batch, step, include_new_token=False)
         if not len(index):

@@ -23,10 +23,10 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from llmkit.spec_decode.base import Proposer, ProposerEnv, StepContext, num_valid_tokens
+from llmkit.spec_decode.base import (Proposer, ProposerBatch, ProposerEnv, StepContext,
+                                     num_valid_tokens)
 from llmkit.spec_decode.draft_inputs import DraftInputs, build_draft_inputs
 from llmkit.spec_decode.draft_sampling import draw_drafts
-from llmkit.worker.input_batch import InputBatch
 
 
 class ModelProposer(Proposer):
@@ -47,7 +47,7 @@ class ModelProposer(Proposer):
 
     # -- what a subclass supplies ------------------------------------------------------------
     @abstractmethod
-    def _catch_up_inputs(self, batch: InputBatch, step: StepContext
+    def _catch_up_inputs(self, batch: ProposerBatch, step: StepContext
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
         """``(index, starts, counts, hidden)`` of the catch-up pass: ``index`` selects the
         scheduled rows (of ``step.rows``) that take part, ``hidden`` is the extra input per
@@ -68,7 +68,7 @@ class ModelProposer(Proposer):
     _last_offset: int = 1
 
     # -- the step ----------------------------------------------------------------------------
-    def propose(self, batch: InputBatch, rows: np.ndarray,
+    def propose(self, batch: ProposerBatch, rows: np.ndarray,
                 step: StepContext | None = None) -> dict[str, list[int]]:
         if step is None:
             raise ValueError(f"{type(self).__name__} needs the step's context")
@@ -129,7 +129,7 @@ class ModelProposer(Proposer):
         return out_drafts
 
     def _keep_q(self, out_drafts: dict[str, list[int]], drows: np.ndarray,
-                q_steps: list[tuple[np.ndarray, torch.Tensor]], batch: InputBatch) -> None:
+                q_steps: list[tuple[np.ndarray, torch.Tensor]], batch: ProposerBatch) -> None:
         per_row: dict[int, list[torch.Tensor]] = {}
         for which, q in q_steps:  # in draft order: step j's rows are a subset of step j-1's
             for pos, i in enumerate(which.tolist()):
@@ -152,7 +152,7 @@ class ModelProposer(Proposer):
         self.kv_caches = kv_caches
 
 
-def catch_up_ranges(batch: InputBatch, step: StepContext, include_new_token: bool
+def catch_up_ranges(batch: ProposerBatch, step: StepContext, include_new_token: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every scheduled row, from its first position this step over the positions whose
     target KV is kept (plus the new token of a sampling row when ``include_new_token``), never

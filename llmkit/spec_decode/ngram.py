@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmkit.spec_decode.base import Proposer, ProposerEnv, StepContext
-from llmkit.worker.input_batch import InputBatch
+from llmkit.spec_decode.base import Proposer, ProposerBatch, ProposerEnv, StepContext
 
 
 def find_drafts(tokens: np.ndarray, lengths: np.ndarray, k: int, min_n: int,
@@ -69,7 +68,7 @@ class NgramProposer(Proposer):
         return cls(config.num_speculative_tokens, config.prompt_lookup_min,
                    config.prompt_lookup_max, env.max_model_len)
 
-    def propose(self, batch: InputBatch, rows: np.ndarray,
+    def propose(self, batch: ProposerBatch, rows: np.ndarray,
                 step: StepContext | None = None) -> dict[str, list[int]]:
         k = self.num_drafts(len(rows), batch.num_reqs)
         if k <= 0 or not len(rows):
