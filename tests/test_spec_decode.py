@@ -568,3 +568,32 @@ def test_verify_steps_run_through_the_decode_graph(succ_dir, monkeypatch):
     # every generated token but the prompts' first came out of a graph step
     assert tokens["graph"] >= 2 * (MAX_TOKENS - 1) - s.num_draft_tokens + 2 * s.num_drafts
     assert_same(graph, eager, tol=0.0)
+
+
+# -- structured output: drafts checked against the grammar ----------------------------------
+def test_structured_output_greedy_equals_the_engine_without_speculation(model_dir):
+    """Constrained greedy requests (a JSON schema, a regex, a choice), batched with
+    unconstrained ones: the same tokens with the target as its own draft (every draft the
+    target's unconstrained choice, so the grammar refuses some: a draft-row bitmask and a
+    matcher rollback per step) and with n-gram drafts as without speculation."""
+    from llmkit import StructuredOutputsParams
+
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": {
+                 "name": {"type": "string", "maxLength": 6},
+                 "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["name", "n"]}),
+             StructuredOutputsParams(regex=r"[a-c]{2,6}-\d{2,4}"),
+             StructuredOutputsParams(choice=["red", "green", "blue", "dark green"]), None]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1,
+                             structured_outputs=s) for s in specs]
+    prompts = PROMPTS[:4]
+    groups = {"structured_output": {"disable_any_whitespace": True}}
+    want = generate(make_llm(model_dir, **groups), prompts, params)
+    for spec in ({"name": "draft_model", "num_speculative_tokens": 3, "model": str(model_dir)},
+                 {"name": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = checked(make_llm(model_dir, speculative=spec, **groups))
+        assert_same(generate(llm, prompts, params), want)
+        s = llm.engine.stats().spec_decode
+        assert s.num_drafts > 0
+        if spec["name"] == "draft_model":  # the grammar made some of the drafts wrong
+            assert 0 < s.num_accepted_tokens < s.num_draft_tokens

@@ -51,7 +51,10 @@ class EngineCore:
         model_source = executor_kwargs.get("model_source")
         self.structured_output_manager = StructuredOutputManager(
             config.structured_output, vocab_size=facts.vocab_size,
-            tokenizer_loader=lambda: self._tokenizer(model_source))
+            tokenizer_loader=lambda: self._tokenizer(model_source),
+            # a step's bitmask walks a request's drafts through its matcher and takes them back
+            max_rollback_tokens=config.speculative.num_speculative_tokens
+            if config.speculative.enabled else 0)
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
         sched_kwargs = {}
         if config.speculative.name == "eagle":
