@@ -597,3 +597,33 @@ def test_structured_output_greedy_equals_the_engine_without_speculation(model_di
         assert s.num_drafts > 0
         if spec["name"] == "draft_model":  # the grammar made some of the drafts wrong
             assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+# -- the server: the same tokens, and the counters on /metrics ------------------------------
+def test_server_speculates_and_exports_the_counters(succ_dir, references, tmp_path):
+    """``llmkit serve speculative=ngram``: completions (token-id prompts, greedy) equal the
+    offline engine's without speculation; /metrics counts the drafts the engine verified."""
+    from test_server import ServerProcess
+
+    server = ServerProcess(succ_dir, "speculative=ngram", "speculative.num_speculative_tokens=3",
+                           "speculative.prompt_lookup_min=1", "platform.num_threads=1",
+                           log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        client = server.client()
+        model = client.models.list().data[0].id
+        for prompt, ref in zip(PROMPTS[:2], references["succ"][:2]):
+            resp = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            assert resp.choices[0].text == ref.outputs[0].text
+            assert resp.usage.completion_tokens == MAX_TOKENS
+        m = server.metrics()
+        drafts = m["llmkit:spec_decode_num_drafts_total"]
+        proposed = m["llmkit:spec_decode_num_draft_tokens_total"]
+        accepted = m["llmkit:spec_decode_num_accepted_tokens_total"]
+        assert 0 < drafts and 0 < accepted < proposed <= 3 * drafts
+        per_pos = [m[f'llmkit:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{model}"'
+                     f',position="{j}"}}'] for j in range(3)]
+        assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
+    finally:
+        server.stop()
