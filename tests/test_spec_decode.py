@@ -627,3 +627,49 @@ def test_server_speculates_and_exports_the_counters(succ_dir, references, tmp_pa
         assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
     finally:
         server.stop()
+
+
+# -- bench and the step trace report the speculation -----------------------------------------
+def test_bench_and_step_trace_report_speculation(model_dir, succ_dir, tmp_path, capsys):
+    """bench throughput|latency with the target as its own draft (every draft accepted) print
+    and record the counters; the step trace's per-step counts add up to the engine's."""
+    import json
+    from pathlib import Path
+
+    from llmkit.engine.step_trace import StepTrace
+    from llmkit.entrypoints import cli
+
+    data = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "copy_prompts.jsonl"
+    spec = ["speculative=draft_model", "speculative.num_speculative_tokens=3",
+            f"speculative.model={model_dir}"]
+    common = [str(model_dir), "model.dtype=float32", "bench.dataset=jsonl",
+              f"bench.dataset_path={data}", "bench.output_len=12", "bench.progress=false",
+              f"bench.output_dir={tmp_path}", *spec]
+    assert cli.main(["bench", "throughput", *common, "bench.num_requests=4",
+                     "bench.result_name=tp"]) == 0
+    assert "speculative:" in capsys.readouterr().out
+    s = json.loads((tmp_path / "tp.json").read_text())["summary"]["spec_decode"]
+    assert s["num_drafts"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+    assert sum(s["accepted_per_position"]) == s["num_accepted_tokens"]
+    assert s["acceptance_rate"] == 1.0
+    assert s["mean_acceptance_length"] == pytest.approx(
+        1 + s["num_accepted_tokens"] / s["num_drafts"])
+    assert cli.main(["bench", "latency", *common, "bench.batch_size=2", "bench.num_iters=1",
+                     "bench.num_iters_warmup=0", "bench.result_name=lat"]) == 0
+    assert "speculative " in capsys.readouterr().out
+    doc = json.loads((tmp_path / "lat.json").read_text())
+    s = doc["summary"]["spec_decode"]
+    assert s["num_drafts"] == sum(st["spec_drafts"] for st in doc["steps"]) > 0
+    assert s["num_accepted_tokens"] == sum(st["spec_accepted_tokens"] for st in doc["steps"])
+    # the step trace file: per-step counts that add up to the engine's totals
+    llm = make_llm(succ_dir, speculative=_spec("ngram", None, None, None, 3),
+                   overrides=[f"observability.trace_file={tmp_path / 'trace.json'}"])
+    generate(llm, PROMPTS, GREEDY)
+    (trace,) = [o for o in llm.engine.step_observers if isinstance(o, StepTrace)]
+    total = llm.engine.stats().spec_decode
+    assert sum(st.spec_drafts for st in trace.steps) == total.num_drafts > 0
+    assert sum(st.spec_draft_tokens for st in trace.steps) == total.num_draft_tokens
+    assert sum(st.spec_accepted_tokens for st in trace.steps) == total.num_accepted_tokens
+    llm.shutdown()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e["name"] == "speculative" and e["ph"] == "C" for e in events)
