@@ -10,6 +10,8 @@ import torch
 
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
+from llmkit.scheduler import TokenBudgetScheduler
+from llmkit.scheduler.base import Scheduler
 from llmkit.spec_decode.base import Proposer
 from llmkit.spec_decode.ngram import find_drafts
 from tiny_models import build_eagle_head_dir, build_successor_model_dir
@@ -190,6 +192,19 @@ def test_greedy_outputs_equal_the_engine_without_speculation(proposer, target, s
     elif target == "succ":  # copies: accepted where the prompt's run goes on, not after it
         assert 0 < s.num_accepted_tokens < s.num_draft_tokens
         assert s.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_self"])
+def test_greedy_on_the_torch_attention_backend(proposer, model_dir, succ_dir, references):
+    """Verify rows (1 + K query tokens over a context) on the torch backend's path for
+    chunked prefills (the cpu backend runs them as one decode row per token)."""
+    target = "succ" if proposer == "ngram" else "random"
+    target_dir = succ_dir if target == "succ" else model_dir
+    llm = checked(make_llm(target_dir, speculative=_spec(proposer, target_dir, None, None, 3),
+                           attention={"name": "torch"}))
+    assert_same(generate(llm, PROMPTS, GREEDY), references[target])
+    s = llm.engine.stats().spec_decode
+    assert s.num_accepted_tokens > 0
 
 
 def test_a_draft_wrong_at_known_positions(model_dir, references):
@@ -496,6 +511,14 @@ def test_config_errors_name_the_key(model_dir, tiny_model_dir, tmp_path):
         make_llm(model_dir, speculative="ngram", overrides=["speculative.num_speculative_tokens=0"])
     with pytest.raises(ConfigError, match=r"speculative\.name.*ngram"):
         make_llm(model_dir, speculative={"name": "medusa", "num_speculative_tokens": 2})
+    # a scheduler that cannot schedule drafts: refused at start-up, not at the first draft
+    with pytest.raises(ConfigError, match=r"speculative\.name: .*NoDraftScheduler"):
+        make_llm(model_dir, speculative={"name": "ngram", "num_speculative_tokens": 2},
+                 scheduler={"_target_": "test_spec_decode.NoDraftScheduler"})
+
+
+class NoDraftScheduler(TokenBudgetScheduler):
+    update_draft_token_ids = Scheduler.update_draft_token_ids
 
 
 def test_prometheus_names():

@@ -49,6 +49,26 @@ def validate_components(config: EngineConfig) -> None:
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)
+    _check_speculative(config)
+
+
+def _check_speculative(config: EngineConfig) -> None:
+    """Speculation needs a scheduler that schedules draft tokens (a ``_target_`` scheduler
+    that keeps ``Scheduler.update_draft_token_ids`` would refuse the first drafts mid-run)."""
+    from llmkit.scheduler import SCHEDULERS
+    from llmkit.scheduler.base import Scheduler
+
+    spec = config.speculative
+    if not spec.enabled:
+        return
+    sched = config.scheduler
+    cls = SCHEDULERS.resolve(sched.name, sched.target)
+    if getattr(cls, "update_draft_token_ids", None) is Scheduler.update_draft_token_ids:
+        key = "speculative._target_" if spec.target else "speculative.name"
+        raise ConfigError(key, spec.target or spec.name, "", message=(
+            f"speculative decoding needs a scheduler that schedules draft tokens; "
+            f"scheduler {sched.target or sched.name!r} ({cls.__name__}) does not: use "
+            f"scheduler=token_budget or speculative=none"))
 
 
 def _check_linear_method(config: EngineConfig) -> None:
