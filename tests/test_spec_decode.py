@@ -517,6 +517,31 @@ def test_config_errors_name_the_key(model_dir, tiny_model_dir, tmp_path):
                  scheduler={"_target_": "test_spec_decode.NoDraftScheduler"})
 
 
+class RepeatLastProposer(Proposer):
+    """A proposer from a class path (``speculative._target_``): K copies of the last token."""
+
+    def __init__(self, k: int) -> None:
+        self.num_speculative_tokens = k
+
+    @classmethod
+    def from_config(cls, config, env):
+        return cls(config.num_speculative_tokens)
+
+    def propose(self, batch, rows, step=None):
+        k = self.num_drafts(len(rows), batch.num_reqs)
+        return {batch.req_ids[r]: [int(batch.token_ids[r, batch.num_tokens[r] - 1])] * k
+                for r in rows.tolist()}
+
+
+def test_a_proposer_from_a_class_path(model_dir, references):
+    llm = make_llm(model_dir, speculative={"_target_": "test_spec_decode.RepeatLastProposer",
+                                           "num_speculative_tokens": 2})
+    assert_same(generate(llm, PROMPTS, GREEDY), references["random"])
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    with pytest.raises(ConfigError, match=r"speculative\.num_speculative_tokens"):
+        make_llm(model_dir, speculative={"_target_": "test_spec_decode.RepeatLastProposer"})
+
+
 class NoDraftScheduler(TokenBudgetScheduler):
     update_draft_token_ids = Scheduler.update_draft_token_ids
 

@@ -183,11 +183,12 @@ class SpeculativeConfig(_Component):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeConfig":
-        if self.name == "none":
+        if not self.enabled:
             return self
         if self.num_speculative_tokens < 1:
             raise ValueError(f"speculative.num_speculative_tokens must be >= 1 with "
-                             f"speculative={self.name}, got {self.num_speculative_tokens}")
+                             f"speculative={self.target or self.name}, got "
+                             f"{self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must "
                              f"be <= speculative.prompt_lookup_max ({self.prompt_lookup_max})")
@@ -198,12 +199,13 @@ class SpeculativeConfig(_Component):
 
     @property
     def enabled(self) -> bool:
-        return self.name != "none"
+        return self.name != "none" or self.target is not None
 
     @property
     def runs_a_model(self) -> bool:
-        """Draft model and EAGLE write KV of their own at the draft positions (lookahead)."""
-        return self.name in ("draft_model", "eagle")
+        """Draft model and EAGLE write KV of their own at the draft positions (lookahead);
+        a ``_target_`` proposer may too."""
+        return self.name in ("draft_model", "eagle") or self.target is not None
 
 class CompilationConfig(_Strict):
     """Step graphs (``llmkit/compilation/``): decode steps run as a compiled graph (CPU:
