@@ -43,6 +43,10 @@ ONLY = {
     # the platform picks linear methods, ops, step graphs and kernels for a device; it never
     # sees the models it serves nor the engine that asks
     "platforms": {"linear", "ops", "compilation", "kernels", "config", "registry"},
+    # proposers are called by the worker (after sampling) and read its batch through
+    # spec_decode.base.ProposerBatch: no arrow back into the worker, the engine or the scheduler
+    "spec_decode": {"models", "attention", "sampling", "linear", "ops", "request", "kernels",
+                    "config", "registry", "outputs", "facts", "startup"},
     # the cache folder, the build: nothing of the components that call them
     "kernels": {"config", "startup"},
     # below everything

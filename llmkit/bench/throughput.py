@@ -17,7 +17,30 @@ from typing import Any, Mapping
 
 from llmkit.bench.datasets import build_workload
 
-__all__ = ["format_throughput", "run_throughput"]
+__all__ = ["format_spec_decode", "format_throughput", "run_throughput",
+           "spec_decode_summary"]
+
+
+def spec_decode_summary(before: Any, after: Any) -> dict[str, Any]:
+    """Speculative decoding over a run: the difference of two ``SpecDecodeStats`` snapshots,
+    with API.md's rates."""
+    drafts = after.num_drafts - before.num_drafts
+    proposed = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position)
+                    else 0) for i, a in enumerate(after.accepted_per_position)]
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "accepted_per_position": per_pos,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+def format_spec_decode(spec: Mapping[str, Any]) -> str:
+    return (f"  speculative: {spec['num_drafts']} drafts, {spec['num_draft_tokens']} draft "
+            f"tokens, {spec['num_accepted_tokens']} accepted (rate "
+            f"{100 * spec['acceptance_rate']:.1f}%, mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}; per position "
+            f"{spec['accepted_per_position']})")
 
 
 def _engine_facts(llm: Any) -> dict[str, Any]:
@@ -74,9 +97,11 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     llm.generate(prompts[0], SamplingParams(max_tokens=min(4, workload[0].max_tokens),
                                             ignore_eos=True), use_tqdm=False,
                  lora_request=loras[0])
+    spec_before = llm.engine.stats().spec_decode
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=b.progress, lora_request=loras)
     elapsed = time.perf_counter() - t0
+    spec = spec_decode_summary(spec_before, llm.engine.stats().spec_decode)
     prompt_ids = [list(o.prompt_token_ids) for o in outs]
     records = [{"prompt_tokens": len(o.prompt_token_ids),
                 "output_tokens": sum(len(c.token_ids) for c in o.outputs),
@@ -90,6 +115,8 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                "total_input_tokens": in_tok, "total_output_tokens": out_tok,
                "dtype": str(facts["dtype"]), "num_threads": facts["num_threads"],
                "device": str(facts["device"]), "backend": facts["backend"]}
+    if cfg.engine.speculative.enabled:
+        summary["spec_decode"] = spec
     baseline = ratio = None
     if b.baseline == "hf":
         model_path = llm.model_source.path
@@ -127,6 +154,8 @@ def format_throughput(result: Mapping[str, Any]) -> str:
              f"(dtype {s['dtype']}, {s['num_threads']} threads, {s.get('device', 'cpu')})",
              f"  llmkit: {s['duration_s']:8.2f} s  {s['request_throughput']:9.2f} req/s  "
              f"{s['output_throughput']:10.1f} output tok/s"]
+    if s.get("spec_decode"):
+        lines.append(format_spec_decode(s["spec_decode"]))
     base = result.get("baseline")
     if base:
         lines.append(f"  hf:     {base['elapsed_s']:8.2f} s  {base['request_throughput']:9.2f} "

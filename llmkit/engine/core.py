@@ -53,18 +53,24 @@ class EngineCore:
         model_source = executor_kwargs.get("model_source")
         self.structured_output_manager = StructuredOutputManager(
             config.structured_output, vocab_size=facts.vocab_size,
-            tokenizer_loader=lambda: self._tokenizer(model_source))
+            tokenizer_loader=lambda: self._tokenizer(model_source),
+            # a step's bitmask walks a request's drafts through its matcher and takes them back
+            max_rollback_tokens=config.speculative.num_speculative_tokens
+            if config.speculative.enabled else 0)
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
-        lora_kwargs = {}
+        sched_kwargs = {}
+        if config.speculative.name == "eagle":
+            sched_kwargs["drop_last_cached_block"] = True
         if config.lora.enabled:
             self._check_lora_support(executor, sched_cls)
-            lora_kwargs = {"max_loras": config.lora.max_loras,
-                           "max_lora_skips": config.lora.max_skipped_steps}
+            sched_kwargs.update(max_loras=config.lora.max_loras,
+                                max_lora_skips=config.lora.max_skipped_steps)
         self.scheduler: Scheduler = sched_cls(
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, clock=clock,
-            structured_output_manager=self.structured_output_manager, **lora_kwargs)
+            structured_output_manager=self.structured_output_manager, **sched_kwargs)
         self.clock = clock
+        self._speculative = config.speculative.enabled
         # Multi-LoRA: the adapters registered (by id), how many unfinished requests use each,
         # and those removed while requests still used them (forgotten once they finish).
         self.loras: dict[int, LoRARequest] = {}
@@ -281,7 +287,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._lora_of_request:
             self._release_loras(outputs)
-        if runner_output.draft_token_ids:
+        if runner_output.draft_token_ids or self._speculative:
+            # Also an empty dict: drafts are for the next step only.
             self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
         return outputs
 

@@ -34,6 +34,16 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
   (Unix seconds); ``llmkit:lora_num_requests{lora_name, state}`` (gauge): requests per
   adapter, ``state`` ``running`` or ``waiting`` (base-model requests are not counted).
 
+Speculative decoding (``speculative=...``; all 0 without it), counted when drafts are verified:
+
+- ``llmkit:spec_decode_num_drafts_total`` (counter): verify steps of requests that had draft
+  tokens (one per drafted request and step).
+- ``llmkit:spec_decode_num_draft_tokens_total`` (counter): draft tokens proposed and verified.
+- ``llmkit:spec_decode_num_accepted_tokens_total`` (counter): draft tokens accepted.
+- ``llmkit:spec_decode_num_accepted_tokens_per_pos_total{position}`` (counter): drafts accepted
+  at position ``position`` (0-based) of their run; acceptance rate = accepted / draft tokens,
+  mean acceptance length = 1 + accepted / drafts.
+
 And at the HTTP layer: ``llmkit:http_request_errors_total{status}``: requests answered with an
 error (400, 401, 404, 503, 500 ...).
 """
@@ -95,6 +105,19 @@ class _EngineStatsCollector:
                       s.num_preemptions_total if s else 0)
         yield gauge("llmkit:engine_up", "1 while the engine core process is alive.",
                     1.0 if m.engine_alive() else 0.0)
+        spec = s.spec_decode if s else None
+        yield counter("llmkit:spec_decode_num_drafts",
+                      "Verify steps of requests with draft tokens.", spec.num_drafts if spec else 0)
+        yield counter("llmkit:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      spec.num_draft_tokens if spec else 0)
+        yield counter("llmkit:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      spec.num_accepted_tokens if spec else 0)
+        per_pos = CounterMetricFamily("llmkit:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position of their run.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(spec.accepted_per_position if spec else ()):
+            per_pos.add_metric([m.model_name, str(pos)], n)
+        yield per_pos
         if m.max_loras is not None:
             yield from self._lora(s)
 

@@ -18,6 +18,8 @@ from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.spec_decode import ProposerEnv, build_proposer
+from llmkit.spec_decode.adaptive import DraftLengthPolicy
 from llmkit.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ class UniprocExecutor(Executor):
             kv_cache_dtype=dtype,
             device=platform.device,
         )
+        self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
+            target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
+            block_size=config.kv_cache.block_size, seed=config.seed))
         self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
             model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
         if lora is not None:
@@ -109,6 +114,19 @@ class UniprocExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        proposer = self.runner.proposer
+        spec = self.config.speculative
+        if proposer is not None and (spec.adaptive or spec.disable_by_batch_size):
+            ridge = spec.ridge_tokens
+            if spec.adaptive and ridge is None:
+                ridge = self.platform.measure_ridge_tokens(
+                    self.runner.time_forward,
+                    max_tokens=self.config.scheduler.max_num_batched_tokens)
+                logger.info("speculative.adaptive: the model's forward turns compute-bound at "
+                            "~%d tokens on this machine (measured); K shrinks to keep "
+                            "rows x (1 + K) below it", ridge)
+            proposer.length_policy = DraftLengthPolicy(spec.adaptive, ridge,
+                                                       spec.disable_by_batch_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -127,6 +127,8 @@ class SchedulerStats:
     # Multi-LoRA: running / waiting requests per adapter name (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # the same counters for the latest step alone
+    step_spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class Scheduler(ABC):

@@ -37,6 +37,7 @@ class TokenBudgetScheduler(Scheduler):
         clock: Callable[[], float] = time.monotonic,
         max_loras: int | None = None,
         max_lora_skips: int = 8,
+        drop_last_cached_block: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
@@ -49,6 +50,9 @@ class TokenBudgetScheduler(Scheduler):
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.clock = clock
+        # EAGLE: a prefix-cache hit leaves its last block to be recomputed (the head's KV at a
+        # position depends on the token after it, which only a matching next block fixes).
+        self.drop_last_cached_block = drop_last_cached_block
         self.requests: dict[str, Request] = {}
         self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
@@ -61,6 +65,7 @@ class TokenBudgetScheduler(Scheduler):
         self._step_preemptions = 0
         self._step_tokens = 0
         self._spec_stats = SpecDecodeStats()
+        self._step_spec_stats = SpecDecodeStats()
         # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
@@ -161,6 +166,7 @@ class TokenBudgetScheduler(Scheduler):
             budget -= n
             if req.lora_id is not None:
                 loras.add(req.lora_id)
+            req.spec_token_ids = []  # drafts are verified once (or dropped with the step)
             if drafts:
                 spec_tokens[req.request_id] = drafts
             cached.req_ids.append(req.request_id)
@@ -189,6 +195,9 @@ class TokenBudgetScheduler(Scheduler):
                     continue
                 if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
+                    if self.drop_last_cached_block and computed_blocks:
+                        computed_blocks = computed_blocks[:-1]
+                        num_hit -= kv.block_size
                 else:
                     # Cached positions have no logits: a request that still owes its prompt
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
@@ -333,6 +342,7 @@ class TokenBudgetScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._step_spec_stats = SpecDecodeStats()
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -355,6 +365,7 @@ class TokenBudgetScheduler(Scheduler):
                 if num_rejected:
                     self.kv.shrink_slots(req, req.num_computed_tokens)
                 self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
+                self._step_spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
             constrained = req.structured_output_request is not None
             for tok in new_tokens:
@@ -453,6 +464,7 @@ class TokenBudgetScheduler(Scheduler):
             spec_decode=self._spec_stats.snapshot(),
             running_lora_adapters=_count_loras(self.running) if self.max_loras else {},
             waiting_lora_adapters=_count_loras(self.waiting) if self.max_loras else {},
+            step_spec_decode=self._step_spec_stats.snapshot(),
         )
 
 
