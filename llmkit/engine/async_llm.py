@@ -49,7 +49,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
@@ -142,7 +142,8 @@ class AsyncLLM:
         self.model_facts = self.engine_core.model_facts
         self.max_model_len = self.model_facts.max_model_len
         self.vocab_size = self.model_facts.vocab_size
-        self._inputs = InputProcessor(self.tokenizer, self.model_facts, engine_config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.model_facts,
+                                             engine_config)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -223,6 +224,7 @@ class AsyncLLM:
             params = dataclasses.replace(params, n=n)
         p = self._inputs.process(prompt, params, cache_salt=cache_salt)
         text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
+        mm_features = p.mm_features
         if prompt_text is not None:
             text = prompt_text
         num_pending = self._tracker.num_pending
@@ -237,7 +239,8 @@ class AsyncLLM:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
             messages = [self.engine_core.encode(EngineCoreRequest(
-                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt))
+                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt,
+                mm_features=mm_features))
                 for cid, cp in children]
         except Exception:
             self._tracker.drop_processor_state([cid for cid, _ in children])

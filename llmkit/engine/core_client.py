@@ -64,7 +64,8 @@ class InprocClient:
         self.core.add_request(Request(request.request_id, request.prompt_token_ids, params,
                                       eos_token_id=self.core.eos_token_id,
                                       arrival_time=self.core.clock(),
-                                      priority=request.priority, cache_salt=request.cache_salt))
+                                      priority=request.priority, cache_salt=request.cache_salt,
+                                      mm_features=request.mm_features))
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.core.abort_requests(list(request_ids)),

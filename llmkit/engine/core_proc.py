@@ -34,6 +34,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from llmkit.multimodal.base import MultiModalFeatureSpec
 from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
                                         StepSummaryPublisher)
 from llmkit.outputs import EngineCoreOutput
@@ -57,6 +58,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     sampling_params: dict[str, Any]
     priority: int = 0
     cache_salt: str | None = None
+    # The prompt's images: placeholder ranges, content hashes, pixel values as bytes.
+    mm_features: list[MultiModalFeatureSpec] = []
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -243,7 +246,8 @@ class EngineCoreProc:
             params = decode_sampling_params(msg.sampling_params)
             req = Request(msg.request_id, msg.prompt_token_ids, params,
                           eos_token_id=self.core.eos_token_id, arrival_time=self.core.clock(),
-                          priority=msg.priority, cache_salt=msg.cache_salt)
+                          priority=msg.priority, cache_salt=msg.cache_salt,
+                          mm_features=msg.mm_features)
             self.core.add_request(req)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             return f"{type(e).__name__}: {e}"

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
@@ -55,7 +55,8 @@ class LLM:
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
-        self._inputs = InputProcessor(self.tokenizer, self.engine.model_facts, config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
+                                             config)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -165,8 +166,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]  # one prompt (a dict prompt is one, not a list of its keys)
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt

@@ -9,7 +9,7 @@ from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
-from llmkit.models.loader import ModelSource, build_model, resolve_model_source
+from llmkit.models.loader import ModelSource, build_model, resolve_model_source, text_config
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
@@ -49,7 +49,7 @@ class UniprocExecutor(Executor):
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,
-            vocab_size=source.hf_config.vocab_size,
+            vocab_size=text_config(source.hf_config).vocab_size,
             eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
             eos_token_ids=tuple(source.eos_token_ids),
         )

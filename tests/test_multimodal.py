@@ -1,0 +1,158 @@
+"""Images in prompts (issue 23): a tiny random LLaVA against Hugging Face's, the encoder cache,
+and image hashes in the prefix cache's block hashes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llmkit import LLM, SamplingParams
+from tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, build_llava_dir
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_llava_dir(tmp_path_factory.mktemp("tiny-llava"))
+
+
+def make_image(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(llava_dir):
+    """``(text, images) -> (prompt ids, greedy ids)`` from transformers' LLaVA and processor."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava_dir),
+                                                          dtype=torch.float32).eval()
+
+    def run(text: str, images: list[Image.Image]) -> tuple[list[int], list[int]]:
+        if images:
+            inputs = processor(text=[text], images=images, return_tensors="pt")
+        else:
+            inputs = processor.tokenizer([text], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 min_new_tokens=MAX_TOKENS)
+        n = inputs["input_ids"].shape[1]
+        return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+    return run
+
+
+PROMPTS = [
+    (f"Describe {IMAGE_TOKEN} in a few words.", [make_image(1)]),
+    ("The capital of France is", []),
+    (f"{IMAGE_TOKEN} and {IMAGE_TOKEN}: what differs?", [make_image(2), make_image(3, (64, 30))]),
+    (f"Once upon a time {IMAGE_TOKEN}", [make_image(4)]),
+]
+
+
+def _prompt(text: str, images: list[Image.Image]):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("setup", [
+    # whole prompts in one step
+    {},
+    # chunks of 7 tokens: images (16 tokens) are cut by chunks, several requests per step
+    {"scheduler": {"max_num_batched_tokens": 7}},
+    # a tiny KV pool: requests are preempted and recomputed (their images encoded again or
+    # found in the encoder cache)
+    {"scheduler": {"max_num_batched_tokens": 16}, "kv_cache": {"num_blocks": 14,
+                                                               "block_size": 4}},
+], ids=["whole", "chunked", "preempted"])
+def test_llava_greedy_matches_hf(llava_dir, hf_reference, setup):
+    llm = LLM(str(llava_dir), dtype="float32", **setup)
+    outs = llm.generate([_prompt(t, ims) for t, ims in PROMPTS], _greedy(), use_tqdm=False)
+    for (text, images), out in zip(PROMPTS, outs):
+        ref_prompt, ref_tokens = hf_reference(text, images)
+        # Image tokens count as prompt tokens: the expanded prompt is HF's.
+        assert out.prompt_token_ids == ref_prompt, text
+        assert list(out.outputs[0].token_ids) == ref_tokens, text
+    stats = llm.engine.scheduler.stats()
+    assert stats.encoder_cache.num_encoder_runs >= 4  # each of the 4 images at least once
+    if "kv_cache" in setup:
+        assert stats.num_preemptions_total > 0, "the KV pool was meant to force preemption"
+
+
+def test_image_tokens_are_prompt_tokens(llava_dir):
+    llm = LLM(str(llava_dir), dtype="float32")
+    text, images = PROMPTS[2]
+    out = llm.generate(_prompt(text, images), SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    plain = len(llm.tokenizer.encode(text))
+    assert len(out.prompt_token_ids) == plain + 2 * (NUM_IMAGE_TOKENS - 1)
+
+
+def test_repeated_image_is_encoded_once_and_shares_blocks(llava_dir):
+    llm = LLM(str(llava_dir), dtype="float32", kv_cache={"block_size": 4})
+    text = f"Look at {IMAGE_TOKEN} and say what you see in it please."
+    image, other = make_image(7), make_image(8)
+    first = llm.generate(_prompt(text, [image]), _greedy(), use_tqdm=False)[0]
+    # The same pixels in a new PIL object: the content hash, not the object, is the key.
+    again = llm.generate(_prompt(text, [image.copy()]), _greedy(), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # Another text before the same image: no block is shared, the image's KV is computed
+    # again, from the encoder cache.
+    other_text = llm.generate(_prompt("Now " + text, [image]), _greedy(), use_tqdm=False)[0]
+    assert other_text.num_cached_tokens == 0
+    stats = llm.engine.scheduler.stats().encoder_cache
+    runner = llm.engine.executor.runner
+    assert stats.num_encoder_runs == 1 and runner.num_encoder_runs == 1
+    assert stats.hits == 1 and stats.num_cached_tokens == NUM_IMAGE_TOKENS
+    # Same text, same image: the whole prompt's full blocks are shared.
+    n_prompt = len(first.prompt_token_ids)
+    assert again.num_cached_tokens == (n_prompt - 1) // 4 * 4
+    # Same text, another image: only the blocks before the image's first placeholder.
+    image_id = llm.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    image_start = first.prompt_token_ids.index(image_id)
+    diff = llm.generate(_prompt(text, [other]), _greedy(), use_tqdm=False)[0]
+    assert diff.num_cached_tokens == image_start // 4 * 4
+    assert llm.engine.scheduler.stats().encoder_cache.num_encoder_runs == 2
+    assert diff.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_encoder_cache_evicts_within_its_size(llava_dir):
+    # Room for one image's outputs: a second image evicts the first (unreferenced) one.
+    llm = LLM(str(llava_dir), dtype="float32",
+              scheduler={"encoder_cache_size": NUM_IMAGE_TOKENS})
+    text = f"Look at {IMAGE_TOKEN} now."
+    a, b = make_image(11), make_image(12)
+    for im in (a, b, a):
+        llm.generate(_prompt(text, [im]), SamplingParams(max_tokens=2), use_tqdm=False)
+    stats = llm.engine.scheduler.stats().encoder_cache
+    assert stats.num_encoder_runs == 3 and stats.num_cached_tokens == NUM_IMAGE_TOKENS
+    assert len(llm.engine.executor.runner.encoder_cache) == 1
+
+
+def test_bad_multimodal_inputs_fail_before_the_engine(llava_dir, tiny_model_dir):
+    llm = LLM(str(llava_dir), dtype="float32", overrides=["multimodal.limit_mm_per_prompt.image=1"])
+    image = make_image(5)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": image}},
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate(f"an {IMAGE_TOKEN} without its image", use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        llm.generate(_prompt(f"{IMAGE_TOKEN}{IMAGE_TOKEN}", [image, image]), use_tqdm=False)
+    with pytest.raises(ValueError, match="PIL"):
+        llm.generate({"prompt": IMAGE_TOKEN, "multi_modal_data": {"image": "a.png"}},
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="modalities"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": [image]}}, use_tqdm=False)
+    # The engine still serves.
+    assert llm.generate(_prompt(f"ok {IMAGE_TOKEN}", [image]), SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    text_llm = LLM(str(tiny_model_dir("llama")), dtype="float32")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_llm.generate(_prompt("hi", [image]), use_tqdm=False)
