@@ -156,3 +156,34 @@ def test_bad_multimodal_inputs_fail_before_the_engine(llava_dir, tiny_model_dir)
     text_llm = LLM(str(tiny_model_dir("llama")), dtype="float32")
     with pytest.raises(ValueError, match="takes no images"):
         text_llm.generate(_prompt("hi", [image]), use_tqdm=False)
+
+
+def _data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_llm_chat_with_image_parts_matches_generate(llava_dir):
+    llm = LLM(str(llava_dir), dtype="float32")
+    image = make_image(21)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                         {"type": "image_url",
+                                          "image_url": {"url": _data_url(image)}},
+                                         {"type": "text", "text": "?"}]}]
+    chat = llm.chat(msgs, _greedy(), use_tqdm=False)[0]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is in {IMAGE_TOKEN}?"}], tokenize=False,
+        add_generation_prompt=True)
+    ref = llm.generate({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False),
+                        "multi_modal_data": {"image": image}}, _greedy(), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ref.prompt_token_ids
+    assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+    pil = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                                 {"type": "image_pil", "image_pil": image},
+                                                 {"type": "text", "text": "?"}]}],
+                   _greedy(), use_tqdm=False)[0]
+    assert pil.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -147,6 +147,11 @@ class AsyncLLM:
 
     # -- state ------------------------------------------------------------------------------
     @property
+    def multimodal_processor(self):
+        """The served model's ``llmkit.multimodal.MultiModalProcessor``; None: text only."""
+        return self._inputs.mm_processor
+
+    @property
     def is_running(self) -> bool:
         return not self._shutdown and not self.engine_core.is_dead
 

@@ -101,8 +101,27 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self._chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool):
+        """Token ids, or with image content parts (``image_url`` with a data: URL, or
+        ``image_pil``) a dict prompt with ``multi_modal_data``."""
+        from llmkit.multimodal.content_parts import split_image_parts
+        from llmkit.multimodal.image import load_image_url
+
+        mm = self._inputs.mm_processor
+        cfg = self.config
+
+        def load(url: str):
+            return load_image_url(url, max_bytes=cfg.multimodal.max_image_bytes,
+                                  allowed_domains=cfg.server.allowed_media_domains)
+
+        plain, images = split_image_parts(messages, mm.image_token if mm else None, load)
+        ids = self.apply_chat_template(plain, add_generation_prompt)
+        if not images:
+            return ids
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True) -> list[int]:
