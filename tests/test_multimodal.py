@@ -187,3 +187,50 @@ def test_llm_chat_with_image_parts_matches_generate(llava_dir):
                                                  {"type": "text", "text": "?"}]}],
                    _greedy(), use_tqdm=False)[0]
     assert pil.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_encoder_budget_below_one_image_fails_at_start_up(llava_dir):
+    from llmkit.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scheduler.encoder_cache_size"):
+        LLM(str(llava_dir), dtype="float32", scheduler={"encoder_cache_size": 8})
+    with pytest.raises(ConfigError, match="scheduler.max_num_encoder_input_tokens"):
+        LLM(str(llava_dir), dtype="float32", scheduler={"max_num_encoder_input_tokens": 8})
+
+
+def test_scheduler_defers_an_image_past_the_step_encoder_budget():
+    """Two images of 16 tokens, an encoder budget of 16 per step: the first step computes up
+    to the second image's first placeholder; the second encodes it; nothing is encoded
+    twice."""
+    from llmkit.config.schema import SchedulerConfig
+    from llmkit.kv_cache.manager import KVCacheManager
+    from llmkit.multimodal.base import MultiModalFeatureSpec
+    from llmkit.outputs import ModelRunnerOutput
+    from llmkit.request import Request
+    from llmkit.scheduler.token_budget import TokenBudgetScheduler
+
+    cfg = SchedulerConfig(max_num_encoder_input_tokens=16, encoder_cache_size=32)
+    sched = TokenBudgetScheduler(cfg, KVCacheManager(num_blocks=64, block_size=4),
+                                 max_model_len=256)
+    feats = [MultiModalFeatureSpec("a", 2, 16), MultiModalFeatureSpec("b", 20, 16)]
+    sched.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=1),
+                              mm_features=feats))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 20} and so.scheduled_encoder_inputs == {"r": [0]}
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[]]))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 20} and so.scheduled_encoder_inputs == {"r": [1]}
+    stats = sched.stats().encoder_cache
+    assert stats.num_encoder_runs == 2 and stats.num_cached_tokens == 32
+    # Both images are computed: unreferenced, still cached, evictable.
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]]))
+    assert sched.encoder_cache.num_freeable_slots == 32
+    # A new request with image "a" finds it cached; one with "c" evicts the oldest entry.
+    sched.add_request(Request("s", list(range(100, 120)), SamplingParams(max_tokens=1),
+                              mm_features=[MultiModalFeatureSpec("a", 0, 16)]))
+    sched.add_request(Request("t", list(range(200, 220)), SamplingParams(max_tokens=1),
+                              mm_features=[MultiModalFeatureSpec("c", 0, 16)]))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"t": [0]}
+    assert so.free_encoder_mm_hashes == ["b"]
+    assert sched.stats().encoder_cache.hits == 1

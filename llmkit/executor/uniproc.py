@@ -7,7 +7,9 @@ from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.config.errors import ConfigError
 from llmkit.models.base import ModelContext
+from llmkit.models.interfaces import supports_multimodal
 from llmkit.models.layers.linear import Linear
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source, text_config
 from llmkit.outputs import ModelRunnerOutput
@@ -34,6 +36,20 @@ def linear_method_factory(model_config, platform: Platform,
     return lambda spec: cls()
 
 
+def check_encoder_budget(model: torch.nn.Module, config: EngineConfig) -> None:
+    """An image must fit the encoder cache and one step's encoder budget, or it could never
+    be encoded: a multimodal model with a smaller setting fails at start-up."""
+    n = getattr(model, "num_image_tokens", None)
+    if not supports_multimodal(model) or n is None:
+        return
+    s = config.scheduler
+    for key, value in (("scheduler.encoder_cache_size", s.encoder_cache_size),
+                       ("scheduler.max_num_encoder_input_tokens",
+                        s.max_num_encoder_input_tokens)):
+        if value < n:
+            raise ConfigError(key, value, f"an integer >= {n} (this model's tokens per image)")
+
+
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
@@ -46,6 +62,7 @@ class UniprocExecutor(Executor):
                            linear_method=linear_method_factory(config.model, platform, dtype))
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
+        check_encoder_budget(model, config)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,
