@@ -51,6 +51,8 @@ PROMPTS = [
     ("The capital of France is", []),
     (f"{IMAGE_TOKEN} and {IMAGE_TOKEN}: what differs?", [make_image(2), make_image(3, (64, 30))]),
     (f"Once upon a time {IMAGE_TOKEN}", [make_image(4)]),
+    # the same image twice in one prompt: encoded once, both placeholders filled
+    (f"{IMAGE_TOKEN} then {IMAGE_TOKEN} again", [make_image(1), make_image(1)]),
 ]
 
 
