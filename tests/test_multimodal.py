@@ -236,3 +236,47 @@ def test_scheduler_defers_an_image_past_the_step_encoder_budget():
     assert so.scheduled_encoder_inputs == {"t": [0]}
     assert so.free_encoder_mm_hashes == ["b"]
     assert sched.stats().encoder_cache.hits == 1
+
+
+def test_image_urls_only_from_allowed_hosts_and_redirects():
+    """``load_image_url``: data URLs decode; an http URL is fetched only from an allowed host,
+    and a redirect from an allowed host to another one is refused."""
+    import http.server
+    import io
+    import threading
+
+    from llmkit.multimodal.image import ImageError, load_image_url
+
+    buf = io.BytesIO()
+    make_image(31).save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            if self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_port}/a.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        image = load_image_url(f"{base}/a.png", max_bytes=10**6, allowed_domains=["127.0.0.1"])
+        assert image.tobytes() == make_image(31).tobytes()
+        with pytest.raises(ImageError, match="allowed_media_domains"):
+            load_image_url(f"{base}/a.png", max_bytes=10**6, allowed_domains=[])
+        with pytest.raises(ImageError, match="'localhost'"):
+            load_image_url(f"{base}/redirect", max_bytes=10**6, allowed_domains=["127.0.0.1"])
+        with pytest.raises(ImageError, match="max_image_bytes"):
+            load_image_url(f"{base}/a.png", max_bytes=100, allowed_domains=["127.0.0.1"])
+    finally:
+        server.shutdown()

@@ -52,6 +52,19 @@ def load_image_url(url: str, *, max_bytes: int, allowed_domains: list[str],
         except (binascii.Error, ValueError):
             raise ImageError("the data URL's base64 payload is not valid") from None
         return decode_image(data, max_bytes=max_bytes)
+    _check_remote_url(url, allowed_domains)
+    opener = urllib.request.build_opener(_AllowedRedirects(allowed_domains))
+    try:
+        with opener.open(url, timeout=timeout_s) as resp:  # host (and redirects) checked
+            data = resp.read(max_bytes + 1)
+    except ImageError:
+        raise
+    except OSError as e:
+        raise ImageError(f"the image URL could not be fetched: {e}") from None
+    return decode_image(data, max_bytes=max_bytes)
+
+
+def _check_remote_url(url: str, allowed_domains: list[str]) -> None:
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https"):
         raise ImageError(f"image URL scheme {parsed.scheme or '(none)'!r} is not allowed; give "
@@ -60,9 +73,15 @@ def load_image_url(url: str, *, max_bytes: int, allowed_domains: list[str],
     if host not in {d.lower() for d in allowed_domains}:
         raise ImageError(f"image URLs of host {host!r} are not allowed "
                          "(server.allowed_media_domains); send the image as a data: URL")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - host checked
-            data = resp.read(max_bytes + 1)
-    except OSError as e:
-        raise ImageError(f"the image URL could not be fetched: {e}") from None
-    return decode_image(data, max_bytes=max_bytes)
+
+
+class _AllowedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only to an allowed host: an allowed host must not lead the server
+    to fetch from one that is not."""
+
+    def __init__(self, allowed_domains: list[str]) -> None:
+        self.allowed_domains = allowed_domains
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_remote_url(newurl, self.allowed_domains)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)

@@ -11,6 +11,7 @@ Usage counts the prompt tokens once per prompt and every generated token of ever
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -296,7 +297,8 @@ class OpenAIServing:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
 
-    def chat_images(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list]:
+    async def chat_images(self, req: ChatCompletionRequest
+                          ) -> tuple[ChatCompletionRequest, list]:
         """The request with each image content part replaced by the model's placeholder, and
         the images (decoded here: a bad one is a 400 before the engine sees anything)."""
         if not any(m.has_images for m in req.messages):
@@ -318,8 +320,11 @@ class OpenAIServing:
                                   allowed_domains=cfg.server.allowed_media_domains)
 
         try:
-            messages, images = split_image_parts(
-                [m.model_dump(exclude_none=True) for m in req.messages], mm.image_token, load)
+            # In a thread: decoding (and fetching from an allowed host) must not stall the
+            # event loop that streams other requests.
+            messages, images = await asyncio.to_thread(
+                split_image_parts, [m.model_dump(exclude_none=True) for m in req.messages],
+                mm.image_token, load)
         except ImageError as e:
             raise bad_request(str(e), "messages") from None
         return req.model_copy(update={"messages": [ChatMessage(**m) for m in messages]}), images
@@ -333,7 +338,7 @@ class OpenAIServing:
         use = tool_use(req, self.tool_parser)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
-        req, images = self.chat_images(req)
+        req, images = await self.chat_images(req)
         ids = self.chat_prompt(req, use)
         num_prompt_tokens = len(ids)
         prompt: list[int] | dict = ids
