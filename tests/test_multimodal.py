@@ -280,3 +280,26 @@ def test_image_urls_only_from_allowed_hosts_and_redirects():
             load_image_url(f"{base}/a.png", max_bytes=100, allowed_domains=["127.0.0.1"])
     finally:
         server.shutdown()
+
+
+def test_cli_generate_with_image_files(llava_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "a.png"
+    make_image(41).save(path)
+    prompt = f"Describe {IMAGE_TOKEN} briefly."
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "generate", str(llava_dir),
+           "--prompt", prompt, "--image", str(path), "model.dtype=float32",
+           "sampling.max_tokens=6", "sampling.temperature=0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    llm = LLM(str(llava_dir), dtype="float32")
+    ref = llm.generate(_prompt(prompt, [Image.open(path)]),
+                       SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    assert out.stdout.rstrip("\n") == ref.outputs[0].text
+    bad = subprocess.run(cmd[:-3] + ["--image", str(tmp_path / "missing.png")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "missing.png" in bad.stderr

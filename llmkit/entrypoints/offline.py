@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+from typing import Sequence
 
 from llmkit.config.schema import EngineConfig
 from llmkit.sampling.params import SamplingParams
@@ -23,12 +25,20 @@ def _start_llm(config: EngineConfig):
     return LLM.from_config(config)
 
 
-def run_generate(config: EngineConfig, prompt: str) -> int:
+def run_generate(config: EngineConfig, prompt: str, images: Sequence[str] = ()) -> int:
+    request: str | dict = prompt
+    if images:
+        from llmkit.multimodal.image import decode_image
+
+        # Files the user names on the command line (a server request never reads files).
+        loaded = [decode_image(Path(p).read_bytes(),
+                               max_bytes=config.multimodal.max_image_bytes) for p in images]
+        request = {"prompt": prompt, "multi_modal_data": {"image": loaded}}
     llm = _start_llm(config)
     params = sampling_params_from(config)
     start = time.perf_counter()
     n = 0
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(request, params):
         sys.stdout.write(out.outputs[0].text)
         sys.stdout.flush()
         n += len(out.outputs[0].token_ids)
