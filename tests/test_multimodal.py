@@ -303,3 +303,30 @@ def test_cli_generate_with_image_files(llava_dir, tmp_path):
     bad = subprocess.run(cmd[:-3] + ["--image", str(tmp_path / "missing.png")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "missing.png" in bad.stderr
+
+
+def test_async_llm_chat_with_an_image_matches_llm(llava_dir):
+    """The engine in its own process: features cross as plain data (msgpack)."""
+    import asyncio
+
+    from llmkit.config.compose import build_config
+    from llmkit.engine.async_llm import AsyncLLM
+
+    image = make_image(51)
+    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": "What is it?"}]}]
+    ref = LLM(str(llava_dir), dtype="float32").chat(msgs, _greedy(), use_tqdm=False)[0]
+    config = build_config(str(llava_dir), dtype="float32",
+                          groups={"platform": {"num_threads": 1}})
+    threads = torch.get_num_threads()
+    engine = AsyncLLM.from_config(config)
+    try:
+        async def run():
+            return [o async for o in engine.chat(msgs, _greedy())][-1]
+
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads)
+    assert out.prompt_token_ids == ref.prompt_token_ids
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids

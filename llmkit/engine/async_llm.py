@@ -49,7 +49,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.input_processor import PromptType, build_input_processor
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
@@ -280,8 +280,9 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[Message],
                    sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **kwargs) -> AsyncGenerator[RequestOutput, None]:
-        async for out in self.generate(self.apply_chat_template(messages), sampling_params,
-                                       request_id, **kwargs):
+        prompt = chat_prompt(messages, self.apply_chat_template, self._inputs.mm_processor,
+                             self.config)
+        async for out in self.generate(prompt, sampling_params, request_id, **kwargs):
             yield out
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
-from llmkit.engine.input_processor import PromptType, build_input_processor
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
@@ -105,23 +105,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool):
-        """Token ids, or with image content parts (``image_url`` with a data: URL, or
-        ``image_pil``) a dict prompt with ``multi_modal_data``."""
-        from llmkit.multimodal.content_parts import split_image_parts
-        from llmkit.multimodal.image import load_image_url
-
-        mm = self._inputs.mm_processor
-        cfg = self.config
-
-        def load(url: str):
-            return load_image_url(url, max_bytes=cfg.multimodal.max_image_bytes,
-                                  allowed_domains=cfg.server.allowed_media_domains)
-
-        plain, images = split_image_parts(messages, mm.image_token if mm else None, load)
-        ids = self.apply_chat_template(plain, add_generation_prompt)
-        if not images:
-            return ids
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return chat_prompt(messages, lambda m: self.apply_chat_template(m, add_generation_prompt),
+                           self._inputs.mm_processor, self.config)
 
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True) -> list[int]:
