@@ -330,3 +330,23 @@ def test_async_llm_chat_with_an_image_matches_llm(llava_dir):
         torch.set_num_threads(threads)
     assert out.prompt_token_ids == ref.prompt_token_ids
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_prefix_hit_ending_inside_an_image(llava_dir, hf_reference):
+    """A cached prefix that ends inside an image: the rest of the image's tokens take their
+    slice of the cached encoder output, and the result is HF's."""
+    llm = LLM(str(llava_dir), dtype="float32", kv_cache={"block_size": 4})
+    image = make_image(61)
+    # "Hi" + image: the image's last placeholders share a block with the differing suffix.
+    first_text, second_text = f"Hi {IMAGE_TOKEN} a cat", f"Hi {IMAGE_TOKEN} the sea"
+    llm.generate(_prompt(first_text, [image]), _greedy(), use_tqdm=False)
+    out = llm.generate(_prompt(second_text, [image]), _greedy(), use_tqdm=False)[0]
+    image_id = llm.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    ids = out.prompt_token_ids
+    start = ids.index(image_id)
+    end = start + NUM_IMAGE_TOKENS
+    assert start < out.num_cached_tokens < end, (start, out.num_cached_tokens, end)
+    stats = llm.engine.scheduler.stats().encoder_cache
+    assert stats.num_encoder_runs == 1 and stats.hits == 1
+    ref_prompt, ref_tokens = hf_reference(second_text, [image])
+    assert ids == ref_prompt and list(out.outputs[0].token_ids) == ref_tokens
