@@ -239,7 +239,9 @@ def _cmd_generate(args: CliArgs) -> int:
         if not os.path.isfile(path):
             raise UsageError(f"--image {path!r}: no such file")
     cfg = load_config(args)
-    return int(_offline("run_generate")(cfg, args.prompt, args.images) or 0)
+    run = _offline("run_generate")
+    return int((run(cfg, args.prompt, args.images) if args.images else run(cfg, args.prompt))
+               or 0)
 
 
 def _cmd_chat(args: CliArgs) -> int:
