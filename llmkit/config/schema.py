@@ -87,6 +87,11 @@ class SchedulerConfig(_Component):
     num_lookahead_tokens: int = Field(default=0, ge=0)
     # A prefill longer than this is cut into chunks of at most this many tokens (0 = off).
     long_prefill_token_threshold: int = Field(default=0, ge=0)
+    # Multimodal models (vLLM's names): the encoder cache holds this many image tokens'
+    # encoder outputs (an image repeated while cached is encoded once); a step encodes images
+    # of at most this many tokens in all (an image is never split across steps).
+    encoder_cache_size: int = Field(default=8192, ge=1)
+    max_num_encoder_input_tokens: int = Field(default=8192, ge=1)
 
 
 class KVCacheConfig(_Component):
@@ -339,6 +344,28 @@ class ServerConfig(_Strict):
     # parser's name, or auto = the one for the model's format (Hermes `<tool_call>` when the
     # model names none).
     tool_call_parser: str = "auto"
+    # Hosts whose http(s) image URLs a chat request may name (fetched by the server), e.g.
+    # ["images.example.com"]. Empty = none: images come as data: URLs.
+    allowed_media_domains: list[str] = Field(default_factory=list)
+
+
+class MultiModalConfig(_Strict):
+    # An image larger than this (encoded bytes) is refused (HTTP 400).
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    # vLLM's limit_mm_per_prompt: the most items of each modality one prompt may carry.
+    limit_mm_per_prompt: dict[Literal["image"], int] = Field(
+        default_factory=lambda: {"image": 8})
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
+        for k, n in v.items():
+            if n < 0:
+                raise ValueError(f"{k}: must be >= 0, got {n}")
+        return v
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, 8)
 
 
 class BenchConfig(_Strict):
@@ -550,6 +577,7 @@ class EngineConfig(_Strict):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)

@@ -49,7 +49,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
@@ -143,9 +143,15 @@ class AsyncLLM:
         self.model_facts = self.engine_core.model_facts
         self.max_model_len = self.model_facts.max_model_len
         self.vocab_size = self.model_facts.vocab_size
-        self._inputs = InputProcessor(self.tokenizer, self.model_facts, engine_config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.model_facts,
+                                             engine_config)
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def multimodal_processor(self):
+        """The served model's ``llmkit.multimodal.MultiModalProcessor``; None: text only."""
+        return self._inputs.mm_processor
+
     @property
     def is_running(self) -> bool:
         return not self._shutdown and not self.engine_core.is_dead
@@ -229,6 +235,7 @@ class AsyncLLM:
             params = dataclasses.replace(params, n=n)
         p = self._inputs.process(prompt, params, cache_salt=cache_salt)
         text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
+        mm_features = p.mm_features
         if prompt_text is not None:
             text = prompt_text
         num_pending = self._tracker.num_pending
@@ -244,7 +251,7 @@ class AsyncLLM:
             # request is sent.
             messages = [self.engine_core.encode(EngineCoreRequest(
                 cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt,
-                lora_request=lora_request))
+                lora_request=lora_request, mm_features=mm_features))
                 for cid, cp in children]
         except Exception:
             self._tracker.drop_processor_state([cid for cid, _ in children])
@@ -280,8 +287,9 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[Message],
                    sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **kwargs) -> AsyncGenerator[RequestOutput, None]:
-        async for out in self.generate(self.apply_chat_template(messages), sampling_params,
-                                       request_id, **kwargs):
+        prompt = chat_prompt(messages, self.apply_chat_template, self._inputs.mm_processor,
+                             self.config)
+        async for out in self.generate(prompt, sampling_params, request_id, **kwargs):
             yield out
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,

@@ -72,7 +72,7 @@ class InprocClient:
                                       eos_token_id=self.core.eos_token_id,
                                       arrival_time=self.core.clock(),
                                       priority=request.priority, cache_salt=request.cache_salt,
-                                      lora_id=lora_id))
+                                      lora_id=lora_id, mm_features=request.mm_features))
 
     def call_utility(self, method: str, *args) -> Any:
         return UTILITY_METHODS[method](self.core, *args)

@@ -34,6 +34,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from llmkit.multimodal.base import MultiModalFeatureSpec
 from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
                                         StepSummaryPublisher)
 from llmkit.lora.base import LoRARequest
@@ -60,6 +61,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     cache_salt: str | None = None
     # The adapter to compute with (loaded by the engine the first time it is named).
     lora_request: LoRARequest | None = None
+    # The prompt's images: placeholder ranges, content hashes, pixel values as bytes.
+    mm_features: list[MultiModalFeatureSpec] = []
 
 
 class UtilityCall(msgspec.Struct, array_like=True, tag="utility"):
@@ -291,7 +294,8 @@ class EngineCoreProc:
                 lora_id = msg.lora_request.lora_int_id
             req = Request(msg.request_id, msg.prompt_token_ids, params,
                           eos_token_id=self.core.eos_token_id, arrival_time=self.core.clock(),
-                          priority=msg.priority, cache_salt=msg.cache_salt, lora_id=lora_id)
+                          priority=msg.priority, cache_salt=msg.cache_salt, lora_id=lora_id,
+                          mm_features=msg.mm_features)
             self.core.add_request(req)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             return f"{type(e).__name__}: {e}"

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.lora.base import LoRARequest
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
@@ -56,7 +56,8 @@ class LLM:
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
-        self._inputs = InputProcessor(self.tokenizer, self.engine.model_facts, config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
+                                             config)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -120,7 +121,7 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self._chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
@@ -135,6 +136,10 @@ class LLM:
 
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
+
+    def _chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool):
+        return chat_prompt(messages, lambda m: self.apply_chat_template(m, add_generation_prompt),
+                           self._inputs.mm_processor, self.config)
 
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -198,8 +203,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]  # one prompt (a dict prompt is one, not a list of its keys)
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt

@@ -27,6 +27,10 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
 - ``llmkit:prefix_cache_queries_total`` / ``llmkit:prefix_cache_hits_total`` (counters): tokens
   looked up in the prefix cache / tokens served from it (hit rate = hits / queries).
 - ``llmkit:num_preemptions_total`` (counter): preemptions since start-up.
+- ``llmkit:encoder_cache_queries_total`` / ``llmkit:encoder_cache_hits_total`` (counters):
+  images looked up in the encoder cache / found there (not encoded again);
+  ``llmkit:encoder_runs_total`` (counter): images encoded; ``llmkit:encoder_cache_tokens``
+  (gauge): image tokens whose encoder outputs are cached (of ``scheduler.encoder_cache_size``).
 - ``llmkit:engine_up`` (gauge): 1 while the engine core process is alive.
 - With LoRA (``lora.enabled``): ``llmkit:lora_requests_info`` (gauge, vLLM's): labels
   ``max_lora`` (slots), ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated
@@ -103,6 +107,16 @@ class _EngineStatsCollector:
                       "Tokens served from the prefix cache.", s.prefix_cache_hits if s else 0)
         yield counter("llmkit:num_preemptions", "Preemptions since start-up.",
                       s.num_preemptions_total if s else 0)
+        enc = s.encoder_cache if s else None
+        yield counter("llmkit:encoder_cache_queries", "Images looked up in the encoder cache.",
+                      enc.queries if enc else 0)
+        yield counter("llmkit:encoder_cache_hits",
+                      "Images found in the encoder cache (not encoded again).",
+                      enc.hits if enc else 0)
+        yield counter("llmkit:encoder_runs", "Images encoded.", enc.num_encoder_runs if enc else 0)
+        yield gauge("llmkit:encoder_cache_tokens",
+                    "Image tokens whose encoder outputs are cached.",
+                    enc.num_cached_tokens if enc else 0)
         yield gauge("llmkit:engine_up", "1 while the engine core process is alive.",
                     1.0 if m.engine_alive() else 0.0)
         spec = s.spec_decode if s else None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+from typing import Sequence
 
 from llmkit.config.schema import EngineConfig
 from llmkit.sampling.params import SamplingParams
@@ -32,13 +34,21 @@ def cli_lora_request(llm, config: EngineConfig):
     return next(lr for lr in llm.list_loras() if lr.lora_name == name)
 
 
-def run_generate(config: EngineConfig, prompt: str) -> int:
+def run_generate(config: EngineConfig, prompt: str, images: Sequence[str] = ()) -> int:
+    request: str | dict = prompt
+    if images:
+        from llmkit.multimodal.image import decode_image
+
+        # Files the user names on the command line (a server request never reads files).
+        loaded = [decode_image(Path(p).read_bytes(),
+                               max_bytes=config.multimodal.max_image_bytes) for p in images]
+        request = {"prompt": prompt, "multi_modal_data": {"image": loaded}}
     llm = _start_llm(config)
     params = sampling_params_from(config)
     lora = cli_lora_request(llm, config)
     start = time.perf_counter()
     n = 0
-    for out in llm.stream(prompt, params, lora_request=lora):
+    for out in llm.stream(request, params, lora_request=lora):
         sys.stdout.write(out.outputs[0].text)
         sys.stdout.flush()
         n += len(out.outputs[0].token_ids)

@@ -9,11 +9,13 @@ from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.config.errors import ConfigError
 from llmkit.lora.base import LoRARequest
 from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
+from llmkit.models.interfaces import supports_multimodal
 from llmkit.models.layers.linear import Linear
-from llmkit.models.loader import ModelSource, build_model, resolve_model_source
+from llmkit.models.loader import ModelSource, build_model, resolve_model_source, text_config
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
@@ -42,6 +44,20 @@ def linear_method_factory(model_config, platform: Platform,
     return lambda spec: cls()
 
 
+def check_encoder_budget(model: torch.nn.Module, config: EngineConfig) -> None:
+    """An image must fit the encoder cache and one step's encoder budget, or it could never
+    be encoded: a multimodal model with a smaller setting fails at start-up."""
+    n = getattr(model, "num_image_tokens", None)
+    if not supports_multimodal(model) or n is None:
+        return
+    s = config.scheduler
+    for key, value in (("scheduler.encoder_cache_size", s.encoder_cache_size),
+                       ("scheduler.max_num_encoder_input_tokens",
+                        s.max_num_encoder_input_tokens)):
+        if value < n:
+            raise ConfigError(key, value, f"an integer >= {n} (this model's tokens per image)")
+
+
 class UniprocExecutor(Executor):
     supports_lora = True
 
@@ -61,10 +77,11 @@ class UniprocExecutor(Executor):
         ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
+        check_encoder_budget(model, config)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
         self._facts = ModelFacts(
             max_model_len=source.max_model_len,
-            vocab_size=source.hf_config.vocab_size,
+            vocab_size=text_config(source.hf_config).vocab_size,
             eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
             eos_token_ids=tuple(source.eos_token_ids),
         )

@@ -18,6 +18,7 @@ from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats, SpecDecodeStats)
+from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class TokenBudgetScheduler(Scheduler):
         # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -78,6 +80,14 @@ class TokenBudgetScheduler(Scheduler):
         self._arrivals += 1
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
+        for f in request.mm_features:
+            limit = min(self.config.encoder_cache_size, self.config.max_num_encoder_input_tokens)
+            if f.length > limit:
+                raise ValueError(
+                    f"request {request.request_id!r}: an image of {f.length} tokens exceeds "
+                    f"scheduler.encoder_cache_size ({self.config.encoder_cache_size}) or "
+                    f"scheduler.max_num_encoder_input_tokens "
+                    f"({self.config.max_num_encoder_input_tokens}); it could never be encoded")
         if request.num_prompt_tokens > self.max_model_len:
             # Refuse rather than truncate: the caller learns why through the finish reason.
             request.set_status(RequestStatus.FINISHED_IGNORED)
@@ -127,6 +137,8 @@ class TokenBudgetScheduler(Scheduler):
         preempted_ids: set[str] = set()
         lookahead = cfg.num_lookahead_tokens
         spec_tokens: dict[str, list[int]] = {}
+        encoder_budget = cfg.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
 
         # The adapters of the requests scheduled so far (multi-LoRA: at most max_loras).
         loras: set[int] = set()
@@ -136,7 +148,14 @@ class TokenBudgetScheduler(Scheduler):
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            if n <= 0 or not self._lora_fits(req, loras):
+            if n > 0 and not self._lora_fits(req, loras):
+                n = 0
+            enc = None
+            if n > 0 and req.mm_features:
+                enc = self._try_schedule_encoder_inputs(req, req.num_computed_tokens, n,
+                                                        encoder_budget)
+                n = enc[2]
+            if n <= 0:
                 i += 1
                 continue
             drafts = self._schedulable_drafts(req, n, budget)
@@ -161,7 +180,11 @@ class TokenBudgetScheduler(Scheduler):
                 if victim is req:
                     break
             if new_blocks is None:
+                if enc is not None:
+                    self._release_encoder_hits(req, enc[1])
                 continue  # req itself was preempted; `i` already points at the next one
+            if enc is not None:
+                encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
             num_scheduled[req.request_id] = n
             budget -= n
             if req.lora_id is not None:
@@ -209,10 +232,20 @@ class TokenBudgetScheduler(Scheduler):
                 n = min(n, budget)
                 if cfg.long_prefill_token_threshold:
                     n = min(n, cfg.long_prefill_token_threshold)
+                enc = None
+                if req.mm_features:
+                    # Cut the chunk before an image the encoder cannot take this step.
+                    enc = self._try_schedule_encoder_inputs(req, num_hit, n, encoder_budget)
+                    n = enc[2]
+                    if n <= 0:
+                        self._release_encoder_hits(req, enc[1])
+                        break
                 new_blocks = kv.allocate_slots(req, n, lookahead,
                                                new_computed_blocks=computed_blocks,
                                                num_new_computed_tokens=num_hit)
                 if new_blocks is None:
+                    if enc is not None:
+                        self._release_encoder_hits(req, enc[1])
                     if not self.running and not num_scheduled:
                         # Nothing runs that could free blocks: this request can never fit.
                         self.waiting.pop()
@@ -223,6 +256,8 @@ class TokenBudgetScheduler(Scheduler):
                 self._lora_skips.pop(req.request_id, None)
                 if req.lora_id is not None:
                     loras.add(req.lora_id)
+                if enc is not None:
+                    encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
                 req.set_status(RequestStatus.RUNNING)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
@@ -241,6 +276,7 @@ class TokenBudgetScheduler(Scheduler):
                     num_computed_tokens=num_hit,
                     eos_token_id=req.eos_token_id,
                     lora_id=req.lora_id,
+                    mm_features=req.mm_features,
                 ))
 
         for req in reversed(skipped):  # back in their places, ahead of what came after
@@ -266,6 +302,8 @@ class TokenBudgetScheduler(Scheduler):
             scheduled_spec_tokens=spec_tokens,
             structured_output_request_ids=so_ids,
             grammar_bitmask=bitmask,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
         )
         self._finished_req_ids = set()
         return out
@@ -274,6 +312,67 @@ class TokenBudgetScheduler(Scheduler):
         """Whether ``req`` may join a step whose requests so far use the adapters ``loras``."""
         return (self.max_loras is None or req.lora_id is None or req.lora_id in loras
                 or len(loras) < self.max_loras)
+    # -- multimodal encoder inputs --------------------------------------------------------------
+    def _try_schedule_encoder_inputs(self, req: Request, num_computed: int, n: int,
+                                     encoder_budget: int) -> tuple[list[int], list[int], int]:
+        """(images to encode, cached images now referenced, tokens to schedule) for computing
+        tokens ``[num_computed, num_computed + n)`` (vLLM's rule): an image whose placeholders
+        this range touches must be encoded this step or be cached; one that fits neither the
+        encoder budget nor the cache ends the range before its first placeholder, so an image's
+        encoder run is never split or repeated across steps."""
+        to_encode: list[int] = []
+        hits: list[int] = []
+        planned: set[str] = set()
+        planned_tokens = 0
+        cache = self.encoder_cache
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= num_computed + n:
+                break
+            if f.offset + f.length <= num_computed:
+                continue  # its KV is already computed
+            if f.identifier in planned:
+                continue  # the same image earlier in this prompt: encoded once
+            if cache.check_and_update_cache(req, i):
+                hits.append(i)
+                continue
+            if not cache.can_allocate(req, i, encoder_budget - planned_tokens, planned_tokens):
+                n = f.offset - num_computed
+                break
+            to_encode.append(i)
+            planned.add(f.identifier)
+            planned_tokens += f.length
+        return to_encode, hits, n
+
+    def _release_encoder_hits(self, req: Request, hits: list[int]) -> None:
+        for i in hits:
+            self.encoder_cache.free_encoder_input(req, i)
+
+    def _commit_encoder_inputs(self, req: Request, enc: tuple[list[int], list[int], int],
+                               encoder_inputs: dict[str, list[int]]) -> int:
+        """Record the images ``req`` encodes this step; their tokens (of the step's budget)."""
+        to_encode, hits, _ = enc
+        cache = self.encoder_cache
+        # A repeated image in the prompt references the entry its first occurrence makes.
+        by_hash = {}
+        for i, f in enumerate(req.mm_features):
+            by_hash.setdefault(f.identifier, []).append(i)
+        used = 0
+        for i in to_encode:
+            cache.allocate(req, i)
+            used += req.mm_features[i].length
+            for j in by_hash[req.mm_features[i].identifier]:
+                if j > i:
+                    cache.check_and_update_cache(req, j)
+        if to_encode:
+            encoder_inputs[req.request_id] = to_encode
+        return used
+
+    def _free_encoder_inputs(self, req: Request) -> None:
+        """Unreference the images whose placeholders are all computed now."""
+        for i, f in enumerate(req.mm_features):
+            if f.offset + f.length <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req, i)
+
     # -- structured output ---------------------------------------------------------------------
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready join the waiting queue; failed ones end."""
@@ -332,6 +431,7 @@ class TokenBudgetScheduler(Scheduler):
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []
         self.kv.free(req)
+        self.encoder_cache.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -351,6 +451,8 @@ class TokenBudgetScheduler(Scheduler):
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            if req.mm_features:
+                self._free_encoder_inputs(req)
             i = index.get(req_id)
             new_tokens = sampled[i] if i is not None else []
             if not new_tokens:
@@ -423,6 +525,8 @@ class TokenBudgetScheduler(Scheduler):
         req.set_status(status)
         req.times.finished = self.clock()
         self.kv.free(req)
+        if req.mm_features:
+            self.encoder_cache.free(req)
         self._finished_req_ids.add(req.request_id)
         self._lora_skips.pop(req.request_id, None)
         del self.requests[req.request_id]
@@ -465,6 +569,7 @@ class TokenBudgetScheduler(Scheduler):
             running_lora_adapters=_count_loras(self.running) if self.max_loras else {},
             waiting_lora_adapters=_count_loras(self.waiting) if self.max_loras else {},
             step_spec_decode=self._step_spec_stats.snapshot(),
+            encoder_cache=self.encoder_cache.snapshot(),
         )
 
 

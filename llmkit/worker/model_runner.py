@@ -81,6 +81,11 @@ class ModelRunner:
         self.step_graphs: StepGraphs | None = None
         # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
         self.lora_manager: LoRAManager | None = None
+        # Multimodal: encoder outputs by image content hash (what the scheduler's
+        # EncoderCacheManager accounts for), and each running request's images.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self._mm_features: dict[str, list] = {}
+        self.num_encoder_runs = 0  # images encoded since start-up
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -143,14 +148,20 @@ class ModelRunner:
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
+        for h in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(h, None)
         for rid in so.finished_req_ids:
             b.remove_request(rid)
+            self._mm_features.pop(rid, None)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
+            self._mm_features.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
+            if new.mm_features:
+                self._mm_features[new.req_id] = new.mm_features
             sp = new.sampling_params
             gen = None
             if sp.seed is not None:
@@ -260,7 +271,10 @@ class ModelRunner:
             self.lora_manager.end_step()
 
     def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
-        hidden = self._forward(inputs)
+        if so.scheduled_encoder_inputs:
+            self._execute_mm_encoder(so)
+        inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
+        hidden = self._forward(inputs, inputs_embeds)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
@@ -311,12 +325,60 @@ class ModelRunner:
             start += n
         return q
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    # -- multimodal -------------------------------------------------------------------------
+    def _execute_mm_encoder(self, so: SchedulerOutput) -> None:
+        """Encode the step's scheduled images (batched by pixel shape) into the encoder cache."""
+        by_shape: dict[tuple[int, ...], list] = {}
+        for rid, input_ids in so.scheduled_encoder_inputs.items():
+            features = self._mm_features[rid]
+            for i in input_ids:
+                f = features[i]
+                if f.identifier not in self.encoder_cache:
+                    by_shape.setdefault(tuple(f.shape), {})[f.identifier] = f
+        for group in by_shape.values():
+            pixels = torch.cat([f.pixel_tensor() for f in group.values()]).to(self.device)
+            embeds = self.model.embed_multimodal(pixels)
+            for f, e in zip(group.values(), embeds):
+                if e.shape[0] != f.length:
+                    raise RuntimeError(f"image {f.identifier}: the encoder gave {e.shape[0]} "
+                                       f"embeddings for {f.length} placeholder tokens")
+                self.encoder_cache[f.identifier] = e
+            self.num_encoder_runs += len(group)
+
+    def _gather_mm_embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's ``inputs_embeds``: token embeddings with each scheduled image
+        placeholder's row replaced by its slice of the image's (cached) encoder output; None
+        when the step computes no image token. A chunk may start or end inside an image."""
+        rows_idx: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        for i, rid in enumerate(inputs.req_ids):
+            features = self._mm_features.get(rid)
+            if not features:
+                continue
+            start, n = int(inputs.computed[i]), int(inputs.num_scheduled[i])
+            qs = int(inputs.query_starts[i])
+            for f in features:
+                lo, hi = max(start, f.offset), min(start + n, f.offset + f.length)
+                if lo >= hi:
+                    continue
+                parts.append(self.encoder_cache[f.identifier][lo - f.offset:hi - f.offset])
+                rows_idx.append(torch.arange(qs + lo - start, qs + hi - start))
+        if not parts:
+            return None
+        embeds = self.model.embed_input_ids(inputs.input_ids.to(self.device))
+        embeds[torch.cat(rows_idx).to(self.device)] = torch.cat(parts).to(embeds.dtype)
+        return embeds
+
+    def _forward(self, inputs: StepInputs,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The model's hidden states: through a step graph for a decode-only step it covers,
         else eagerly."""
         md = inputs.attn_metadata
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
+        if inputs_embeds is not None:
+            return self.model(None, positions, self.kv_caches,
+                              self.attn_backend.build_metadata(md), inputs_embeds)
         if (graphs is not None and graphs.covers(md.num_actual_tokens)
                 and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows

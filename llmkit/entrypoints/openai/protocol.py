@@ -240,10 +240,21 @@ class ChatMessage(_Request):
     def _parts(cls, v):
         if isinstance(v, list):
             for i, part in enumerate(v):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                if kind == "image_url":
+                    spec = part.get("image_url")
+                    if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+                        raise ValueError(f"content part {i}: an image_url part is "
+                                         "{'type': 'image_url', 'image_url': {'url': ...}}")
+                elif kind != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"content part {i}: only {{'type': 'text', 'text': ...}} "
-                                     "parts are supported")
+                                     "and {'type': 'image_url', ...} parts are supported")
         return v
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") == "image_url"
+                                                      for p in self.content)
 
     def text(self) -> str:
         if self.content is None:

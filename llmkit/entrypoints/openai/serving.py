@@ -11,6 +11,7 @@ Usage counts the prompt tokens once per prompt and every generated token of ever
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloaded
 from llmkit.entrypoints.openai.errors import (OpenAIError, bad_request, engine_dead, overloaded,
                                               param_of)
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
-from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatMessage,
                                                 ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatResponseMessage, ChatStreamChoice,
                                                 CompletionChoice, CompletionRequest,
@@ -47,6 +48,8 @@ from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, n
 from llmkit.entrypoints.openai.tools import (ToolUse, template_messages, template_supports_tools,
                                              tool_use)
 from llmkit.lora.base import LoRARequest
+from llmkit.multimodal.content_parts import split_image_parts
+from llmkit.multimodal.image import ImageError, load_image_url
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
@@ -300,6 +303,38 @@ class OpenAIServing:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
 
+    async def chat_images(self, req: ChatCompletionRequest
+                          ) -> tuple[ChatCompletionRequest, list]:
+        """The request with each image content part replaced by the model's placeholder, and
+        the images (decoded here: a bad one is a 400 before the engine sees anything)."""
+        if not any(m.has_images for m in req.messages):
+            return req, []
+        mm = self.engine.multimodal_processor
+        if mm is None:
+            raise bad_request("this model takes no images; send text content parts only",
+                              "messages")
+        cfg = self.engine.config
+        limit = cfg.multimodal.limit("image")
+        n = sum(1 for m in req.messages if m.has_images for p in m.content
+                if p.get("type") == "image_url")
+        if n > limit:
+            raise bad_request(f"the conversation has {n} images, more than "
+                              f"multimodal.limit_mm_per_prompt.image={limit}", "messages")
+
+        def load(url: str):
+            return load_image_url(url, max_bytes=cfg.multimodal.max_image_bytes,
+                                  allowed_domains=cfg.server.allowed_media_domains)
+
+        try:
+            # In a thread: decoding (and fetching from an allowed host) must not stall the
+            # event loop that streams other requests.
+            messages, images = await asyncio.to_thread(
+                split_image_parts, [m.model_dump(exclude_none=True) for m in req.messages],
+                mm.image_token, load)
+        except ImageError as e:
+            raise bad_request(str(e), "messages") from None
+        return req.model_copy(update={"messages": [ChatMessage(**m) for m in messages]}), images
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         self._warn_extra(req)
         lora = self.check_model(req.model)
@@ -309,20 +344,29 @@ class OpenAIServing:
         use = tool_use(req, self.tool_parser)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
+        req, images = await self.chat_images(req)
         ids = self.chat_prompt(req, use)
+        num_prompt_tokens = len(ids)
+        prompt: list[int] | dict = ids
+        if images:
+            # Each placeholder becomes the image's tokens: they count as prompt tokens.
+            num_prompt_tokens += len(images) * (
+                self.engine.multimodal_processor.num_image_tokens - 1)
+            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         max_tokens = req.max_output_tokens
-        self._check_length(len(ids), max_tokens, "messages")
+        self._check_length(num_prompt_tokens, max_tokens, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                       structured_outputs=structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await self._start(request_id, [ids], [None], params, req.n, req.priority,
+        streams = await self._start(request_id, [prompt], [None], params, req.n, req.priority,
                                     req.stream, req.cache_salt, lora)
         model = self.response_model(lora)
         if req.stream:
             return EngineStreamingResponse(
-                self._chat_events(req, request_id, created, streams, len(ids), k, use, model),
+                self._chat_events(req, request_id, created, streams, num_prompt_tokens, k, use,
+                                  model),
                 on_close=lambda: abort_all(streams))
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
