@@ -26,8 +26,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the front ends (LLM, AsyncLLM), the core loop and its process
     ("engine", {"engine"}),
     # what the core assembles: who runs when, where KV lives, who computes, and how
-    ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
-                 "platforms", "structured_output"}),
+    ("runtime", {"scheduler", "kv_cache", "kv_transfer", "worker", "executor", "spec_decode",
+                 "compilation", "platforms", "structured_output"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
     ("model", {"models", "attention", "sampling", "linear", "ops", "request"}),
     # kernels (C++, Triton) with their torch references

@@ -129,6 +129,38 @@ class StructuredOutputConfig(_Component):
     cache_size: int = Field(default=256, ge=1)
 
 
+class KVTransferConfig(_Component):
+    """Group ``kv_transfer``: a KV connector hands a request's KV between engines
+    (``llmkit/kv_transfer``). ``none`` = off."""
+
+    name: str = "none"
+    # vLLM's roles: a producer prefills and holds the KV until a consumer has loaded it; a
+    # consumer loads KV that a producer computed; kv_both does either, per request.
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    # This engine's name among its peers (null = one made from the process id and time).
+    engine_id: str | None = None
+    # shared_memory: the folder (on a memory file system) where producers expose their KV pool.
+    shm_dir: str = "/dev/shm/llmkit-kv"
+    # A producer frees a finished request's blocks after this long if no consumer took them.
+    transfer_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class KVOffloadConfig(_Strict):
+    """Group ``kv_offload``: tiers below the KV pool (``llmkit/kv_transfer/offload.py``).
+
+    Blocks evicted from the pool are kept in host memory (``host_gib``) and/or files in
+    ``disk_path`` (``disk_gib``), keyed by their block hashes, and loaded on a prefix miss
+    instead of being recomputed. Off while ``host_gib`` is 0 and ``disk_path`` is null."""
+
+    host_gib: float = Field(default=0.0, ge=0)
+    disk_path: str | None = None
+    disk_gib: float = Field(default=4.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or self.disk_path is not None
+
+
 class ExecutorConfig(_Component):
     name: str = "uniproc"
 
@@ -412,6 +444,8 @@ class EngineConfig(_Strict):
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)

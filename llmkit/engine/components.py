@@ -42,6 +42,9 @@ def validate_components(config: EngineConfig) -> None:
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)
+    from llmkit.kv_transfer import kv_connector_class
+
+    kv_connector_class(config)  # a connector that cannot work fails here, naming the key
 
 
 def _check_linear_method(config: EngineConfig) -> None:

@@ -3,12 +3,16 @@ or nowhere at all (a simulator). The engine core talks to them through this inte
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from llmkit.config.schema import EngineConfig
 from llmkit.facts import BackendInfo, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.scheduler.base import SchedulerOutput
+
+if TYPE_CHECKING:
+    from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 
 
 class Executor(ABC):
@@ -34,6 +38,15 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def kv_layout(self, fingerprint: str) -> "KVLayout":
+        """The KV pool's layout (for KV connectors); before ``initialize_kv_cache``."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector seam")
+
+    def init_kv_connector(self, cls: "type[KVConnectorBase]", layout: "KVLayout") -> None:
+        """Build the worker side of KV connector ``cls`` beside each worker's runner (before
+        ``initialize_kv_cache``: a connector may own the pool's memory)."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector seam")
 
     def shutdown(self) -> None:
         """Release workers and their memory."""

@@ -6,6 +6,7 @@ import torch
 from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
@@ -90,8 +91,16 @@ class UniprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    def kv_layout(self, fingerprint: str) -> KVLayout:
+        return self.runner.kv_layout(fingerprint)
+
+    def init_kv_connector(self, cls: type[KVConnectorBase], layout: KVLayout) -> None:
+        self.runner.kv_connector = cls(self.config, KVConnectorRole.WORKER, layout)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -62,6 +62,8 @@ class SchedulerOutput:
     # (1 + K rows for a request verifying K draft tokens). None when no request is constrained.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # KV connector (llmkit/kv_transfer): this step's loads and saves for its worker side.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -128,7 +130,9 @@ class Scheduler(ABC):
     """What the engine core drives: add, schedule, update, abort.
 
     The engine core builds a scheduler as ``cls(config, kv_cache_manager, max_model_len=...,
-    eos_token_id=..., clock=..., structured_output_manager=...)``; a scheduler that admits
+    eos_token_id=..., clock=..., structured_output_manager=...)``, plus ``kv_connector=...``
+    when a KV connector is configured (``llmkit/kv_transfer``: the scheduler then follows its
+    protocol: external matches, WAITING_FOR_REMOTE_KVS, delayed frees); a scheduler that admits
     requests with ``sampling_params.structured_outputs`` holds them until the manager's
     grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
     """

@@ -21,6 +21,8 @@ from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 if TYPE_CHECKING:
+    from llmkit.kv_transfer.base import KVConnectorBase
+    from llmkit.outputs import KVConnectorOutput
     from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class TokenBudgetScheduler(Scheduler):
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         structured_output_manager: StructuredOutputManager | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -57,6 +60,15 @@ class TokenBudgetScheduler(Scheduler):
         # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
+        # KV connector (llmkit/kv_transfer): requests whose KV loads (WAITING_FOR_REMOTE_KVS)
+        # with the number of tokens it brings; those whose load finished, waiting to run;
+        # finished requests whose blocks stay held for a receiver; aborted requests whose
+        # blocks are freed once their load ends (the worker may still be writing them).
+        self.kv_connector = kv_connector
+        self._waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        self._kv_loaded: set[str] = set()
+        self._sending: dict[str, Request] = {}
+        self._free_after_recv: dict[str, Request] = {}
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,8 +109,16 @@ class TokenBudgetScheduler(Scheduler):
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 self._waiting_for_fsm.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The worker may still write its blocks: they are freed when the load ends.
+                del self._waiting_for_remote[rid]
+                self._free_after_recv[rid] = req
+                self._finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=False)
+                outs.append(self._output(req, []))
+                continue
             else:
                 self.waiting.remove(req)
+                self._kv_loaded.discard(rid)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             outs.append(self._output(req, []))
         return outs
@@ -162,34 +182,56 @@ class TokenBudgetScheduler(Scheduler):
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
-                if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+                # Its KV was loaded by the connector: it holds its blocks already.
+                loaded = bool(self._kv_loaded) and req.request_id in self._kv_loaded
+                lookup = not loaded and (req.sampling_params.prompt_logprobs is None
+                                         or req.num_output_tokens)
+                if lookup:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
                 else:
                     # Cached positions have no logits: a request that still owes its prompt
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
                     # cached for other requests by allocate_slots.
                     computed_blocks, num_hit = [], 0
-                n = req.num_tokens - num_hit
-                if n > budget and not cfg.enable_chunked_prefill:
+                num_ext, load_async = 0, False
+                if lookup and self.kv_connector is not None:
+                    num_ext, load_async = self.kv_connector.get_num_new_matched_tokens(
+                        req, num_hit)
+                n = req.num_tokens - (req.num_computed_tokens if loaded else num_hit + num_ext)
+                if load_async:
+                    n = 0  # nothing runs until the KV is here
+                elif n > budget and not cfg.enable_chunked_prefill:
                     break
                 n = min(n, budget)
                 if cfg.long_prefill_token_threshold:
                     n = min(n, cfg.long_prefill_token_threshold)
-                new_blocks = kv.allocate_slots(req, n, lookahead,
+                new_blocks = kv.allocate_slots(req, n + num_ext, lookahead,
                                                new_computed_blocks=computed_blocks,
-                                               num_new_computed_tokens=num_hit)
+                                               num_new_computed_tokens=num_hit,
+                                               delay_cache_blocks=load_async)
                 if new_blocks is None:
-                    if not self.running and not num_scheduled:
+                    if not self.running and not num_scheduled and not self._waiting_for_remote:
                         # Nothing runs that could free blocks: this request can never fit.
                         self.waiting.pop()
                         self._refuse(req)
                         continue
                     break
                 self.waiting.pop()
+                if lookup and self.kv_connector is not None:
+                    self.kv_connector.update_state_after_alloc(
+                        req, kv.get_block_ids(req.request_id), num_ext)
+                if load_async:
+                    req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
+                    req.num_computed_tokens = num_hit
+                    self._waiting_for_remote[req.request_id] = (req, num_ext)
+                    continue
                 req.set_status(RequestStatus.RUNNING)
-                req.num_computed_tokens = num_hit
+                if loaded:
+                    self._kv_loaded.discard(req.request_id)
+                else:
+                    req.num_computed_tokens = num_hit + num_ext
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
+                    req.num_cached_tokens = req.num_computed_tokens
                 if req.times.first_scheduled is None:
                     req.times.first_scheduled = self.clock()
                 self.running.append(req)
@@ -201,7 +243,7 @@ class TokenBudgetScheduler(Scheduler):
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params,
                     block_ids=kv.get_block_ids(req.request_id),
-                    num_computed_tokens=num_hit,
+                    num_computed_tokens=req.num_computed_tokens,
                     eos_token_id=req.eos_token_id,
                 ))
 
@@ -225,6 +267,8 @@ class TokenBudgetScheduler(Scheduler):
             scheduled_spec_tokens=spec_tokens,
             structured_output_request_ids=so_ids,
             grammar_bitmask=bitmask,
+            kv_connector_metadata=(None if self.kv_connector is None
+                                   else self.kv_connector.build_connector_meta()),
         )
         self._finished_req_ids = set()
         return out
@@ -297,6 +341,9 @@ class TokenBudgetScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        kv_out = model_runner_output.kv_connector_output
+        if kv_out is not None and self.kv_connector is not None:
+            self._update_from_kv_connector_output(kv_out)
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -355,6 +402,37 @@ class TokenBudgetScheduler(Scheduler):
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return outputs
 
+    def _update_from_kv_connector_output(self, out: KVConnectorOutput) -> None:
+        """Finished transfers: loaded requests may run (or recompute, if the load failed);
+        a receiver has a producer's blocks, which are freed now."""
+        self.kv_connector.update_connector_output(out)
+        failed = set(out.failed_recving)
+        for rid in out.finished_recving:
+            aborted = self._free_after_recv.pop(rid, None)
+            if aborted is not None:
+                self.kv.free(aborted)
+                continue
+            entry = self._waiting_for_remote.pop(rid, None)
+            if entry is None:
+                continue
+            req, num_ext = entry
+            req.set_status(RequestStatus.WAITING)
+            if rid in failed:
+                # Recompute: its blocks go back and it is admitted anew (the connector does
+                # not match it again).
+                logger.warning("request %r: its KV could not be loaded; recomputing it", rid)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            else:
+                req.num_computed_tokens += num_ext
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+                self._kv_loaded.add(rid)
+            self.waiting.add_preempted(req)  # ahead of newer work: it holds blocks
+        for rid in out.finished_sending:
+            req = self._sending.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Apply stop conditions after ``tok`` was appended; finish the request if one holds."""
         sp = req.sampling_params
@@ -372,26 +450,39 @@ class TokenBudgetScheduler(Scheduler):
             return True
         return False
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         req.set_status(status)
         req.times.finished = self.clock()
-        self.kv.free(req)
+        conn = self.kv_connector
+        if conn is not None:
+            delay, req.kv_transfer_params = conn.request_finished(
+                req, self.kv.get_block_ids(req.request_id))
+            if delay and free_blocks:
+                # A receiver loads them: they are freed when the worker says it is done.
+                self._sending[req.request_id] = req
+                free_blocks = False
+        if free_blocks:
+            self.kv.free(req)
         self._finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
 
-    @staticmethod
-    def _output(req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+    def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_transfer_params=(req.kv_transfer_params if self.kv_connector is not None
+                                and req.is_finished else None),
         )
 
     # -- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        # Held blocks of finished requests keep the engine stepping: their transfers end in a
+        # step's connector output.
+        return (bool(self.requests) or bool(self._pending_outputs) or bool(self._sending)
+                or bool(self._free_after_recv))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -406,7 +497,8 @@ class TokenBudgetScheduler(Scheduler):
         pc = self.kv.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self._waiting_for_fsm),
+            num_waiting=(len(self.waiting) + len(self._waiting_for_fsm)
+                         + len(self._waiting_for_remote)),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=pc.queries,
