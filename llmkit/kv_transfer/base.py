@@ -174,8 +174,8 @@ class KVConnectorBase(ABC):
         return None
 
     # -- worker side ---------------------------------------------------------------------
-    def allocate_kv_caches(self, shape: tuple[int, ...], dtype: torch.dtype,
-                           num_layers: int) -> list[torch.Tensor] | None:
+    def allocate_kv_caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int,
+                           device: torch.device | None = None) -> list[torch.Tensor] | None:
         """The pool's tensors, if this connector must own their memory (a shared-memory
         producer does); None = the runner allocates them."""
         return None

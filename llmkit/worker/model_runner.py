@@ -105,7 +105,7 @@ class ModelRunner:
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads,
                                                  m.head_dim)
         conn = self.kv_connector
-        owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers) \
+        owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
             if conn is not None else None
         self.kv_caches = owned if owned is not None else [
             _zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
