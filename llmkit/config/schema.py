@@ -321,6 +321,19 @@ class BenchConfig(_Strict):
         return self
 
 
+class ProxyConfig(_Strict):
+    """``llmkit proxy``: an OpenAI-compatible front for disaggregated serving
+    (``llmkit/entrypoints/proxy.py``). Each request is prefilled on one of ``prefill_urls``
+    (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode": true}``) and decoded on one
+    of ``decode_urls`` with the producer's ``kv_transfer_params``; both round-robin."""
+
+    prefill_urls: list[str] = Field(default_factory=list)
+    decode_urls: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
 class SloConfig(_Strict):
     """Service-level objectives for goodput (ms; null = no objective on that metric). A
     request counts toward goodput only if it succeeded and meets every objective that is set."""
@@ -493,6 +506,12 @@ class BenchToolConfig(ToolConfig):
     slo: SloConfig = Field(default_factory=SloConfig)
 
 
+class ProxyToolConfig(ToolConfig):
+    """``llmkit proxy``: the proxy's section (the engine's is composed but unused)."""
+
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+
+
 class EvalToolConfig(ToolConfig):
     """``llmkit eval ppl``: the engine that scores the text and the evaluation's settings."""
 
@@ -519,6 +538,8 @@ class ComposedConfig(EngineConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
     # `llmkit eval ppl`
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    # `llmkit proxy`
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (already validated: no second validation)."""
