@@ -114,6 +114,13 @@ def test_completions_through_the_proxy_equal_colocated(env):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
     assert wait_for(lambda: _kv_usage(prefill) == 0.0 and _kv_usage(decode) == 0.0, 10.0), \
         "blocks still held after the requests ended"
+    m = decode.metrics()
+    remote = [v for k, v in m.items() if "kv_connector_hit_tokens" in k and 'tier="remote"' in k]
+    assert remote and remote[0] >= 2 * sum(
+        len(offline.generate([p], _greedy(), use_tqdm=False)[0].prompt_token_ids) - 1
+        for p in PROMPTS)
+    assert m["llmkit:kv_connector_loaded_blocks_total"] > 0
+    assert m["llmkit:kv_connector_failed_loads_total"] == 0
 
 
 def test_chat_through_the_proxy_equal_colocated(env):

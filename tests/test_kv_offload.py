@@ -67,6 +67,7 @@ def test_host_tier_serves_an_evicted_prefix(model, reference):
     # the pool's own hit and the host tier's together cover every full block but the last
     assert pool_hits + host_hits == (len(a) - 1) // BLOCK * BLOCK
     assert "disk" not in conn.stats.hits_per_tier
+    assert llm.engine.stats().kv_connector.hits_per_tier == {"host": host_hits}
     _assert_no_leak(llm)
     llm.shutdown()
 

@@ -159,3 +159,47 @@ def test_config_errors_name_the_key(model, tmp_path):
     with pytest.raises(ConfigError, match="kv_transfer.kv_role"):
         LLM(str(model), dtype="float32", kv_transfer={"name": "shared_memory",
                                                       "kv_role": "sender"})
+
+
+# --------------------------------------------------------------------------- zmq
+
+def _zmq_engine(model_dir, role: str, engine_id: str, port: int, **kv_transfer) -> LLM:
+    return LLM(str(model_dir), dtype="float32", attention="torch",
+               kv_cache={"num_blocks": 64, "block_size": BLOCK},
+               kv_transfer={"name": "zmq", "kv_role": role, "engine_id": engine_id,
+                            "side_channel_port": port, **kv_transfer})
+
+
+def test_zmq_disaggregated_equals_colocated_and_falls_back(model, colocated):
+    from process_helpers import free_port
+
+    port = free_port()
+    prod = _zmq_engine(model, "kv_producer", "zprefill", port, transfer_timeout_s=2.0)
+    cons = _zmq_engine(model, "kv_consumer", "zdecode", 0, connect_timeout_s=1.0)
+    try:
+        prompts = _prompts()
+        handles = [o.kv_transfer_params for o in prod.generate(
+            prompts, _params(1, {"do_remote_decode": True}), use_tqdm=False)]
+        assert all(h["remote_address"] == f"tcp://127.0.0.1:{port}" for h in handles)
+        # the held blocks reach the producer's worker (its server) with its next step; a
+        # server steps on its own, an offline engine when asked
+        prod.engine.step()
+        # the first one points at a port nobody listens on: recomputed after the timeout
+        dead = dict(handles[0], remote_address=f"tcp://127.0.0.1:{free_port()}")
+        outs = cons.generate(prompts, [_params(8, dead), _params(8, handles[1]),
+                                       _params(8, handles[2])], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == colocated
+        stats = cons.engine.kv_connector.stats
+        assert stats.failed_loads == 1
+        assert stats.loaded_blocks == sum(-(-(len(p) - 1) // BLOCK) for p in prompts[1:])
+        _drain(prod)  # two read and released at once, the unclaimed one after the timeout
+        _assert_no_leak(prod)
+        _assert_no_leak(cons)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+def test_zmq_producer_needs_a_port(model):
+    with pytest.raises(ConfigError, match="kv_transfer.side_channel_port"):
+        _zmq_engine(model, "kv_producer", "p", 0)

@@ -143,6 +143,11 @@ class KVTransferConfig(_Component):
     shm_dir: str = "/dev/shm/llmkit-kv"
     # A producer frees a finished request's blocks after this long if no consumer took them.
     transfer_timeout_s: float = Field(default=60.0, gt=0)
+    # zmq: where a producer serves its blocks (a producer needs a port; the address travels
+    # to consumers in kv_transfer_params) and how long a consumer waits for a reply.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = Field(default=0, ge=0, le=65535)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class KVOffloadConfig(_Strict):

@@ -16,6 +16,7 @@ KV_CONNECTORS: Registry[KVConnectorBase] = Registry("kv_transfer")
 KV_CONNECTORS.register_lazy("offload", "llmkit.kv_transfer.offload.OffloadingConnector")
 KV_CONNECTORS.register_lazy("shared_memory",
                             "llmkit.kv_transfer.shared_memory.SharedMemoryConnector")
+KV_CONNECTORS.register_lazy("zmq", "llmkit.kv_transfer.zmq.ZmqConnector")
 
 
 def kv_connector_class(config: EngineConfig) -> type[KVConnectorBase] | None:

@@ -110,6 +110,11 @@ class KVConnectorStats:
     def hit(self, tier: str, num_tokens: int) -> None:
         self.hits_per_tier[tier] = self.hits_per_tier.get(tier, 0) + num_tokens
 
+    def snapshot(self) -> "KVConnectorStats":
+        return KVConnectorStats(self.queries, dict(self.hits_per_tier), self.loaded_blocks,
+                                self.loaded_bytes, self.saved_blocks, self.saved_bytes,
+                                self.load_s, self.failed_loads)
+
 
 class KVConnectorBase(ABC):
     """A KV connector; see the module docstring for the protocol.

@@ -59,7 +59,7 @@ def transfer_key(request_id: str) -> str:
 @dataclass(slots=True)
 class LoadSpec:
     request_id: str
-    remote_dir: str
+    remote: str  # where the producer is: its folder (shared_memory) or address (zmq)
     remote_request_id: str
     remote_block_ids: list[int]
     local_block_ids: list[int]
@@ -69,7 +69,7 @@ class LoadSpec:
 class SharedMemoryMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     # consumer: transfers it will not read (everything was local): the producer may free
-    releases: list[tuple[str, str]] = field(default_factory=list)  # remote dir, remote req id
+    releases: list[tuple[str, str]] = field(default_factory=list)  # remote, remote req id
     # producer: finished requests whose blocks are held for a consumer
     sending: list[str] = field(default_factory=list)
 
@@ -79,6 +79,8 @@ class SharedMemoryMetadata(KVConnectorMetadata):
 
 class SharedMemoryConnector(KVConnectorBase):
     name = "shared_memory"
+    #: Markers and the pool live in files under ``shm_dir`` (not so for the zmq subclass).
+    uses_files = True
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, layout: KVLayout) -> None:
         super().__init__(config, role, layout)
@@ -99,7 +101,7 @@ class SharedMemoryConnector(KVConnectorBase):
         self._pool: ThreadPoolExecutor | None = None
         self._remote_pools: dict[str, list[torch.Tensor]] = {}
         self._out = KVConnectorOutput()
-        if role is KVConnectorRole.SCHEDULER and self.is_producer:
+        if role is KVConnectorRole.SCHEDULER and self.is_producer and self.uses_files:
             for sub in ("held", "done"):  # markers of an earlier run with this id are stale
                 shutil.rmtree(self.dir / sub, ignore_errors=True)
                 (self.dir / sub).mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,7 @@ class SharedMemoryConnector(KVConnectorBase):
             return
         request.kv_transfer_params = None  # used once: a failed load recomputes
         hit = self._matched.pop(request.request_id, 0)
-        remote_dir = str(p.get("remote_dir", ""))
+        remote_dir = self._remote_of(p)
         remote_id = str(p.get("remote_request_id", ""))
         if not num_external_tokens:
             self._pending.releases.append((remote_dir, remote_id))
@@ -135,6 +137,10 @@ class SharedMemoryConnector(KVConnectorBase):
         self._pending.loads.append(LoadSpec(request.request_id, remote_dir, remote_id,
                                             remote[first:end], block_ids[first:end]))
         self.stats.hit("remote", num_external_tokens)
+
+    @staticmethod
+    def _remote_of(params: dict[str, Any]) -> str:
+        return str(params.get("remote_dir", ""))
 
     def build_connector_meta(self) -> SharedMemoryMetadata | None:
         meta, self._pending = self._pending, SharedMemoryMetadata()
@@ -192,12 +198,16 @@ class SharedMemoryConnector(KVConnectorBase):
         now = time.monotonic()
         for rid in meta.sending:
             self._held[rid] = now + self.timeout_s
-        for remote_dir, remote_id in meta.releases:
-            _mark_done(Path(remote_dir), remote_id)
+        for remote, remote_id in meta.releases:
+            self._release(remote, remote_id)
         for spec in meta.loads:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmkit-kv-load")
             self._loads[spec.request_id] = self._pool.submit(self._load, spec)
+
+    def _release(self, remote: str, remote_request_id: str) -> None:
+        """Tell the producer its blocks are not needed (nothing was read)."""
+        _mark_done(Path(remote), remote_request_id)
 
     def _remote_caches(self, remote_dir: Path) -> list[torch.Tensor]:
         """The producer's pool, mapped read-only, after checking it holds KV of this model in
@@ -233,7 +243,7 @@ class SharedMemoryConnector(KVConnectorBase):
     def _load(self, spec: LoadSpec) -> tuple[bool, int, float]:
         """Copy the remote blocks in (the worker thread); ``(ok, blocks, seconds)``."""
         t0 = time.perf_counter()
-        remote_dir = Path(spec.remote_dir)
+        remote_dir = Path(spec.remote)
         held = remote_dir / "held" / transfer_key(spec.remote_request_id)
         try:
             if len(spec.remote_block_ids) != len(spec.local_block_ids):

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from llmkit.kv_transfer.base import KVConnectorStats
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
@@ -124,6 +125,8 @@ class SchedulerStats:
     step_num_scheduled_tokens: int = 0
     step_num_preemptions: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # KV connector counters (llmkit/kv_transfer), when one is configured.
+    kv_connector: KVConnectorStats | None = None
 
 
 class Scheduler(ABC):

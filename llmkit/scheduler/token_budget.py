@@ -506,4 +506,6 @@ class TokenBudgetScheduler(Scheduler):
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
             spec_decode=self._spec_stats.snapshot(),
+            kv_connector=(self.kv_connector.stats.snapshot() if self.kv_connector is not None
+                          else None),
         )
