@@ -116,7 +116,8 @@ def test_completions_through_the_proxy_equal_colocated(env):
         "blocks still held after the requests ended"
     m = decode.metrics()
     remote = [v for k, v in m.items() if "kv_connector_hit_tokens" in k and 'tier="remote"' in k]
-    assert remote and remote[0] >= 2 * sum(
+    # at least every prompt's first transfer (a second one finds most blocks cached locally)
+    assert remote and remote[0] >= sum(
         len(offline.generate([p], _greedy(), use_tqdm=False)[0].prompt_token_ids) - 1
         for p in PROMPTS)
     assert m["llmkit:kv_connector_loaded_blocks_total"] > 0

@@ -249,6 +249,7 @@ class EngineCore:
     def request_states(self) -> list[RequestState]:
         """Every request the engine holds, running first then in arrival order."""
         names = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_FSM: "waiting",
+                 RequestStatus.WAITING_FOR_REMOTE_KVS: "waiting",
                  RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
         kv = self.kv_cache_manager
         reqs = sorted(self.scheduler.unfinished_requests(),

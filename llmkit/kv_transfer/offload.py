@@ -177,7 +177,9 @@ class OffloadingConnector(KVConnectorBase):
     # -- worker side ---------------------------------------------------------------------
     def _read_block(self, block_id: int) -> torch.Tensor:
         d = self.layout.block_dim
-        return torch.stack([kv.select(d, block_id) for kv in self.kv_caches]).clone()
+        # host memory whatever the device: the tiers are below the device's pool
+        return torch.stack([kv.select(d, block_id) for kv in self.kv_caches]).to(
+            "cpu", copy=True)
 
     def start_load_kv(self) -> None:
         meta = self._metadata

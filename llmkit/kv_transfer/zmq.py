@@ -125,7 +125,8 @@ class ZmqConnector(SharedMemoryConnector):
             ids = torch.tensor(msg["block_ids"], dtype=torch.long)
             d = self.layout.block_dim
             frames = [_enc.encode({"ok": True})]
-            frames += [kv.index_select(d, ids).contiguous().view(torch.uint8).numpy().tobytes()
+            frames += [kv.index_select(d, ids.to(kv.device)).cpu().contiguous().view(torch.uint8)
+                       .numpy().tobytes()
                        for kv in self.kv_caches]
         else:
             frames = [_enc.encode({"ok": True})]
@@ -187,7 +188,7 @@ class ZmqConnector(SharedMemoryConnector):
                 shape = list(kv.shape)
                 shape[d] = len(dst)
                 block = torch.frombuffer(bytearray(frame), dtype=kv.dtype).view(shape)
-                kv.index_copy_(d, dst, block)
+                kv.index_copy_(d, dst.to(kv.device), block.to(kv.device))
             return True, len(dst), time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any failure means: recompute
             logger.warning("kv_transfer: loading request %r from %s failed (%s); it is "
