@@ -10,9 +10,13 @@ kind are taken in turn (round robin).
 What the proxy cannot split goes to a decode engine whole: requests with ``n > 1`` or a list
 of prompts. If the prefill engine fails (unreachable, 5xx), the decode engine computes the
 prompt itself; a 4xx from it is the caller's error and is returned as is.
+
+Balancing: each request goes to the engine of its kind with the fewest requests in flight
+through this proxy (ties in turn).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from typing import Any
@@ -42,6 +46,26 @@ def _splittable(path: str, body: dict[str, Any]) -> bool:
     return True
 
 
+class EnginePool:
+    """Engines of one kind; ``pick()`` the one with the fewest requests in flight."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.in_flight = {u: 0 for u in self.urls}
+        self._turn = itertools.count()
+
+    def pick(self) -> str:
+        start = next(self._turn)
+        n = len(self.urls)
+        order = [self.urls[(start + i) % n] for i in range(n)]
+        url = min(order, key=self.in_flight.__getitem__)
+        self.in_flight[url] += 1
+        return url
+
+    def done(self, url: str) -> None:
+        self.in_flight[url] -= 1
+
+
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in body.items()
            if k not in ("stream", "stream_options", "max_completion_tokens")}
@@ -57,15 +81,16 @@ def build_proxy_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | N
     if not cfg.prefill_urls:
         raise ConfigError("proxy.prefill_urls", cfg.prefill_urls,
                           "a list of at least one prefill server URL (http://host:port)")
-    prefill = itertools.cycle([u.rstrip("/") for u in cfg.prefill_urls])
-    decode = itertools.cycle([u.rstrip("/") for u in cfg.decode_urls])
+    prefill = EnginePool(cfg.prefill_urls)
+    decode = EnginePool(cfg.decode_urls)
     client = httpx.AsyncClient(timeout=cfg.request_timeout_s, transport=transport)
-    app = FastAPI(title="llmkit proxy")
-    app.state.client = client
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
         await client.aclose()
+
+    app = FastAPI(title="llmkit proxy", lifespan=lifespan)
+    app.state.client = client
 
     async def forward(request: Request, path: str) -> Response:
         try:
@@ -77,12 +102,15 @@ def build_proxy_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | N
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_HEADERS}
         decode_body = body
         if isinstance(body, dict) and _splittable(path, body):
-            url = next(prefill) + path
+            engine = prefill.pick()
+            url = engine + path
             try:
                 r = await client.post(url, json=_prefill_body(body), headers=headers)
             except httpx.HTTPError as e:
                 logger.warning("proxy: prefill at %s failed (%s); decoding without it", url, e)
                 r = None
+            finally:
+                prefill.done(engine)
             if r is not None and 400 <= r.status_code < 500:
                 return Response(r.content, status_code=r.status_code,
                                 media_type=r.headers.get("content-type"))
@@ -93,12 +121,23 @@ def build_proxy_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | N
                                r.status_code)
             if params:
                 decode_body = {**body, "kv_transfer_params": params}
-        req = client.build_request("POST", next(decode) + path, json=decode_body,
-                                   headers=headers)
-        resp = await client.send(req, stream=True)
-        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code,
+        engine = decode.pick()
+        req = client.build_request("POST", engine + path, json=decode_body, headers=headers)
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            decode.done(engine)
+            return JSONResponse({"error": {"message": f"the decode engine is unreachable: {e}",
+                                           "type": "ServiceUnavailableError", "param": None,
+                                           "code": 503}}, status_code=503)
+
+        async def finish() -> None:
+            await resp.aclose()
+            decode.done(engine)
+
+        return StreamingResponse(resp.aiter_bytes(), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type"),
-                                 background=BackgroundTask(resp.aclose))
+                                 background=BackgroundTask(finish))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -110,7 +149,7 @@ def build_proxy_app(cfg: ProxyConfig, *, transport: httpx.AsyncBaseTransport | N
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        r = await client.get(next(decode) + "/v1/models", headers={
+        r = await client.get(decode.urls[0] + "/v1/models", headers={
             k: v for k, v in request.headers.items() if k.lower() in _PASS_HEADERS})
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type"))
