@@ -153,9 +153,6 @@ def test_a_consumer_aborted_while_loading_leaks_nothing(pair, colocated):
 def test_config_errors_name_the_key(model, tmp_path):
     with pytest.raises(ConfigError, match="kv_transfer.name"):
         LLM(str(model), dtype="float32", kv_transfer={"name": "nixl"})
-    with pytest.raises(ConfigError, match="kv_transfer.name.*not supported yet"):
-        LLM(str(model), dtype="float32", kv_transfer={"name": "shared_memory"},
-            kv_offload={"host_gib": 1.0})
     with pytest.raises(ConfigError, match="kv_transfer.kv_role"):
         LLM(str(model), dtype="float32", kv_transfer={"name": "shared_memory",
                                                       "kv_role": "sender"})
@@ -203,3 +200,33 @@ def test_zmq_disaggregated_equals_colocated_and_falls_back(model, colocated):
 def test_zmq_producer_needs_a_port(model):
     with pytest.raises(ConfigError, match="kv_transfer.side_channel_port"):
         _zmq_engine(model, "kv_producer", "p", 0)
+
+
+def test_a_consumer_with_offload_tiers_loads_remote_kv_and_offloads(model, tmp_path,
+                                                                   colocated):
+    """kv_transfer and kv_offload together: a MultiConnector of both."""
+    prod = _engine(model, tmp_path, "kv_producer", "prefill-m", transfer_timeout_s=2.0)
+    cons = LLM(str(model), dtype="float32", attention="torch",
+               kv_cache={"num_blocks": 24, "block_size": BLOCK},
+               kv_transfer={"name": "shared_memory", "kv_role": "kv_consumer",
+                            "engine_id": "decode-m", "shm_dir": str(tmp_path)},
+               kv_offload={"host_gib": 0.01})
+    try:
+        prompts = _prompts()
+        handles = [o.kv_transfer_params for o in prod.generate(
+            prompts, _params(1, {"do_remote_decode": True}), use_tqdm=False)]
+        outs = cons.generate(prompts, [_params(8, h) for h in handles], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == colocated
+        # again without a producer: what the small pool evicted comes from the host tier
+        again = [o.outputs[0].token_ids for o in cons.generate(prompts, _params(8),
+                                                               use_tqdm=False)]
+        assert again == colocated
+        stats = cons.engine.stats().kv_connector
+        assert stats.hits_per_tier["remote"] == sum(len(p) - 1 for p in prompts)
+        assert stats.hits_per_tier.get("host", 0) > 0 and stats.saved_blocks > 0
+        _drain(prod)
+        for llm in (prod, cons):
+            _assert_no_leak(llm)
+    finally:
+        prod.shutdown()
+        cons.shutdown()

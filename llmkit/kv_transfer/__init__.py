@@ -6,6 +6,9 @@ come in by the ``llmkit.kv_transfer`` entry point or ``kv_transfer._target_``.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorOutput,
@@ -19,9 +22,10 @@ KV_CONNECTORS.register_lazy("shared_memory",
 KV_CONNECTORS.register_lazy("zmq", "llmkit.kv_transfer.zmq.ZmqConnector")
 
 
-def kv_connector_class(config: EngineConfig) -> type[KVConnectorBase] | None:
-    """The connector the config asks for, or None; ConfigError naming the key when the
-    combination cannot work."""
+def kv_connector_class(config: EngineConfig) -> Callable[..., KVConnectorBase] | None:
+    """What builds the connector the config asks for (``f(config, role, layout)``), or None;
+    ConfigError naming the key when the combination cannot work. A transfer connector with
+    offload tiers is a ``MultiConnector`` of both."""
     kt, ko = config.kv_transfer, config.kv_offload
     transfer = kt.target is not None or kt.name != "none"
     if ko.enabled and not config.kv_cache.enable_prefix_caching:
@@ -29,28 +33,28 @@ def kv_connector_class(config: EngineConfig) -> type[KVConnectorBase] | None:
                           ko.host_gib or ko.disk_path, "", message=(
                               "the offload tiers are keyed by block hashes, so they need "
                               "kv_cache.enable_prefix_caching=true; it is false"))
-    if ko.enabled and transfer:
-        raise ConfigError("kv_transfer.name", kt.target or kt.name, "", message=(
-            "a kv_transfer connector together with kv_offload tiers is not supported yet; "
-            "use one of them (kv_transfer=none, or kv_offload.host_gib=0 and "
-            "kv_offload.disk_path=null)"))
     if config.executor.name not in ("uniproc",) and (transfer or ko.enabled):
         raise ConfigError("executor.name", config.executor.name, "uniproc", message=(
             f"executor {config.executor.name!r} has no KV connector seam; kv_transfer and "
             "kv_offload need executor=uniproc"))
-    if ko.enabled:
-        return KV_CONNECTORS.get("offload")
+    offload = KV_CONNECTORS.get("offload") if ko.enabled else None
     if not transfer:
-        return None
+        return offload
     if kt.target is None and kt.name not in KV_CONNECTORS:
         raise ConfigError("kv_transfer.name", kt.name,
                           ", ".join(["none", *sorted(n for n in KV_CONNECTORS.names()
                                                      if n != "offload")]))
     try:
-        return KV_CONNECTORS.resolve(None if kt.target else kt.name, kt.target)
+        cls = KV_CONNECTORS.resolve(None if kt.target else kt.name, kt.target)
     except ImportError as e:
         raise ConfigError("kv_transfer._target_", kt.target,
                           f"an importable class path ({e})") from None
+    if offload is None:
+        return cls
+    from llmkit.kv_transfer.multi import MultiConnector
+
+    # The transfer first: a consumer's remote KV covers the whole prompt.
+    return functools.partial(MultiConnector, classes=[cls, offload])
 
 
 __all__ = ["KV_CONNECTORS", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorOutput",
