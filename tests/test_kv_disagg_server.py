@@ -5,7 +5,6 @@ prompt's KV (its usage reports it as cached); a failed transfer recomputes; no e
 blocks once the requests are done."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
