@@ -37,6 +37,31 @@ class LogprobsLists(msgspec.Struct, array_like=True):
         return out
 
 
+class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the worker side of a KV connector reports after a step (``llmkit/kv_transfer``).
+
+    - ``finished_sending``: requests whose held blocks the receiver has (or gave up on): the
+      scheduler may free them now;
+    - ``finished_recving``: requests whose KV finished loading (asynchronously), with or
+      without success; those in ``failed_recving`` too failed and are recomputed;
+    - the counters are this step's transfers, for metrics.
+    """
+
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    failed_recving: list[str] = []
+    num_loaded_blocks: int = 0
+    num_saved_blocks: int = 0
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
+    load_s: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.num_loaded_blocks
+                    or self.num_saved_blocks)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step's result. ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: the tokens the
     request gained (one, or with draft tokens its accepted drafts plus one); it is empty for a
@@ -53,6 +78,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, LogprobsLists] = {}
     # Speculative decoding: draft tokens proposed for the next step, per request.
     draft_token_ids: dict[str, list[int]] = {}
+    # KV connector (llmkit/kv_transfer): finished transfers and this step's counters.
+    kv_connector_output: KVConnectorOutput | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -71,6 +98,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # logprobs once (requests with ``prompt_logprobs``).
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    # Disaggregated serving: what a producer hands back so that a consumer can load the
+    # request's KV (``llmkit/kv_transfer``); set on the finishing output only.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,3 +138,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+    # Disaggregated serving: a producer's transfer handle (see ``EngineCoreOutput``).
+    kv_transfer_params: dict | None = None

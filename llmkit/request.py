@@ -21,10 +21,13 @@ class RequestStatus(enum.IntEnum):
     # The engine could not serve it (its grammar failed to compile); the message is the
     # output's ``stop_reason``.
     FINISHED_ERROR = 8
+    # Disaggregated serving: its blocks are allocated and its KV is being loaded from another
+    # engine (``llmkit/kv_transfer``); it is not scheduled until the blocks are local.
+    WAITING_FOR_REMOTE_KVS = 9
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
@@ -44,8 +47,9 @@ _S = RequestStatus
 _FINISHED = {_S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED,
              _S.FINISHED_ERROR}
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    _S.WAITING: frozenset({_S.WAITING_FOR_FSM, _S.RUNNING, _S.FINISHED_ABORTED,
-                           _S.FINISHED_IGNORED}),
+    _S.WAITING: frozenset({_S.WAITING_FOR_FSM, _S.WAITING_FOR_REMOTE_KVS, _S.RUNNING,
+                           _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}),
+    _S.WAITING_FOR_REMOTE_KVS: frozenset({_S.WAITING, _S.FINISHED_ABORTED}),
     _S.WAITING_FOR_FSM: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.RUNNING: frozenset({_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED,
                            _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
@@ -83,7 +87,7 @@ class Request:
         "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "times", "block_hashes", "max_tokens", "arrival_index", "spec_token_ids",
-        "structured_output_request",
+        "structured_output_request", "kv_transfer_params",
     )
 
     def __init__(
@@ -132,6 +136,10 @@ class Request:
         # Its grammar and matcher (llmkit.structured_output), set by the scheduler's
         # structured-output manager when ``sampling_params.structured_outputs`` is given.
         self.structured_output_request: Any = None
+        # Disaggregated serving: what the caller passed (``extra_args["kv_transfer_params"]``);
+        # the KV connector reads it, and replaces it with what it hands back at the finish.
+        extra = self.sampling_params.extra_args
+        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params") if extra else None
 
     # -- state machine -------------------------------------------------------------------
     def set_status(self, new: RequestStatus) -> None:

@@ -27,8 +27,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("engine", {"engine"}),
     # what the core assembles: who runs when, where KV lives, who computes, and how (lora:
     # the runner's adapters and the LoRA methods it wraps the model's linear methods in)
-    ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
-                 "platforms", "structured_output", "lora"}),
+    ("runtime", {"scheduler", "kv_cache", "kv_transfer", "worker", "executor", "spec_decode",
+                 "compilation", "platforms", "structured_output", "lora"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
     ("model", {"models", "attention", "sampling", "linear", "ops", "request", "multimodal"}),
     # kernels (C++, Triton) with their torch references

@@ -134,6 +134,43 @@ class StructuredOutputConfig(_Component):
     cache_size: int = Field(default=256, ge=1)
 
 
+class KVTransferConfig(_Component):
+    """Group ``kv_transfer``: a KV connector hands a request's KV between engines
+    (``llmkit/kv_transfer``). ``none`` = off."""
+
+    name: str = "none"
+    # vLLM's roles: a producer prefills and holds the KV until a consumer has loaded it; a
+    # consumer loads KV that a producer computed; kv_both does either, per request.
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    # This engine's name among its peers (null = one made from the process id and time).
+    engine_id: str | None = None
+    # shared_memory: the folder (on a memory file system) where producers expose their KV pool.
+    shm_dir: str = "/dev/shm/llmkit-kv"
+    # A producer frees a finished request's blocks after this long if no consumer took them.
+    transfer_timeout_s: float = Field(default=60.0, gt=0)
+    # zmq: where a producer serves its blocks (a producer needs a port; the address travels
+    # to consumers in kv_transfer_params) and how long a consumer waits for a reply.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = Field(default=0, ge=0, le=65535)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+
+class KVOffloadConfig(_Strict):
+    """Group ``kv_offload``: tiers below the KV pool (``llmkit/kv_transfer/offload.py``).
+
+    Blocks evicted from the pool are kept in host memory (``host_gib``) and/or files in
+    ``disk_path`` (``disk_gib``), keyed by their block hashes, and loaded on a prefix miss
+    instead of being recomputed. Off while ``host_gib`` is 0 and ``disk_path`` is null."""
+
+    host_gib: float = Field(default=0.0, ge=0)
+    disk_path: str | None = None
+    disk_gib: float = Field(default=4.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or self.disk_path is not None
+
+
 class ExecutorConfig(_Component):
     name: str = "uniproc"
 
@@ -448,6 +485,19 @@ class BenchConfig(_Strict):
         return self
 
 
+class ProxyConfig(_Strict):
+    """``llmkit proxy``: an OpenAI-compatible front for disaggregated serving
+    (``llmkit/entrypoints/proxy.py``). Each request is prefilled on one of ``prefill_urls``
+    (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode": true}``) and decoded on one
+    of ``decode_urls`` with the producer's ``kv_transfer_params``; both round-robin."""
+
+    prefill_urls: list[str] = Field(default_factory=list)
+    decode_urls: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
 class SloConfig(_Strict):
     """Service-level objectives for goodput (ms; null = no objective on that metric). A
     request counts toward goodput only if it succeeded and meets every objective that is set."""
@@ -571,6 +621,8 @@ class EngineConfig(_Strict):
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)
@@ -626,6 +678,12 @@ class BenchToolConfig(ToolConfig):
     slo: SloConfig = Field(default_factory=SloConfig)
 
 
+class ProxyToolConfig(ToolConfig):
+    """``llmkit proxy``: the proxy's section (the engine's is composed but unused)."""
+
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+
+
 class EvalToolConfig(ToolConfig):
     """``llmkit eval ppl``: the engine that scores the text and the evaluation's settings."""
 
@@ -652,6 +710,8 @@ class ComposedConfig(EngineConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
     # `llmkit eval ppl`
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    # `llmkit proxy`
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (already validated: no second validation)."""

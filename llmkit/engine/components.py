@@ -49,7 +49,35 @@ def validate_components(config: EngineConfig) -> None:
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)
+    from llmkit.kv_transfer import kv_connector_class
+
+    kv_connector_class(config)  # a connector that cannot work fails here, naming the key
     _check_speculative(config)
+    _check_kv_connector_combinations(config)
+
+
+def _check_kv_connector_combinations(config: EngineConfig) -> None:
+    """Combinations whose KV a connector would get wrong are refused, not served."""
+    kt, ko = config.kv_transfer, config.kv_offload
+    connector = kt.target is not None or kt.name != "none" or ko.enabled
+    if not connector:
+        return
+    key = "kv_offload.host_gib" if ko.enabled and ko.host_gib else (
+        "kv_offload.disk_path" if ko.enabled else "kv_transfer.name")
+    value = ko.host_gib if key == "kv_offload.host_gib" else (
+        ko.disk_path if key == "kv_offload.disk_path" else kt.target or kt.name)
+    if config.speculative.enabled and config.speculative.name == "eagle":
+        # EAGLE recomputes the last cached block (its hidden states are not in the KV); the
+        # blocks a connector loads would need the same rule, which it does not apply.
+        raise ConfigError(key, value, "", message=(
+            "KV connectors do not work with speculative=eagle yet; use speculative=ngram, "
+            "speculative=draft_model or speculative=none"))
+    if config.lora.enabled and ko.enabled and ko.disk_path:
+        # Block hashes carry the adapter's lora_int_id, which names another adapter after a
+        # restart: a disk tier would serve one adapter's KV to another.
+        raise ConfigError("kv_offload.disk_path", ko.disk_path, "", message=(
+            "the disk tier outlives the engine but adapter ids do not; with lora.enabled=true "
+            "use the host tier only (kv_offload.disk_path=null)"))
 
 
 def _check_speculative(config: EngineConfig) -> None:

@@ -14,10 +14,13 @@ from llmkit.engine.step_trace import StepTrace
 from llmkit.executor import EXECUTORS, BackendInfo, Executor, ModelFacts
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.lora.base import LoRARequest
+from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
+from llmkit.kv_transfer.fingerprint import kv_fingerprint
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.platforms import resolve_platform
 from llmkit.request import Request, RequestStatus
-from llmkit.scheduler import SCHEDULERS, Scheduler, SchedulerOutput, SchedulerStats
+from llmkit.scheduler import (SCHEDULERS, CachedRequestData, Scheduler, SchedulerOutput,
+                              SchedulerStats)
 from llmkit.startup import startup_step
 from llmkit.structured_output.manager import StructuredOutputManager
 
@@ -40,6 +43,14 @@ class EngineCore:
         self.max_model_len = facts.max_model_len
         self.eos_token_id = facts.eos_token_id
         self.num_blocks = self._num_kv_blocks()
+        # KV connector (kv_transfer / kv_offload): its worker side first, since it may own
+        # the pool's memory.
+        self.kv_connector: KVConnectorBase | None = None
+        conn_cls = kv_connector_class(config)
+        if conn_cls is not None:
+            layout = self._kv_layout(executor_kwargs.get("model_source"))
+            executor.init_kv_connector(conn_cls, layout)
+            self.kv_connector = conn_cls(config, KVConnectorRole.SCHEDULER, layout)
         with startup_step("allocating the KV cache"):
             executor.initialize_kv_cache(self.num_blocks)
         kv_cfg = config.kv_cache
@@ -65,6 +76,12 @@ class EngineCore:
             self._check_lora_support(executor, sched_cls)
             sched_kwargs.update(max_loras=config.lora.max_loras,
                                 max_lora_skips=config.lora.max_skipped_steps)
+        if self.kv_connector is not None:
+            self.kv_connector.bind_block_hasher(self.kv_cache_manager.ensure_block_hashes)
+            pool = getattr(self.kv_cache_manager, "block_pool", None)
+            if pool is not None:
+                pool.eviction_listener = self.kv_connector.on_blocks_evicted
+            sched_kwargs["kv_connector"] = self.kv_connector
         self.scheduler: Scheduler = sched_cls(
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, clock=clock,
@@ -132,6 +149,19 @@ class EngineCore:
                 f"scheduler {sched_cls.__name__} cannot limit the adapters of a step (its "
                 "constructor takes no max_loras); use scheduler=token_budget or "
                 "lora.enabled=false"))
+    def _kv_layout(self, model_source=None) -> KVLayout:
+        """The pool's layout and the fingerprint of the KV this engine computes: its model's
+        weights and config, dtype, block size and block shape."""
+        if model_source is None:
+            from llmkit.models.loader import resolve_model_source
+            model_source = resolve_model_source(self.config.model)
+        layout = self.executor.kv_layout("")
+        fp = kv_fingerprint(model_source.path, dtype=layout.dtype, block_size=layout.block_size,
+                            block_shape=layout.block_shape, block_dim=layout.block_dim,
+                            num_layers=layout.num_layers,
+                            linear_method=self.config.model.linear_method)
+        return KVLayout(layout.num_layers, layout.block_shape, layout.block_dim, layout.dtype,
+                        layout.block_size, fp)
 
     def _pinned_prefix_ids(self) -> list[list[int]]:
         """``kv_cache.pinned_prefixes`` as token ids (text is tokenized as prompts are)."""
@@ -275,6 +305,11 @@ class EngineCore:
         return self._update(scheduler_output, runner_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.is_empty and self.kv_connector is not None:
+            # Nothing to compute, but transfers to start or to poll; do not spin flat out.
+            if scheduler_output.kv_connector_metadata is None:
+                time.sleep(0.001)
+            return self.executor.execute_model(scheduler_output)
         if scheduler_output.is_empty:
             # Still tell the runner about finished/preempted requests so it drops them.
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
@@ -320,6 +355,7 @@ class EngineCore:
     def request_states(self) -> list[RequestState]:
         """Every request the engine holds, running first then in arrival order."""
         names = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_FSM: "waiting",
+                 RequestStatus.WAITING_FOR_REMOTE_KVS: "waiting",
                  RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
         kv = self.kv_cache_manager
         reqs = sorted(self.scheduler.unfinished_requests(),
@@ -341,7 +377,25 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def _flush_kv_connector(self) -> None:
+        """Hand the connector the pool's cached blocks one last time (a disk tier keeps
+        them for the next engine) and run that work on the worker."""
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        if pool is None or self.kv_connector is None:
+            return
+        cached = [(b.block_id, h) for h, b in pool.cached_block_hash_to_block.items()]
+        meta = self.kv_connector.shutdown_meta(cached)
+        if meta is not None:
+            self.executor.execute_model(SchedulerOutput(
+                scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                finished_req_ids=set(), preempted_req_ids=set(), kv_connector_metadata=meta))
+
     def shutdown(self) -> None:
+        try:
+            self._flush_kv_connector()
+        except Exception:  # a failed flush loses only cached KV: never block the shutdown
+            logger.exception("kv connector: flushing the KV cache at shutdown failed")
         try:
             for observer in self._observers:
                 close = getattr(observer, "close", None)
@@ -350,3 +404,5 @@ class EngineCore:
         finally:
             self.structured_output_manager.shutdown()
             self.executor.shutdown()
+            if self.kv_connector is not None:
+                self.kv_connector.shutdown()

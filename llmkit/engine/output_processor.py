@@ -92,6 +92,8 @@ class OutputProcessor:
             parent = state.parent
             if out.num_cached_tokens and state.index == 0:
                 parent.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             finished = state.finish_reason is not None
             if finished:
                 del self.states[out.request_id]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from llmkit.config.errors import ConfigError
 
-COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "eval")
+COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "eval", "proxy")
 BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
 SIM_SUBCOMMANDS = ("calibrate",)
 EVAL_SUBCOMMANDS = ("ppl",)
@@ -37,6 +37,7 @@ commands:
   sim        simulate bench serve on modelled hardware: sim [MODEL] hardware=NAME;
              sim calibrate measures this CPU (hardware=cpu-local)
   eval       eval ppl [MODEL] eval.text_file=PATH: perplexity over a text file (JSON)
+  proxy      disaggregated serving's front: proxy proxy.prefill_urls=[..] proxy.decode_urls=[..]
 
 MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
              model folder or a .gguf file
@@ -57,6 +58,7 @@ examples:
   llmkit bench throughput ./my-model baseline=hf
   llmkit sim llama-2-7b hardware=h100-sxm bench.rate=8 bench.num_requests=2000 slo.ttft_ms=500
   llmkit eval ppl eval.text_file=book.txt eval.window=512 eval.mode=llamacpp
+  llmkit proxy proxy.prefill_urls=[http://127.0.0.1:8001] proxy.decode_urls=[http://127.0.0.1:8002]
 """
 
 
@@ -301,6 +303,16 @@ def _cmd_eval(args: CliArgs) -> int:
     return int(run_eval_ppl(cfg) or 0)
 
 
+def _cmd_proxy(args: CliArgs) -> int:
+    _no_multirun(args)
+    from llmkit.config.schema import ProxyToolConfig
+
+    cfg = load_config(args, tool=ProxyToolConfig)
+    from llmkit.entrypoints.proxy import run_proxy
+
+    return int(run_proxy(cfg.proxy) or 0)
+
+
 def _not_implemented(args: CliArgs) -> int:
     print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
     return EXIT_USAGE
@@ -314,6 +326,7 @@ HANDLERS = {
     "bench": _cmd_bench,
     "sim": _cmd_sim,
     "eval": _cmd_eval,
+    "proxy": _cmd_proxy,
 }
 
 

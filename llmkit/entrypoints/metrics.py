@@ -132,6 +132,27 @@ class _EngineStatsCollector:
         for pos, n in enumerate(spec.accepted_per_position if spec else ()):
             per_pos.add_metric([m.model_name, str(pos)], n)
         yield per_pos
+        kc = s.kv_connector if s else None
+        if kc is not None:  # only with kv_transfer / kv_offload (definitions in the README)
+            yield counter("llmkit:kv_connector_loaded_blocks",
+                          "KV blocks written into the pool from outside it.", kc.loaded_blocks)
+            yield counter("llmkit:kv_connector_loaded_bytes",
+                          "Bytes of those blocks.", kc.loaded_bytes)
+            yield counter("llmkit:kv_connector_load_seconds",
+                          "Worker time spent loading them.", kc.load_s)
+            yield counter("llmkit:kv_connector_saved_blocks",
+                          "KV blocks copied out of the pool (offloaded).", kc.saved_blocks)
+            yield counter("llmkit:kv_connector_saved_bytes",
+                          "Bytes of those blocks.", kc.saved_bytes)
+            yield counter("llmkit:kv_connector_failed_loads",
+                          "Requests whose KV load failed and that were recomputed.",
+                          kc.failed_loads)
+            hits = CounterMetricFamily("llmkit:kv_connector_hit_tokens",
+                                       "Tokens loaded instead of computed, per tier "
+                                       "(host, disk, remote).", labels=["model_name", "tier"])
+            for tier, n in sorted(kc.hits_per_tier.items()):
+                hits.add_metric([m.model_name, tier], n)
+            yield hits
         if m.max_loras is not None:
             yield from self._lora(s)
 

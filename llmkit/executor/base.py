@@ -3,12 +3,16 @@ or nowhere at all (a simulator). The engine core talks to them through this inte
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from llmkit.config.schema import EngineConfig
 from llmkit.facts import BackendInfo, ModelFacts
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.scheduler.base import SchedulerOutput
+
+if TYPE_CHECKING:
+    from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 
 
 class Executor(ABC):
@@ -47,6 +51,14 @@ class Executor(ABC):
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter (no request in flight uses it); False if it was not known."""
         raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+    def kv_layout(self, fingerprint: str) -> "KVLayout":
+        """The KV pool's layout (for KV connectors); before ``initialize_kv_cache``."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector seam")
+
+    def init_kv_connector(self, cls: "type[KVConnectorBase]", layout: "KVLayout") -> None:
+        """Build the worker side of KV connector ``cls`` beside each worker's runner (before
+        ``initialize_kv_cache``: a connector may own the pool's memory)."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector seam")
 
     def shutdown(self) -> None:
         """Release workers and their memory."""

@@ -8,6 +8,7 @@ import torch
 from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.config.errors import ConfigError
 from llmkit.lora.base import LoRARequest
@@ -145,6 +146,12 @@ class UniprocExecutor(Executor):
             proposer.length_policy = DraftLengthPolicy(spec.adaptive, ridge,
                                                        spec.disable_by_batch_size)
 
+    def kv_layout(self, fingerprint: str) -> KVLayout:
+        return self.runner.kv_layout(fingerprint)
+
+    def init_kv_connector(self, cls: type[KVConnectorBase], layout: KVLayout) -> None:
+        self.runner.kv_connector = cls(self.config, KVConnectorRole.WORKER, layout)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
@@ -162,3 +169,5 @@ class UniprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()

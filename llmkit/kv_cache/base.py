@@ -84,8 +84,21 @@ class KVCacheManagerBase(ABC):
         *,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Ensure slots for the request's next tokens; the newly allocated blocks, or None."""
+        """Ensure slots for the request's next tokens; the newly allocated blocks, or None.
+        ``delay_cache_blocks``: do not enter the new blocks in the prefix cache yet (their KV
+        loads asynchronously; ``cache_blocks`` enters them)."""
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's blocks covered by its first ``num_tokens`` tokens in the prefix
+        cache (after a delayed, asynchronous load). Needed by KV connectors."""
+        raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
+
+    def ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:
+        """The request's first ``n`` block hashes (computed as needed). Needed by KV
+        connectors."""
+        raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
 
     @abstractmethod
     def free(self, request: Request) -> None:

@@ -15,7 +15,7 @@ always reused before any cached block is evicted, whatever the policy.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 # KVCacheBlock and FreeBlockQueue are re-exported here, where they used to live.
 from llmkit.kv_cache.blocks import FreeBlockQueue, KVCacheBlock
@@ -54,6 +54,9 @@ class BlockPool:
         self.num_pinned_blocks = 0
         #: Cached blocks whose content was dropped to reuse them (cumulative).
         self.num_evictions = 0
+        #: Called with ``[(block_id, block_hash)]`` of the cached blocks about to be reused
+        #: (a KV connector keeps their content in an offload tier); None = nobody listens.
+        self.eviction_listener: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,6 +98,8 @@ class BlockPool:
         else:
             blocks = evicted = evictor.pop(n)
         table = self.cached_block_hash_to_block
+        if self.eviction_listener is not None and evicted:
+            self.eviction_listener([(b.block_id, b.block_hash) for b in evicted])
         if self._track_hits:
             for b in evicted:
                 del table[b.block_hash]

@@ -148,6 +148,28 @@ class KVCacheManager(KVCacheManagerBase):
             start += bs
         return hashes
 
+    def ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:
+        """The request's block hashes, extended to its first ``n`` full blocks (KV connectors
+        key what they keep by them)."""
+        return self._ensure_block_hashes(request, n)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks fully covered by its first ``num_tokens`` tokens in the
+        prefix cache: after an asynchronous load (``allocate_slots(...,
+        delay_cache_blocks=True)``) finished, when their KV is really there."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(rid, 0)
+        if num_full > num_cached:
+            hashes = self._ensure_block_hashes(request, num_full)
+            self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
+            self.num_cached_blocks[rid] = num_full
+
     # -- the scheduler's protocol ---------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of full blocks matching the request, and its token count.
@@ -231,6 +253,7 @@ class KVCacheManager(KVCacheManagerBase):
         *,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_computed_tokens + num_new_computed_tokens + num_new_tokens +
         num_lookahead_tokens`` tokens; return the newly allocated blocks, or None.
@@ -241,7 +264,9 @@ class KVCacheManager(KVCacheManagerBase):
         registered in the prefix cache. Lookahead slots (speculative tokens) are reserved but
         never cached: their tokens are not known yet. If the request was just looked up
         (``get_computed_blocks``), this admission enters the prefix-cache stats with
-        ``num_new_computed_tokens`` hit tokens.
+        ``num_new_computed_tokens`` hit tokens. ``delay_cache_blocks``: the new tokens' KV
+        arrives asynchronously (a KV connector's load), so their blocks enter the prefix cache
+        only at ``cache_blocks``, once it is there.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"request {request.request_id!r}: negative token count "
@@ -292,7 +317,9 @@ class KVCacheManager(KVCacheManagerBase):
         if new_blocks:
             req_blocks.extend(new_blocks)
 
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and delay_cache_blocks:
+            self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), num_hit_blocks)
+        elif self.enable_prefix_caching:
             num_known = num_computed + num_new_tokens
             if num_known > request.num_tokens:
                 num_known = request.num_tokens

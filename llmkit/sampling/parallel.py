@@ -54,6 +54,7 @@ class ParentRequest:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._prompt_logprobs_sent = False
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,4 +89,5 @@ class ParentRequest:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, outputs=outputs,
                              finished=self.finished, prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens,
+                             kv_transfer_params=self.kv_transfer_params)

@@ -113,6 +113,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # Free-form arguments for components (vLLM's name); ``extra_args["kv_transfer_params"]``
+    # carries disaggregated serving's hand-over (``llmkit/kv_transfer``).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

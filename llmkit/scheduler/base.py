@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
+from llmkit.kv_transfer.base import KVConnectorStats
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
@@ -73,6 +74,8 @@ class SchedulerOutput:
     # evicted (the runner drops their outputs).
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # KV connector (llmkit/kv_transfer): this step's loads and saves for its worker side.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -139,13 +142,17 @@ class SchedulerStats:
     # the same counters for the latest step alone
     step_spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
+    # KV connector counters (llmkit/kv_transfer), when one is configured.
+    kv_connector: KVConnectorStats | None = None
 
 
 class Scheduler(ABC):
     """What the engine core drives: add, schedule, update, abort.
 
     The engine core builds a scheduler as ``cls(config, kv_cache_manager, max_model_len=...,
-    eos_token_id=..., clock=..., structured_output_manager=...)``; a scheduler that admits
+    eos_token_id=..., clock=..., structured_output_manager=...)``, plus ``kv_connector=...``
+    when a KV connector is configured (``llmkit/kv_transfer``: the scheduler then follows its
+    protocol: external matches, WAITING_FOR_REMOTE_KVS, delayed frees); a scheduler that admits
     requests with ``sampling_params.structured_outputs`` holds them until the manager's
     grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
     """

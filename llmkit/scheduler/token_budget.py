@@ -22,6 +22,8 @@ from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 if TYPE_CHECKING:
+    from llmkit.kv_transfer.base import KVConnectorBase
+    from llmkit.outputs import KVConnectorOutput
     from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class TokenBudgetScheduler(Scheduler):
         max_lora_skips: int = 8,
         drop_last_cached_block: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
         # Multi-LoRA: at most this many distinct adapters in one step (None = no limit), and
@@ -71,6 +74,15 @@ class TokenBudgetScheduler(Scheduler):
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        # KV connector (llmkit/kv_transfer): requests whose KV loads (WAITING_FOR_REMOTE_KVS)
+        # with the number of tokens it brings; those whose load finished, waiting to run;
+        # finished requests whose blocks stay held for a receiver; aborted requests whose
+        # blocks are freed once their load ends (the worker may still be writing them).
+        self.kv_connector = kv_connector
+        self._waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        self._kv_loaded: set[str] = set()
+        self._sending: dict[str, Request] = {}
+        self._free_after_recv: dict[str, Request] = {}
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,8 +131,16 @@ class TokenBudgetScheduler(Scheduler):
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 self._waiting_for_fsm.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The worker may still write its blocks: they are freed when the load ends.
+                del self._waiting_for_remote[rid]
+                self._free_after_recv[rid] = req
+                self._finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=False)
+                outs.append(self._output(req, []))
+                continue
             else:
                 self.waiting.remove(req)
+                self._kv_loaded.discard(rid)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             outs.append(self._output(req, []))
         return outs
@@ -216,7 +236,11 @@ class TokenBudgetScheduler(Scheduler):
                     if skips >= self.max_lora_skips:
                         break
                     continue
-                if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+                # Its KV was loaded by the connector: it holds its blocks already.
+                loaded = bool(self._kv_loaded) and req.request_id in self._kv_loaded
+                lookup = not loaded and (req.sampling_params.prompt_logprobs is None
+                                         or req.num_output_tokens)
+                if lookup:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
                     if self.drop_last_cached_block and computed_blocks:
                         computed_blocks = computed_blocks[:-1]
@@ -226,42 +250,61 @@ class TokenBudgetScheduler(Scheduler):
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
                     # cached for other requests by allocate_slots.
                     computed_blocks, num_hit = [], 0
-                n = req.num_tokens - num_hit
-                if n > budget and not cfg.enable_chunked_prefill:
+                num_ext, load_async = 0, False
+                if lookup and self.kv_connector is not None:
+                    num_ext, load_async = self.kv_connector.get_num_new_matched_tokens(
+                        req, num_hit)
+                start = req.num_computed_tokens if loaded else num_hit + num_ext
+                n = req.num_tokens - start
+                if load_async:
+                    n = 0  # nothing runs until the KV is here
+                elif n > budget and not cfg.enable_chunked_prefill:
                     break
                 n = min(n, budget)
                 if cfg.long_prefill_token_threshold:
                     n = min(n, cfg.long_prefill_token_threshold)
                 enc = None
-                if req.mm_features:
+                if req.mm_features and not load_async:
                     # Cut the chunk before an image the encoder cannot take this step.
-                    enc = self._try_schedule_encoder_inputs(req, num_hit, n, encoder_budget)
+                    enc = self._try_schedule_encoder_inputs(req, start, n, encoder_budget)
                     n = enc[2]
                     if n <= 0:
                         self._release_encoder_hits(req, enc[1])
                         break
-                new_blocks = kv.allocate_slots(req, n, lookahead,
+                new_blocks = kv.allocate_slots(req, n + num_ext, lookahead,
                                                new_computed_blocks=computed_blocks,
-                                               num_new_computed_tokens=num_hit)
+                                               num_new_computed_tokens=num_hit,
+                                               delay_cache_blocks=load_async)
                 if new_blocks is None:
                     if enc is not None:
                         self._release_encoder_hits(req, enc[1])
-                    if not self.running and not num_scheduled:
+                    if not self.running and not num_scheduled and not self._waiting_for_remote:
                         # Nothing runs that could free blocks: this request can never fit.
                         self.waiting.pop()
                         self._refuse(req)
                         continue
                     break
                 self.waiting.pop()
+                if lookup and self.kv_connector is not None:
+                    self.kv_connector.update_state_after_alloc(
+                        req, kv.get_block_ids(req.request_id), num_ext)
+                if load_async:
+                    req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
+                    req.num_computed_tokens = num_hit
+                    self._waiting_for_remote[req.request_id] = (req, num_ext)
+                    continue
                 self._lora_skips.pop(req.request_id, None)
                 if req.lora_id is not None:
                     loras.add(req.lora_id)
                 if enc is not None:
                     encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
                 req.set_status(RequestStatus.RUNNING)
-                req.num_computed_tokens = num_hit
+                if loaded:
+                    self._kv_loaded.discard(req.request_id)
+                else:
+                    req.num_computed_tokens = num_hit + num_ext
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
+                    req.num_cached_tokens = req.num_computed_tokens
                 if req.times.first_scheduled is None:
                     req.times.first_scheduled = self.clock()
                 self.running.append(req)
@@ -273,7 +316,7 @@ class TokenBudgetScheduler(Scheduler):
                     num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params,
                     block_ids=kv.get_block_ids(req.request_id),
-                    num_computed_tokens=num_hit,
+                    num_computed_tokens=req.num_computed_tokens,
                     eos_token_id=req.eos_token_id,
                     lora_id=req.lora_id,
                     mm_features=req.mm_features,
@@ -304,6 +347,8 @@ class TokenBudgetScheduler(Scheduler):
             grammar_bitmask=bitmask,
             scheduled_encoder_inputs=encoder_inputs,
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
+            kv_connector_metadata=(None if self.kv_connector is None
+                                   else self.kv_connector.build_connector_meta()),
         )
         self._finished_req_ids = set()
         return out
@@ -443,6 +488,9 @@ class TokenBudgetScheduler(Scheduler):
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         self._step_spec_stats = SpecDecodeStats()
+        kv_out = model_runner_output.kv_connector_output
+        if kv_out is not None and self.kv_connector is not None:
+            self._update_from_kv_connector_output(kv_out)
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -504,6 +552,37 @@ class TokenBudgetScheduler(Scheduler):
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return outputs
 
+    def _update_from_kv_connector_output(self, out: KVConnectorOutput) -> None:
+        """Finished transfers: loaded requests may run (or recompute, if the load failed);
+        a receiver has a producer's blocks, which are freed now."""
+        self.kv_connector.update_connector_output(out)
+        failed = set(out.failed_recving)
+        for rid in out.finished_recving:
+            aborted = self._free_after_recv.pop(rid, None)
+            if aborted is not None:
+                self.kv.free(aborted)
+                continue
+            entry = self._waiting_for_remote.pop(rid, None)
+            if entry is None:
+                continue
+            req, num_ext = entry
+            req.set_status(RequestStatus.WAITING)
+            if rid in failed:
+                # Recompute: its blocks go back and it is admitted anew (the connector does
+                # not match it again).
+                logger.warning("request %r: its KV could not be loaded; recomputing it", rid)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            else:
+                req.num_computed_tokens += num_ext
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+                self._kv_loaded.add(rid)
+            self.waiting.add_preempted(req)  # ahead of newer work: it holds blocks
+        for rid in out.finished_sending:
+            req = self._sending.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Apply stop conditions after ``tok`` was appended; finish the request if one holds."""
         sp = req.sampling_params
@@ -521,29 +600,42 @@ class TokenBudgetScheduler(Scheduler):
             return True
         return False
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         req.set_status(status)
         req.times.finished = self.clock()
-        self.kv.free(req)
+        conn = self.kv_connector
+        if conn is not None:
+            delay, req.kv_transfer_params = conn.request_finished(
+                req, self.kv.get_block_ids(req.request_id))
+            if delay and free_blocks:
+                # A receiver loads them: they are freed when the worker says it is done.
+                self._sending[req.request_id] = req
+                free_blocks = False
+        if free_blocks:
+            self.kv.free(req)
         if req.mm_features:
             self.encoder_cache.free(req)
         self._finished_req_ids.add(req.request_id)
         self._lora_skips.pop(req.request_id, None)
         del self.requests[req.request_id]
 
-    @staticmethod
-    def _output(req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+    def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_transfer_params=(req.kv_transfer_params if self.kv_connector is not None
+                                and req.is_finished else None),
         )
 
     # -- introspection -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        # Held blocks of finished requests keep the engine stepping: their transfers end in a
+        # step's connector output.
+        return (bool(self.requests) or bool(self._pending_outputs) or bool(self._sending)
+                or bool(self._free_after_recv))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -558,7 +650,8 @@ class TokenBudgetScheduler(Scheduler):
         pc = self.kv.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self._waiting_for_fsm),
+            num_waiting=(len(self.waiting) + len(self._waiting_for_fsm)
+                         + len(self._waiting_for_remote)),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=pc.queries,
@@ -570,6 +663,8 @@ class TokenBudgetScheduler(Scheduler):
             waiting_lora_adapters=_count_loras(self.waiting) if self.max_loras else {},
             step_spec_decode=self._step_spec_stats.snapshot(),
             encoder_cache=self.encoder_cache.snapshot(),
+            kv_connector=(self.kv_connector.stats.snapshot() if self.kv_connector is not None
+                          else None),
         )
 
 

@@ -16,6 +16,7 @@ import torch
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
 from llmkit.lora.manager import LoRAManager
+from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -86,6 +87,9 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
         self.num_encoder_runs = 0  # images encoded since start-up
+        # KV connector, worker side (llmkit/kv_transfer): loads before and saves after the
+        # forward; it may own the pool's memory (a shared-memory producer).
+        self.kv_connector: KVConnectorBase | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -101,12 +105,28 @@ class ModelRunner:
     def _proposer_kv_layers(self) -> list[tuple[int, int]]:
         return self.proposer.kv_cache_layers() if self.proposer is not None else []
 
+    def kv_layout(self, fingerprint: str) -> KVLayout:
+        """The pool's layout, for KV connectors: the block axis found by comparing the shapes
+        of one and two blocks."""
+        m = self.model
+        one = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
+        two = self.attn_backend.kv_cache_shape(2, self.block_size, m.num_kv_heads, m.head_dim)
+        dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+        return KVLayout(num_layers=m.num_layers, block_shape=one[:dim] + one[dim + 1:],
+                        block_dim=dim, dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                        block_size=self.block_size, fingerprint=fingerprint)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads,
                                                  m.head_dim)
-        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device)
-                          for _ in range(m.num_layers)]
+        conn = self.kv_connector
+        owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
+            if conn is not None else None
+        self.kv_caches = owned if owned is not None else [
+            _zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
+        if conn is not None:
+            conn.register_kv_caches(self.kv_caches)
         self.attn_backend.warm_up(self.kv_caches[0], m.num_heads, self.kv_cache_dtype)
         draft_layers = self._proposer_kv_layers()
         if draft_layers:
@@ -255,8 +275,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        conn = self.kv_connector
+        if conn is not None:
+            self._load_kv(conn, so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=(
+                conn.get_finished(so.finished_req_ids) if conn is not None else None))
         inputs = self.prepare_inputs(so)
         if self.lora_manager is None:
             return self._execute(so, inputs)
@@ -271,10 +295,17 @@ class ModelRunner:
             self.lora_manager.end_step()
 
     def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
+        conn = self.kv_connector
         if so.scheduled_encoder_inputs:
             self._execute_mm_encoder(so)
         inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
         hidden = self._forward(inputs, inputs_embeds)
+        if conn is not None:
+            # The forward is one call (no per-layer hook yet): each layer is handed over once
+            # it is complete, i.e. after the forward.
+            for layer, kv in enumerate(self.kv_caches):
+                conn.save_kv_layer(layer, kv)
+            conn.wait_for_save()
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
@@ -305,7 +336,18 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_lps,
             draft_token_ids=drafts,
+            kv_connector_output=(conn.get_finished(so.finished_req_ids) if conn is not None
+                                 else None),
         )
+
+    def _load_kv(self, conn: KVConnectorBase, so: SchedulerOutput) -> None:
+        """This step's loads into the pool, before the forward reads it. The forward is one
+        call, so every layer is waited for before it starts (layer-by-layer overlap needs a
+        hook in the model's layer loop)."""
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        conn.start_load_kv()
+        for layer in range(len(self.kv_caches)):
+            conn.wait_for_layer_load(layer)
 
     def _draft_probs(self, layout: LogitsLayout, vocab_size: int) -> torch.Tensor | None:
         """q per logits row when the proposer drew its drafts from a distribution (one-hot rows

@@ -116,6 +116,10 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: disaggregated serving's hand-over between a prefill and a decode engine
+    # (``{"do_remote_decode": true}`` asks a producer to keep the KV; a producer's response
+    # carries what a consumer needs to load it)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -212,6 +216,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- chat
@@ -342,6 +347,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaFunctionCall(_Response):

@@ -107,13 +107,23 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None
-                        ) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        num_prompts: int = 1) -> SamplingParams:
         """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
-        return to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                  vocab_size=self.vocab_size,
-                                  defaults=self.engine.default_sampling_fields,
-                                  structured_outputs=structured_outputs)
+        params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                    vocab_size=self.vocab_size,
+                                    defaults=self.engine.default_sampling_fields,
+                                    structured_outputs=structured_outputs)
+        if req.kv_transfer_params is not None:
+            if req.n != 1 or num_prompts != 1:
+                raise bad_request("kv_transfer_params needs one prompt and n=1",
+                                  "kv_transfer_params")
+            if self.engine.config.kv_transfer.name == "none":
+                raise bad_request("kv_transfer_params needs a KV connector; this server runs "
+                                  "with kv_transfer=none", "kv_transfer_params")
+            params.extra_args = {**(params.extra_args or {}),
+                                 "kv_transfer_params": dict(req.kv_transfer_params)}
+        return params
 
     def structured_outputs(self, req: SamplingFields,
                            forced: tuple[StructuredOutputsParams, str] | None = None
@@ -214,7 +224,8 @@ class OpenAIServing:
         for ids in prompts:
             self._check_length(len(ids), req.max_tokens, "prompt")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                      structured_outputs=self.structured_outputs(req))
+                                      structured_outputs=self.structured_outputs(req),
+                                      num_prompts=len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, prompts, texts, params, req.n, req.priority,
@@ -242,7 +253,8 @@ class OpenAIServing:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=request_id, created=created, model=model,
-                                  choices=choices, usage=usage)
+                                  choices=choices, usage=usage,
+                                  kv_transfer_params=results[0].kv_transfer_params)
 
     async def _completion_events(self, req: CompletionRequest, request_id: str, created: int,
                                  streams: list[RequestStream], prompts: list[list[int]],
@@ -385,7 +397,8 @@ class OpenAIServing:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return ChatCompletionResponse(id=request_id, created=created, model=model,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage,
+                                      kv_transfer_params=ro.kv_transfer_params)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, created: int,
                            streams: list[RequestStream], num_prompt_tokens: int,
