@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
                  "platforms", "structured_output"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
-    ("model", {"models", "attention", "sampling", "linear", "ops", "request"}),
+    ("model", {"models", "attention", "sampling", "linear", "ops", "request", "distributed"}),
     # kernels (C++, Triton) with their torch references
     ("kernels", {"kernels"}),
     # plain data and the machinery every layer uses

@@ -37,8 +37,10 @@ def validate_components(config: EngineConfig) -> None:
             except ImportError as e:
                 raise ConfigError(f"{section}._target_", comp.target,
                                   f"an importable class path ({e})") from None
-        elif comp.name not in registry and not (section == "attention" and comp.name == "auto"):
-            allowed = registry.names() + (["auto"] if section == "attention" else [])
+        elif comp.name not in registry and not (section in ("attention", "executor")
+                                                 and comp.name == "auto"):
+            allowed = registry.names() + (["auto"] if section in ("attention", "executor")
+                                          else [])
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)

@@ -1,97 +1,44 @@
 """One worker in the engine-core process: the default on a single device."""
 from __future__ import annotations
 
-import torch
-
-from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
-from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
-from llmkit.models.base import ModelContext
-from llmkit.models.layers.linear import Linear
-from llmkit.models.loader import ModelSource, build_model, resolve_model_source
+from llmkit.models.loader import ModelSource
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
-from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.model_runner import ModelRunner
+from llmkit.worker.worker import Worker, linear_method_factory, resolve_dtype
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
-
-
-def linear_method_factory(model_config, platform: Platform,
-                          dtype: torch.dtype) -> LinearMethodFactory:
-    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
-    or a class path (``_target_`` style) is one method class, instantiated per layer."""
-    choice = model_config.linear_method
-    if choice == "auto":
-        return platform.linear_method_factory(dtype)
-    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
-    return lambda spec: cls()
+__all__ = ["UniprocExecutor", "linear_method_factory", "resolve_dtype"]
 
 
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
-        source = model_source or resolve_model_source(config.model)
-        dtype = resolve_dtype(config.model.dtype, platform)
-        ops = platform.ops(dtype)
-        attn = attention_backend_class(config.attention, platform)(ops)
-        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops,
-                           linear_method=linear_method_factory(config.model, platform, dtype))
-        torch.manual_seed(config.seed)
-        model = build_model(source, ctx, platform.device)
-        sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
-        self._facts = ModelFacts(
-            max_model_len=source.max_model_len,
-            vocab_size=source.hf_config.vocab_size,
-            eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
-            eos_token_ids=tuple(source.eos_token_ids),
-        )
-        self._dtype = dtype
-        self._names = (attn.name, ops.name)
-        self.runner = ModelRunner(
-            model, attn, sampler,
-            max_num_reqs=config.scheduler.max_num_seqs,
-            max_model_len=source.max_model_len,
-            block_size=config.kv_cache.block_size,
-            num_lookahead_tokens=config.scheduler.num_lookahead_tokens,
-            kv_cache_dtype=dtype,
-            device=platform.device,
-        )
-        self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
-            model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
+        self.worker = Worker(config, platform, model_source)
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.worker.runner
 
     @property
     def model_facts(self) -> ModelFacts:
-        return self._facts
+        return self.worker.model_facts
 
     @property
     def backend_info(self) -> BackendInfo:
-        runner = self.runner
-        methods = sorted({m.method.describe() for m in runner.model.modules()
-                          if isinstance(m, Linear)})
-        graphs = runner.step_graphs
-        return BackendInfo(attention=self._names[0], ops=self._names[1],
-                           linear_methods=tuple(methods),
-                           dtype=str(self._dtype).removeprefix("torch."),
-                           device=str(self.platform.device),
-                           step_graphs=graphs.name if graphs is not None else None,
-                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
+        return self.worker.backend_info
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.runner.kv_cache_bytes_per_block()
+        return self.worker.kv_cache_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+        self.worker.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        return self.worker.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        self.runner.kv_caches.clear()
+        self.worker.shutdown()
