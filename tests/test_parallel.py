@@ -166,3 +166,22 @@ def test_executor_ray_without_ray_is_a_config_error(tiny_model_dir, monkeypatch)
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ConfigError, match=r"executor.name: .*pip install 'llmkit\[ray\]'"):
         LLM(str(tiny_model_dir("llama")), dtype="float32", executor="ray")
+
+
+def test_executor_ray_tensor_parallel_2_on_a_local_cluster(tiny_model_dir):
+    pytest.importorskip("ray")
+    path = str(tiny_model_dir("llama"))
+    single = LLM(path, dtype="float32")
+    try:
+        want = _tokens(single)
+    finally:
+        single.engine.shutdown()
+    # executor.ray_address=null: the executor starts a local Ray cluster and stops it after
+    llm = LLM(path, dtype="float32", parallel={"tensor_parallel_size": 2}, executor="ray")
+    try:
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
+        assert _tokens(llm) == want
+    finally:
+        llm.engine.shutdown()
+    import ray
+    assert not ray.is_initialized()
