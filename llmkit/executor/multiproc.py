@@ -12,6 +12,7 @@ On the CPU each rank gets its share of the cores as torch threads
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -75,6 +76,9 @@ class MultiprocExecutor(Executor):
         self._encoder, self._decoder = StepEncoder(), StepDecoder()
         spawn = multiprocessing.get_context("spawn")
         self.ring = ShmRingBuffer.create(self.world_size, spawn.Semaphore)
+        # An owner that never calls shutdown (a CLI run) still stops the workers and frees the
+        # ring at exit, before multiprocessing's own hook would wait on the workers.
+        atexit.register(self.shutdown)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = threads_per_rank(config, self.world_size)
         logger.info("multiproc executor: %d worker processes, %d threads each, %s",
@@ -124,6 +128,7 @@ class MultiprocExecutor(Executor):
         return self._decoder.decode_output(memoryview(data)[1:])
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
         workers, self.workers = getattr(self, "workers", []), []
         if workers and self._failed is None:
             try:
