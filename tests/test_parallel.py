@@ -185,3 +185,39 @@ def test_executor_ray_tensor_parallel_2_on_a_local_cluster(tiny_model_dir):
         llm.engine.shutdown()
     import ray
     assert not ray.is_initialized()
+
+
+def test_server_with_tensor_parallel_serves_then_turns_unhealthy_when_a_worker_dies(
+        tiny_model_dir, tmp_path):
+    import re
+
+    import httpx
+    from process_helpers import wait_for
+    from test_server import ServerProcess
+
+    model_dir = tiny_model_dir("llama")
+    server = ServerProcess(model_dir, "parallel.tensor_parallel_size=2", "kv_cache.num_blocks=64",
+                           log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        single = LLM(str(model_dir), dtype="float32")
+        try:
+            want = single.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+        finally:
+            single.engine.shutdown()
+        client = server.client()
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        m = re.search(r"worker pids rank0=(\d+) rank1=(\d+)", server.log())
+        assert m, server.log()[-3000:]
+        os.kill(int(m.group(2)), signal.SIGKILL)
+        with pytest.raises(Exception):  # the step that needs the dead rank fails, fast
+            client.with_options(timeout=30, max_retries=0).completions.create(
+                model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        assert wait_for(lambda: httpx.get(server.url("/health"), timeout=2).status_code == 503,
+                        10), server.log()[-3000:]
+        assert "worker rank 1" in server.log()
+    finally:
+        server.stop()

@@ -99,6 +99,8 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        logger.info("multiproc executor: worker pids %s",
+                    " ".join(f"rank{w.rank}={w.proc.pid}" for w in self.workers))
         first: WorkerReady = ready[0]
         self._facts: ModelFacts = first.model_facts
         self._backend: BackendInfo = first.backend_info
