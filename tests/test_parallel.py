@@ -221,3 +221,67 @@ def test_server_with_tensor_parallel_serves_then_turns_unhealthy_when_a_worker_d
         assert "worker rank 1" in server.log()
     finally:
         server.stop()
+
+
+# -- the split itself, every rank in one process (no collectives) ----------------------------
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_column_and_row_parallel_shards_recompose_the_full_layers(tp_size):
+    import torch
+
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.linear.parallel import tensor_parallel_factory
+    from llmkit.linear.torch_linear import TorchLinearMethod
+    from llmkit.models.layers.linear import Linear, MergedLinear
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, hidden = 4, 2, 3, 8
+    q, k, v = (torch.randn(n * d, hidden) for n in (heads, kv_heads, kv_heads))
+    bq, bk, bv = (torch.randn(n * d) for n in (heads, kv_heads, kv_heads))
+    o, bo = torch.randn(hidden, heads * d), torch.randn(hidden)
+    x = torch.randn(5, hidden)
+    qkv_parts, o_parts = [], []
+    for rank in range(tp_size):
+        tp = TensorParallelGroup(rank, tp_size)
+        factory = tensor_parallel_factory(lambda spec: TorchLinearMethod(), tp)
+        qkv = MergedLinear("qkv", hidden, {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d},
+                           bias=True, dtype=torch.float32, linear_method=factory,
+                           shard_units=(heads, kv_heads, kv_heads))
+        for sid, w, b in (("q", q, bq), ("k", k, bk), ("v", v, bv)):
+            qkv.load_weight("weight", w, sid)
+            qkv.load_weight("bias", b, sid)
+        row = Linear.build("o", heads * d, hidden, bias=True, dtype=torch.float32,
+                           linear_method=factory, parallel="row")
+        row.load_weight("weight", o)
+        row.load_weight("bias", bo)
+        qkv_parts.append(qkv(x))
+        o_parts.append(row.method.inner.apply(row, x.new_ones(5, heads * d // tp_size)))
+    # q: rank r holds heads r*H/tp..; k, v: rank r holds KV head r * kv_heads // tp (replicated
+    # when the ranks outnumber the KV heads)
+    hq, hkv = heads // tp_size, max(1, kv_heads // tp_size)
+    full_q = x @ q.T + bq
+    full_k = x @ k.T + bk
+    for rank, out in enumerate(qkv_parts):
+        torch.testing.assert_close(out[:, :hq * d], full_q[:, rank * hq * d:(rank + 1) * hq * d])
+        kv_head = rank * min(tp_size, kv_heads) // tp_size
+        torch.testing.assert_close(out[:, hq * d:(hq + hkv) * d],
+                                   full_k[:, kv_head * hkv * d:(kv_head + 1) * hkv * d])
+    # row parallel: the ranks' partial sums (what the all-reduce adds) are the full layer, with
+    # the bias once
+    torch.testing.assert_close(sum(o_parts), x.new_ones(5, heads * d) @ o.T + bo)
+
+
+def test_vocab_parallel_shards_pad_a_vocabulary_that_does_not_divide():
+    import torch
+
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.models.layers.embedding import VocabEmbedding
+
+    table = torch.randn(7, 4)
+    got = []
+    for rank in range(2):
+        emb = VocabEmbedding(7, 4, torch.float32, TensorParallelGroup(rank, 2))
+        emb.weight.weight_loader(emb.weight, table)
+        got.append(emb.weight.detach().clone())
+    assert got[0].shape == got[1].shape == (4, 4)
+    torch.testing.assert_close(torch.cat(got)[:7], table)
+    assert torch.count_nonzero(got[1][3]) == 0  # the padded row
