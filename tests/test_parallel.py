@@ -285,3 +285,16 @@ def test_vocab_parallel_shards_pad_a_vocabulary_that_does_not_divide():
     assert got[0].shape == got[1].shape == (4, 4)
     torch.testing.assert_close(torch.cat(got)[:7], table)
     assert torch.count_nonzero(got[1][3]) == 0  # the padded row
+
+
+def test_llmkit_sim_reads_the_parallel_group():
+    from test_sim_replay import cfg_of
+
+    from llmkit.sim.replay import build_sim_engine
+
+    _, ex, _ = build_sim_engine(cfg_of("sim.model=llama-2-70b", "hardware=h200",
+                                       "parallel.tensor_parallel_size=2"))
+    assert ex.cost_model.tp == 2
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size"):
+        build_sim_engine(cfg_of("sim.model=llama-2-70b", "hardware=h200",
+                                "parallel.tensor_parallel_size=2", "sim.tensor_parallel_size=4"))
