@@ -79,7 +79,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
-        "cache_salt", "lora_id", "mm_hashes", "all_token_ids", "output_token_ids",
+        "cache_salt", "lora_id", "lora_name", "mm_hashes", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "times", "block_hashes", "max_tokens", "arrival_index", "spec_token_ids",
         "structured_output_request",
@@ -97,6 +97,7 @@ class Request:
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_hashes: tuple[str, ...] = (),
+        lora_name: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -106,7 +107,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_id = lora_id
+        self.lora_id = lora_id  # the LoRA adapter's lora_int_id (None = the base model)
+        self.lora_name = lora_name
         self.mm_hashes = tuple(mm_hashes)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

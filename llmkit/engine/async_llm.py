@@ -54,6 +54,7 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
+from llmkit.lora.base import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
 from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
@@ -206,12 +207,17 @@ class AsyncLLM:
                           n: int | None = None, priority: int = 0,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                           prompt_text: str | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, admit and send a request; return its stream. Raises ``ValueError`` (bad
         input: empty or too long a prompt, token ids outside the vocabulary, duplicate id),
         ``EngineOverloadedError`` (queue full) or ``EngineDeadError``, before anything is
-        sent. ``n`` overrides ``sampling_params.n``."""
+        sent. ``n`` overrides ``sampling_params.n``. ``lora_request``: the adapter to run
+        with (the engine loads it the first time it is named; a bad one fails this request)."""
         self._bind_loop()
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got "
+                            f"{type(lora_request).__name__}")
         if self._shutdown:
             raise EngineDeadError("the engine is shutting down")
         if self.engine_core.is_dead:
@@ -237,7 +243,8 @@ class AsyncLLM:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
             messages = [self.engine_core.encode(EngineCoreRequest(
-                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt))
+                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt,
+                lora_request=lora_request))
                 for cid, cp in children]
         except Exception:
             self._tracker.drop_processor_state([cid for cid, _ in children])
@@ -254,6 +261,7 @@ class AsyncLLM:
                        priority: int = 0,
                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                        cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes (cumulative by default; ``DELTA``
         yields only what is new). Leaving the loop early (break, cancellation, an error)
@@ -262,7 +270,7 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = await self.add_request(request_id, prompt, sampling_params, n=n,
                                         priority=priority, output_kind=output_kind,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -285,6 +293,25 @@ class AsyncLLM:
                                                   add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in the engine now (it checks the files against the model); False
+        if it already was. Raises ``ValueError`` with the engine's reason."""
+        return bool(await self._call("add_lora", lora_request.lora_name,
+                                     lora_request.lora_int_id, lora_request.lora_path))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (the engine forgets it once no request uses it)."""
+        return bool(await self._call("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return [LoRARequest(*item) for item in await self._call("list_loras")]
+
+    async def _call(self, method: str, *args):
+        if self.engine_core.is_dead:
+            raise self.dead_error
+        return await asyncio.wrap_future(self.engine_core.call_utility(method, *args))
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (by the id given to ``generate``); the engine frees their blocks

@@ -48,11 +48,12 @@ class ProcessedPrompt:
 
     def to_request(self, request_id: str, params: SamplingParams | None = None, *,
                    eos_token_id: int | None, arrival_time: float,
-                   priority: int = 0) -> Request:
-        """The engine ``Request`` (``params``: a fanned-out child's, default this one's)."""
+                   priority: int = 0, lora_id: int | None = None) -> Request:
+        """The engine ``Request`` (``params``: a fanned-out child's, default this one's;
+        ``lora_id``: the LoRA adapter's ``lora_int_id``, None = the base model)."""
         return Request(request_id, self.token_ids, params or self.params,
                        eos_token_id=eos_token_id, arrival_time=arrival_time,
-                       priority=priority, cache_salt=self.cache_salt)
+                       priority=priority, cache_salt=self.cache_salt, lora_id=lora_id)
 
 
 class InputProcessor:

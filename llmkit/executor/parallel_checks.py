@@ -48,6 +48,10 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     if par.enable_expert_parallel:
         raise ConfigError("parallel.enable_expert_parallel", True,
                           "false (no MoE architecture is implemented yet)")
+    spec = config.speculative
+    if spec.enabled or spec.target:
+        raise ConfigError("speculative.name", spec.name, "none with several workers "
+                          "(speculative decoding under tensor parallel is not implemented yet)")
     if distributed_backend(config, platform) == "nccl" and platform.device.type != "cuda":
         raise ConfigError("parallel.distributed_backend", "nccl", "auto or gloo on a CPU")
     world = par.world_size

@@ -1,44 +1,147 @@
 """One worker in the engine-core process: the default on a single device."""
 from __future__ import annotations
 
+import logging
+
+import torch
+
+from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
-from llmkit.models.loader import ModelSource
+from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.lora.base import LoRARequest
+from llmkit.lora.manager import LoRAManager, LoRASetup
+from llmkit.models.base import ModelContext
+from llmkit.models.layers.linear import Linear
+from llmkit.models.loader import ModelSource, build_model, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
+from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.spec_decode import ProposerEnv, build_proposer
+from llmkit.spec_decode.adaptive import DraftLengthPolicy
 from llmkit.worker.model_runner import ModelRunner
-from llmkit.worker.worker import Worker, linear_method_factory, resolve_dtype
 
-__all__ = ["UniprocExecutor", "linear_method_factory", "resolve_dtype"]
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
+
+
+def linear_method_factory(model_config, platform: Platform,
+                          dtype: torch.dtype) -> LinearMethodFactory:
+    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
+    or a class path (``_target_`` style) is one method class, instantiated per layer."""
+    choice = model_config.linear_method
+    if choice == "auto":
+        return platform.linear_method_factory(dtype)
+    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
+    return lambda spec: cls()
 
 
 class UniprocExecutor(Executor):
+    supports_lora = True
+
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
-        self.worker = Worker(config, platform, model_source)
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self.worker.runner
+        source = model_source or resolve_model_source(config.model)
+        dtype = resolve_dtype(config.model.dtype, platform)
+        ops = platform.ops(dtype)
+        attn = attention_backend_class(config.attention, platform)(ops)
+        linear_method = linear_method_factory(config.model, platform, dtype)
+        lora = None
+        if config.lora.enabled:
+            lora = LoRASetup(config.lora, source, platform, dtype,
+                             max_num_tokens=config.scheduler.max_num_batched_tokens)
+            linear_method = lora.wrap(linear_method)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
+        torch.manual_seed(config.seed)
+        model = build_model(source, ctx, platform.device)
+        sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
+        self._facts = ModelFacts(
+            max_model_len=source.max_model_len,
+            vocab_size=source.hf_config.vocab_size,
+            eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
+            eos_token_ids=tuple(source.eos_token_ids),
+        )
+        self._dtype = dtype
+        self._names = (attn.name, ops.name)
+        self.runner = ModelRunner(
+            model, attn, sampler,
+            max_num_reqs=config.scheduler.max_num_seqs,
+            max_model_len=source.max_model_len,
+            block_size=config.kv_cache.block_size,
+            num_lookahead_tokens=config.scheduler.num_lookahead_tokens,
+            kv_cache_dtype=dtype,
+            device=platform.device,
+        )
+        self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
+            target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
+            block_size=config.kv_cache.block_size, seed=config.seed))
+        self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
+            model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
+        if lora is not None:
+            self.runner.lora_manager = lora.manager(model)
+            if config.compilation.mode == "graphs" and not lora.ops.supports_step_graphs:
+                # Said once at start: the fast path is lost for those steps, not silently.
+                logger.warning("LoRA: the %s LoRA ops cannot run inside step graphs; decode "
+                               "steps where a row uses an adapter run eagerly (steps without "
+                               "adapters still use the graphs)", lora.ops.name)
 
     @property
     def model_facts(self) -> ModelFacts:
-        return self.worker.model_facts
+        return self._facts
 
     @property
     def backend_info(self) -> BackendInfo:
-        return self.worker.backend_info
+        runner = self.runner
+        methods = sorted({m.method.describe() for m in runner.model.modules()
+                          if isinstance(m, Linear)})
+        graphs = runner.step_graphs
+        return BackendInfo(attention=self._names[0], ops=self._names[1],
+                           linear_methods=tuple(methods),
+                           dtype=str(self._dtype).removeprefix("torch."),
+                           device=str(self.platform.device),
+                           step_graphs=graphs.name if graphs is not None else None,
+                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.worker.kv_cache_bytes_per_block()
+        return self.runner.kv_cache_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks)
+        proposer = self.runner.proposer
+        spec = self.config.speculative
+        if proposer is not None and (spec.adaptive or spec.disable_by_batch_size):
+            ridge = spec.ridge_tokens
+            if spec.adaptive and ridge is None:
+                ridge = self.platform.measure_ridge_tokens(
+                    self.runner.time_forward,
+                    max_tokens=self.config.scheduler.max_num_batched_tokens)
+                logger.info("speculative.adaptive: the model's forward turns compute-bound at "
+                            "~%d tokens on this machine (measured); K shrinks to keep "
+                            "rows x (1 + K) below it", ridge)
+            proposer.length_policy = DraftLengthPolicy(spec.adaptive, ridge,
+                                                       spec.disable_by_batch_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove_adapter(lora_id)
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self.runner.lora_manager
+        if manager is None:
+            raise ValueError("LoRA adapters need lora.enabled=true")
+        return manager
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        self.runner.kv_caches.clear()

@@ -29,6 +29,8 @@ class NewRequestData:
     num_computed_tokens: int
     # The runner masks EOS (with stop_token_ids) until ``min_tokens`` outputs exist.
     eos_token_id: int | None = None
+    # The LoRA adapter the request computes with (its ``lora_int_id``; None = the base model).
+    lora_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +124,11 @@ class SchedulerStats:
     step_num_scheduled_tokens: int = 0
     step_num_preemptions: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Multi-LoRA: running / waiting requests per adapter name (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # the same counters for the latest step alone
+    step_spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class Scheduler(ABC):

@@ -35,13 +35,24 @@ class TokenBudgetScheduler(Scheduler):
         max_model_len: int,
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int | None = None,
+        max_lora_skips: int = 8,
+        drop_last_cached_block: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
+        # Multi-LoRA: at most this many distinct adapters in one step (None = no limit), and
+        # the starvation bound of a waiting request passed over for lack of a slot.
+        self.max_loras = max_loras
+        self.max_lora_skips = max_lora_skips
+        self._lora_skips: dict[str, int] = {}
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.clock = clock
+        # EAGLE: a prefix-cache hit leaves its last block to be recomputed (the head's KV at a
+        # position depends on the token after it, which only a matching next block fixes).
+        self.drop_last_cached_block = drop_last_cached_block
         self.requests: dict[str, Request] = {}
         self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
@@ -54,6 +65,7 @@ class TokenBudgetScheduler(Scheduler):
         self._step_preemptions = 0
         self._step_tokens = 0
         self._spec_stats = SpecDecodeStats()
+        self._step_spec_stats = SpecDecodeStats()
         # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
@@ -116,12 +128,15 @@ class TokenBudgetScheduler(Scheduler):
         lookahead = cfg.num_lookahead_tokens
         spec_tokens: dict[str, list[int]] = {}
 
+        # The adapters of the requests scheduled so far (multi-LoRA: at most max_loras).
+        loras: set[int] = set()
+
         # 1. Running requests, in admission order: each continues its prefill or decodes.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
-            if n <= 0:
+            if n <= 0 or not self._lora_fits(req, loras):
                 i += 1
                 continue
             drafts = self._schedulable_drafts(req, n, budget)
@@ -149,6 +164,9 @@ class TokenBudgetScheduler(Scheduler):
                 continue  # req itself was preempted; `i` already points at the next one
             num_scheduled[req.request_id] = n
             budget -= n
+            if req.lora_id is not None:
+                loras.add(req.lora_id)
+            req.spec_token_ids = []  # drafts are verified once (or dropped with the step)
             if drafts:
                 spec_tokens[req.request_id] = drafts
             cached.req_ids.append(req.request_id)
@@ -158,12 +176,28 @@ class TokenBudgetScheduler(Scheduler):
                                            - len(new_blocks))
             i += 1
 
-        # 2. Waiting requests, unless this step had to preempt (blocks are scarce).
+        # 2. Waiting requests, unless this step had to preempt (blocks are scarce). One whose
+        # adapter finds no slot this step is passed over (later ones may go ahead, vLLM's
+        # rule) and put back in its place; once passed over max_lora_skips times, nothing
+        # behind it is admitted until it is, so it waits at most that many steps plus the time
+        # the running requests of one resident adapter take to finish.
+        skipped: list[Request] = []
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
+                if not self._lora_fits(req, loras):
+                    self.waiting.pop()
+                    skipped.append(req)
+                    skips = self._lora_skips[req.request_id] = \
+                        self._lora_skips.get(req.request_id, 0) + 1
+                    if skips >= self.max_lora_skips:
+                        break
+                    continue
                 if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
+                    if self.drop_last_cached_block and computed_blocks:
+                        computed_blocks = computed_blocks[:-1]
+                        num_hit -= kv.block_size
                 else:
                     # Cached positions have no logits: a request that still owes its prompt
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
@@ -186,6 +220,9 @@ class TokenBudgetScheduler(Scheduler):
                         continue
                     break
                 self.waiting.pop()
+                self._lora_skips.pop(req.request_id, None)
+                if req.lora_id is not None:
+                    loras.add(req.lora_id)
                 req.set_status(RequestStatus.RUNNING)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
@@ -203,7 +240,11 @@ class TokenBudgetScheduler(Scheduler):
                     block_ids=kv.get_block_ids(req.request_id),
                     num_computed_tokens=num_hit,
                     eos_token_id=req.eos_token_id,
+                    lora_id=req.lora_id,
                 ))
+
+        for req in reversed(skipped):  # back in their places, ahead of what came after
+            self.waiting.add_preempted(req)
 
         # The step's tokens count as computed from now: the next schedule() builds on them.
         for req_id, n in num_scheduled.items():
@@ -229,6 +270,10 @@ class TokenBudgetScheduler(Scheduler):
         self._finished_req_ids = set()
         return out
 
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req`` may join a step whose requests so far use the adapters ``loras``."""
+        return (self.max_loras is None or req.lora_id is None or req.lora_id in loras
+                or len(loras) < self.max_loras)
     # -- structured output ---------------------------------------------------------------------
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready join the waiting queue; failed ones end."""
@@ -297,6 +342,7 @@ class TokenBudgetScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._step_spec_stats = SpecDecodeStats()
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -319,6 +365,7 @@ class TokenBudgetScheduler(Scheduler):
                 if num_rejected:
                     self.kv.shrink_slots(req, req.num_computed_tokens)
                 self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
+                self._step_spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
             constrained = req.structured_output_request is not None
             for tok in new_tokens:
@@ -377,6 +424,7 @@ class TokenBudgetScheduler(Scheduler):
         req.times.finished = self.clock()
         self.kv.free(req)
         self._finished_req_ids.add(req.request_id)
+        self._lora_skips.pop(req.request_id, None)
         del self.requests[req.request_id]
 
     @staticmethod
@@ -414,4 +462,17 @@ class TokenBudgetScheduler(Scheduler):
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
             spec_decode=self._spec_stats.snapshot(),
+            running_lora_adapters=_count_loras(self.running) if self.max_loras else {},
+            waiting_lora_adapters=_count_loras(self.waiting) if self.max_loras else {},
+            step_spec_decode=self._step_spec_stats.snapshot(),
         )
+
+
+def _count_loras(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (base-model requests are not counted)."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_id is not None:
+            name = req.lora_name or str(req.lora_id)
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -376,12 +376,29 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmkit"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and
+    ignored: the name identifies the adapter)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 # --------------------------------------------------------------------------- tokenize
