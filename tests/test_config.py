@@ -39,8 +39,9 @@ def test_defaults():
     assert cfg.kv_cache.name == "paged" and cfg.kv_cache.block_size == 16
     assert cfg.kv_cache.enable_prefix_caching is True and cfg.kv_cache.memory_gib == 4.0
     assert (cfg.attention.name, cfg.sampler.name, cfg.executor.name, cfg.platform.name) == \
-        ("auto", "torch", "uniproc", "auto")
+        ("auto", "torch", "auto", "auto")
     assert cfg.seed == 0 and cfg.recipe is None
+    assert cfg.parallel.tensor_parallel_size == 1 and cfg.parallel.world_size == 1
     assert cfg.server.port == 8000 and cfg.sampling.temperature == 0.0
 
 

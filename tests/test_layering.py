@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"scheduler", "kv_cache", "kv_transfer", "worker", "executor", "spec_decode",
                  "compilation", "platforms", "structured_output", "lora"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
-    ("model", {"models", "attention", "sampling", "linear", "ops", "request", "multimodal"}),
+    ("model", {"models", "attention", "sampling", "linear", "ops", "request", "multimodal",
+               "distributed"}),
     # kernels (C++, Triton) with their torch references
     ("kernels", {"kernels"}),
     # plain data and the machinery every layer uses

@@ -172,7 +172,30 @@ class KVOffloadConfig(_Strict):
 
 
 class ExecutorConfig(_Component):
-    name: str = "uniproc"
+    # auto: uniproc for one worker, multiproc for several (parallel.*); ray: Ray actors
+    name: str = "auto"
+    # executor=ray: the address of an existing Ray cluster (ray.init's); null = start a local one
+    ray_address: str | None = None
+
+
+class ParallelConfig(_Strict):
+    """How the model is split over workers (the seed's chapter 08; vLLM's names). One worker
+    per rank: ``tensor_parallel_size * pipeline_parallel_size`` of them."""
+
+    # tensor parallel: every layer split by heads / rows over this many ranks
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # pipeline parallel: the layers split into this many stages
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    # data parallel: this many engine cores behind one front end
+    data_parallel_size: int = Field(default=1, ge=1)
+    # MoE models: experts split over the ranks instead of every expert split by rows
+    enable_expert_parallel: bool = False
+    # torch.distributed's backend; auto = gloo on CPU, nccl on CUDA
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class PlatformConfig(_Component):
@@ -624,6 +647,7 @@ class EngineConfig(_Strict):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)

@@ -30,7 +30,7 @@ def component_registries() -> dict[str, Registry]:
 
 
 # Names a section accepts that are no registered implementation.
-_NOT_REGISTERED = {"attention": "auto", "speculative": "none"}
+_NOT_REGISTERED = {"attention": "auto", "speculative": "none", "executor": "auto"}
 
 
 def validate_components(config: EngineConfig) -> None:

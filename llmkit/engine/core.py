@@ -11,7 +11,7 @@ from llmkit.engine.components import validate_components
 from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserver,
                                     split_prefill_decode)
 from llmkit.engine.step_trace import StepTrace
-from llmkit.executor import EXECUTORS, BackendInfo, Executor, ModelFacts
+from llmkit.executor import BackendInfo, Executor, ModelFacts, executor_class
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.lora.base import LoRARequest
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
@@ -35,7 +35,7 @@ class EngineCore:
         self.platform = resolve_platform(config.platform)
         self.platform.apply_runtime_settings()
         if executor is None:
-            exec_cls = EXECUTORS.resolve(config.executor.name, config.executor.target)
+            exec_cls = executor_class(config)
             with startup_step("loading the model"):
                 executor = exec_cls(config, self.platform, **executor_kwargs)
         self.executor = executor

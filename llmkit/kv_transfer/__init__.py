@@ -33,7 +33,10 @@ def kv_connector_class(config: EngineConfig) -> Callable[..., KVConnectorBase] |
                           ko.host_gib or ko.disk_path, "", message=(
                               "the offload tiers are keyed by block hashes, so they need "
                               "kv_cache.enable_prefix_caching=true; it is false"))
-    if config.executor.name not in ("uniproc",) and (transfer or ko.enabled):
+    executor = config.executor.name
+    if executor == "auto" and config.parallel.world_size == 1:
+        executor = "uniproc"
+    if (executor != "uniproc" or config.executor.target) and (transfer or ko.enabled):
         raise ConfigError("executor.name", config.executor.name, "uniproc", message=(
             f"executor {config.executor.name!r} has no KV connector seam; kv_transfer and "
             "kv_offload need executor=uniproc"))

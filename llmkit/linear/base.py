@@ -42,11 +42,21 @@ class LinearSpec:
     dtype: torch.dtype = torch.float32
     parallel: ParallelKind = "replicated"
     weight_format: object | None = None
+    #: Tensor parallel: the indivisible units of each shard (attention heads of q, k, v;
+    #: ``None`` = rows). A column-parallel shard of ``u`` units splits into ``min(tp, u)``
+    #: parts, so K/V heads fewer than the ranks are replicated.
+    shard_units: tuple[int, ...] | None = None
+    #: Tensor parallel: a column-parallel layer whose whole output is consumed (the LM head)
+    #: gathers every rank's columns after the matmul.
+    gather_output: bool = False
 
     def __post_init__(self) -> None:
         if len(self.output_sizes) != len(self.shard_ids):
             raise ValueError(f"{self.prefix}: {len(self.output_sizes)} output sizes but "
                              f"{len(self.shard_ids)} shard ids")
+        if self.shard_units is not None and len(self.shard_units) != len(self.output_sizes):
+            raise ValueError(f"{self.prefix}: {len(self.output_sizes)} output sizes but "
+                             f"{len(self.shard_units)} shard units")
 
     @property
     def out_features(self) -> int:

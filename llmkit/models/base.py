@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.distributed.group import TensorParallelGroup
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.torch_linear import TorchLinearMethod
 from llmkit.models.layers.linear import Linear
@@ -23,13 +24,15 @@ from llmkit.ops.base import ModelOps
 
 @dataclass(frozen=True, slots=True)
 class ModelContext:
-    """What a model is built with: its dtype, the attention backend, the platform's ops and the
-    factory of linear methods (one per linear layer it declares)."""
+    """What a model is built with: its dtype, the attention backend, the platform's ops, the
+    factory of linear methods (one per linear layer it declares) and its tensor-parallel group
+    (the model builds its rank's heads; ``linear_method`` already splits the layers)."""
 
     attn_backend: AttentionBackend
     dtype: torch.dtype = torch.float32
     ops: ModelOps = ModelOps()
     linear_method: LinearMethodFactory = lambda spec: TorchLinearMethod()
+    tp: TensorParallelGroup = TensorParallelGroup()
 
 
 class CausalLM(nn.Module, ABC):

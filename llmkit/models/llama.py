@@ -42,9 +42,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.attn_backend = ctx.attn_backend
         self.ops = ctx.ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = _head_dim(config)
+        # This rank's heads (tensor parallel: the linear methods split q/k/v by heads; K/V
+        # heads fewer than the ranks are replicated).
+        self.num_heads = heads // ctx.tp.size
+        self.num_kv_heads = max(1, kv_heads // ctx.tp.size)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -52,9 +56,11 @@ class LlamaAttention(nn.Module):
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = MergedLinear(
             f"{prefix}.qkv_proj", config.hidden_size,
-            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=qkv_bias, dtype=ctx.dtype, linear_method=ctx.linear_method)
-        self.o_proj = Linear.build(f"{prefix}.o_proj", self.q_size, config.hidden_size,
+            {"q": heads * self.head_dim, "k": kv_heads * self.head_dim,
+             "v": kv_heads * self.head_dim},
+            bias=qkv_bias, dtype=ctx.dtype, linear_method=ctx.linear_method,
+            shard_units=(heads, kv_heads, kv_heads))
+        self.o_proj = Linear.build(f"{prefix}.o_proj", heads * self.head_dim, config.hidden_size,
                                    bias=attention_bias, dtype=ctx.dtype,
                                    linear_method=ctx.linear_method, parallel="row")
         if config.model_type == "qwen3":
@@ -128,7 +134,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
         super().__init__()
         head_dim = _head_dim(config)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
+                                           ctx.tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"{prefix}.layers.{i}", ctx)
             for i in range(config.num_hidden_layers))
@@ -169,7 +176,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear.build("lm_head", config.hidden_size, config.vocab_size,
                                     bias=False, dtype=ctx.dtype, linear_method=ctx.linear_method,
-                                    parallel="column")
+                                    parallel="column", gather_output=True)
         if self.tie_word_embeddings:  # the head's method computes with the embedding matrix
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_layers = config.num_hidden_layers
@@ -220,7 +227,11 @@ class LlamaForCausalLM(CausalLM):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no counterpart in the model")
-            copy_weight(param, tensor, name)
+            loader = getattr(param, "weight_loader", None)  # a sharded parameter
+            if loader is not None:
+                loader(param, tensor)
+            else:
+                copy_weight(param, tensor, name)
             loaded.add((name, None))
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:

@@ -86,6 +86,23 @@ def default_settings(config: EngineConfig) -> SimToolConfig:
     return compose_tool_config(SimToolConfig).model_copy(update={"engine": config})
 
 
+def _tensor_parallel_size(config: EngineConfig, settings: SimToolConfig) -> int:
+    """The engine's ``parallel.tensor_parallel_size``; ``sim.tensor_parallel_size`` (the older
+    key) still counts when the engine's is 1. Pipeline parallel is not modelled yet."""
+    from llmkit.config.errors import ConfigError
+
+    engine_tp = config.parallel.tensor_parallel_size
+    sim_tp = settings.sim.tensor_parallel_size
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ConfigError("parallel.pipeline_parallel_size",
+                          config.parallel.pipeline_parallel_size,
+                          "1 (llmkit sim models tensor parallel only, for now)")
+    if engine_tp > 1 and sim_tp > 1 and engine_tp != sim_tp:
+        raise ConfigError("parallel.tensor_parallel_size", engine_tp,
+                          f"sim.tensor_parallel_size ({sim_tp}) or leave one of them at 1")
+    return max(engine_tp, sim_tp)
+
+
 class SimExecutor(Executor):
     """``settings``: the ``llmkit sim`` config (``hardware``, ``sim.*``) of this engine; unset,
     the composed defaults (``default_settings``)."""
@@ -102,7 +119,7 @@ class SimExecutor(Executor):
         self.hardware = hardware or resolve_hardware(settings)
         shape = self.model.shape
         self.dtype = resolve_sim_dtype(settings, shape, self.hardware)
-        tp = settings.sim.tensor_parallel_size
+        tp = _tensor_parallel_size(config, settings)
         try:
             self.cost_model = CostModel(shape, self.hardware, self.dtype, tp)
         except (KeyError, ValueError) as e:

@@ -26,10 +26,10 @@ class Linear(nn.Module):
     @classmethod
     def build(cls, prefix: str, in_features: int, out_features: int, *, bias: bool,
               dtype: torch.dtype, linear_method: LinearMethodFactory,
-              parallel: ParallelKind = "replicated", weight_format: object | None = None
-              ) -> "Linear":
+              parallel: ParallelKind = "replicated", weight_format: object | None = None,
+              gather_output: bool = False) -> "Linear":
         spec = LinearSpec(prefix, in_features, (out_features,), (None,), bias, dtype, parallel,
-                          weight_format)
+                          weight_format, gather_output=gather_output)
         return cls(spec, linear_method)
 
     @property
@@ -63,7 +63,9 @@ class MergedLinear(Linear):
 
     def __init__(self, prefix: str, in_features: int, output_sizes: Mapping[Hashable, int], *,
                  bias: bool, dtype: torch.dtype, linear_method: LinearMethodFactory,
-                 parallel: ParallelKind = "column", weight_format: object | None = None) -> None:
+                 parallel: ParallelKind = "column", weight_format: object | None = None,
+                 shard_units: tuple[int, ...] | None = None) -> None:
         spec = LinearSpec(prefix, in_features, tuple(output_sizes.values()),
-                          tuple(output_sizes.keys()), bias, dtype, parallel, weight_format)
+                          tuple(output_sizes.keys()), bias, dtype, parallel, weight_format,
+                          shard_units)
         super().__init__(spec, linear_method)

@@ -1,0 +1,201 @@
+"""``executor=multiproc``: one spawned worker process per rank on this machine (vLLM's
+MultiprocExecutor).
+
+Each step's ``SchedulerOutput`` is encoded once and written to a shared-memory ring that every
+worker reads (``llmkit.distributed.shm_broadcast``); only rank 0, the output rank, sends the
+step's result back. The executor waits on the workers' pipes *and* their process sentinels, so
+a worker that dies (killed, out of memory, a failed step) fails the engine at once with its
+rank and exit code, never a hang.
+
+On the CPU each rank gets its share of the cores as torch threads
+(``platform.num_threads`` or the usable cores, divided by the ranks).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing import connection
+from typing import Any
+
+from llmkit.config.schema import EngineConfig
+from llmkit.distributed.shm_broadcast import ShmRingBuffer
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
+from llmkit.executor.step_codec import StepDecoder, StepEncoder
+from llmkit.executor.worker_proc import (OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR, TAG_KV_READY,
+                                         TAG_OUTPUT, TAG_READY, WorkerReady, WorkerSpec,
+                                         encode_init_kv, run_worker)
+from llmkit.models.loader import ModelSource, resolve_model_source
+from llmkit.outputs import ModelRunnerOutput
+from llmkit.platforms.base import Platform
+from llmkit.scheduler.base import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended or failed; the engine cannot go on."""
+
+
+@dataclass(slots=True)
+class _WorkerHandle:
+    rank: int
+    proc: Any  # multiprocessing.Process
+    conn: Any  # the parent's end of the rank's pipe
+    inbox: deque = field(default_factory=deque)  # replies read before they were asked for
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(config: EngineConfig, world_size: int) -> int:
+    cores = config.platform.num_threads or len(os.sched_getaffinity(0))
+    return max(1, cores // world_size)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, platform: Platform,
+                 model_source: ModelSource | None = None) -> None:
+        super().__init__(config, platform)
+        source = model_source or resolve_model_source(config.model)
+        check_parallel_config(config, source.hf_config, platform)
+        self.world_size = config.parallel.world_size
+        self._failed: str | None = None
+        self.workers: list[_WorkerHandle] = []
+        self.ring: ShmRingBuffer | None = None
+        self._encoder, self._decoder = StepEncoder(), StepDecoder()
+        spawn = multiprocessing.get_context("spawn")
+        self.ring = ShmRingBuffer.create(self.world_size, spawn.Semaphore)
+        # An owner that never calls shutdown (a CLI run) still stops the workers and frees the
+        # ring at exit, before multiprocessing's own hook would wait on the workers.
+        atexit.register(self.shutdown)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        threads = threads_per_rank(config, self.world_size)
+        logger.info("multiproc executor: %d worker processes, %d threads each, %s",
+                    self.world_size, threads, distributed_backend(config, platform))
+        payload = config.model_dump(mode="json", by_alias=True)
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = spawn.Pipe(duplex=False)
+                spec = WorkerSpec(rank, self.world_size, payload, init_method,
+                                  distributed_backend(config, platform), threads, os.getpid(),
+                                  logging.getLogger("llmkit").getEffectiveLevel())
+                proc = spawn.Process(target=run_worker, args=(spec, self.ring.handle, child_end),
+                                     name=f"llmkit-worker-{rank}", daemon=True)
+                proc.start()
+                child_end.close()
+                self.workers.append(_WorkerHandle(rank, proc, parent_end))
+            ready = [pickle.loads(self._recv(w, TAG_READY)[1:]) for w in self.workers]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("multiproc executor: worker pids %s",
+                    " ".join(f"rank{w.rank}={w.proc.pid}" for w in self.workers))
+        first: WorkerReady = ready[0]
+        self._facts: ModelFacts = first.model_facts
+        self._backend: BackendInfo = first.backend_info
+        # Every rank holds its own KV heads for every block: a block costs the sum.
+        self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
+
+    # -- the executor interface ------------------------------------------------------------
+    @property
+    def model_facts(self) -> ModelFacts:
+        return self._facts
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        return self._backend
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._kv_bytes
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(encode_init_kv(num_blocks))
+        for w in self.workers:
+            self._recv(w, TAG_KV_READY)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast(OP_EXECUTE + self._encoder.encode(scheduler_output))
+        data = self._recv(self.workers[0], TAG_OUTPUT)
+        return self._decoder.decode_output(memoryview(data)[1:])
+
+    def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
+        workers, self.workers = getattr(self, "workers", []), []
+        if workers and self._failed is None:
+            try:
+                self.ring.enqueue(OP_SHUTDOWN, check_alive=lambda: self._check_alive(workers))
+            except WorkerDiedError:
+                pass
+        # A failed engine does not wait: the other ranks may sit in a collective forever.
+        deadline = time.monotonic() + (5.0 if self._failed is None else 0.0)
+        for w in workers:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=2.0)
+            w.conn.close()
+        ring = getattr(self, "ring", None)
+        if ring is not None:
+            ring.close()
+            self.ring = None
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _broadcast(self, message: bytes) -> None:
+        if self._failed is not None:
+            raise WorkerDiedError(self._failed)
+        self.ring.enqueue(message, check_alive=lambda: self._check_alive(self.workers))
+
+    def _check_alive(self, workers: list[_WorkerHandle]) -> None:
+        for w in workers:
+            if not w.proc.is_alive():
+                self._fail(w, None)
+
+    def _recv(self, target: _WorkerHandle, tag: bytes) -> bytes:
+        """The next reply of ``target`` (it must start with ``tag``); raises as soon as any
+        worker reports an error or its process ends. Other ranks' replies that arrive
+        meanwhile wait in their inbox."""
+        if self._failed is not None:
+            raise WorkerDiedError(self._failed)
+        by_conn = {w.conn: w for w in self.workers}
+        by_sentinel = {w.proc.sentinel: w for w in self.workers}
+        while not target.inbox:
+            ready = connection.wait([*by_conn, *by_sentinel])
+            for obj in ready:  # replies first: an error report says why, a sentinel does not
+                w = by_conn.get(obj)
+                if w is None:
+                    continue
+                try:
+                    data = obj.recv_bytes()
+                except (EOFError, OSError):
+                    self._fail(w, None)
+                if data[:1] == TAG_ERROR:
+                    self._fail(w, data[1:].decode("utf-8", "replace"))
+                w.inbox.append(data)
+            for obj in ready:
+                if obj in by_sentinel:
+                    self._fail(by_sentinel[obj], None)
+        data = target.inbox.popleft()
+        if data[:1] != tag:
+            self._fail(target, f"unexpected reply {data[:1]!r} (wanted {tag!r})")
+        return data
+
+    def _fail(self, w: _WorkerHandle, message: str | None) -> None:
+        w.proc.join(timeout=0.5)
+        code = w.proc.exitcode
+        why = message or (f"the process ended with exit code {code}" if code is not None
+                          else "its pipe closed")
+        self._failed = f"worker rank {w.rank} (pid {w.proc.pid}) failed: {why}"
+        logger.error("%s", self._failed)
+        raise WorkerDiedError(self._failed)

@@ -1,0 +1,78 @@
+"""Start-up checks of the ``parallel`` group against the model and the machine: one-line
+``ConfigError``s naming the key, before any worker starts."""
+from __future__ import annotations
+
+import os
+
+from llmkit.config.errors import ConfigError
+from llmkit.config.schema import EngineConfig
+from llmkit.platforms.base import Platform
+
+#: CPU ranks allowed per usable core: ranks beyond the cores share them (tiny models in tests
+#: run TP=2 x PP=2 on two cores), more would only thrash.
+CPU_RANKS_PER_CORE = 2
+
+
+def distributed_backend(config: EngineConfig, platform: Platform) -> str:
+    choice = config.parallel.distributed_backend
+    if choice != "auto":
+        return choice
+    return "nccl" if platform.device.type == "cuda" else "gloo"
+
+
+def max_ranks(platform: Platform) -> tuple[int, str]:
+    """How many ranks this machine allows, and why."""
+    if platform.device.type == "cuda":
+        import torch
+        n = torch.cuda.device_count()
+        return n, f"{n} CUDA device(s)"
+    cores = len(os.sched_getaffinity(0))
+    return CPU_RANKS_PER_CORE * cores, f"{CPU_RANKS_PER_CORE} per usable CPU core ({cores})"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -> None:
+    """Raise ``ConfigError`` where the sizes do not fit the model or the machine, or name what
+    is not supported yet."""
+    par = config.parallel
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if pp > 1:
+        raise ConfigError("parallel.pipeline_parallel_size", pp, "1 (pipeline parallel is not "
+                          "implemented yet)")
+    if par.data_parallel_size > 1:
+        raise ConfigError("parallel.data_parallel_size", par.data_parallel_size,
+                          "1 (data parallel is not implemented yet)")
+    if par.enable_expert_parallel:
+        raise ConfigError("parallel.enable_expert_parallel", True,
+                          "false (no MoE architecture is implemented yet)")
+    spec = config.speculative
+    if spec.enabled or spec.target:
+        raise ConfigError("speculative.name", spec.name, "none with several workers "
+                          "(speculative decoding under tensor parallel is not implemented yet)")
+    if distributed_backend(config, platform) == "nccl" and platform.device.type != "cuda":
+        raise ConfigError("parallel.distributed_backend", "nccl", "auto or gloo on a CPU")
+    world = par.world_size
+    limit, why = max_ranks(platform)
+    if world > limit:
+        raise ConfigError("parallel.tensor_parallel_size", tp,
+                          f"at most {limit} ranks in all on this machine ({why}); "
+                          f"tensor_parallel_size * pipeline_parallel_size = {world}")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ConfigError("parallel.tensor_parallel_size", tp,
+                          f"a divisor of the model's {heads} attention heads ({_divisors(heads)})")
+    if kv_heads % tp and tp % kv_heads:
+        raise ConfigError("parallel.tensor_parallel_size", tp,
+                          f"a divisor or a multiple of the model's {kv_heads} KV heads")
+    inter = getattr(hf_config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise ConfigError("parallel.tensor_parallel_size", tp,
+                          f"a divisor of the model's intermediate_size {inter}")
+    layers = hf_config.num_hidden_layers
+    if pp > layers:
+        raise ConfigError("parallel.pipeline_parallel_size", pp,
+                          f"at most the model's {layers} layers")

@@ -1,0 +1,123 @@
+"""The worker-process side of ``executor=multiproc`` (vLLM's WorkerProc): one process per rank
+runs a :class:`Worker` and reads every step from the shared-memory ring.
+
+Messages on the ring start with an opcode byte: ``E`` a step (``SchedulerOutput`` as msgpack),
+``K`` allocate the KV cache (8-byte block count), ``S`` stop. Replies go back on the rank's
+own pipe, first byte a tag: ``R`` ready (pickled facts, once), ``O`` rank 0's step output
+(msgpack), ``k`` KV cache allocated, ``X`` an error (the worker exits after it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import struct
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+OP_EXECUTE, OP_INIT_KV, OP_SHUTDOWN = b"E", b"K", b"S"
+TAG_READY, TAG_OUTPUT, TAG_KV_READY, TAG_ERROR = b"R", b"O", b"k", b"X"
+_BLOCKS = struct.Struct("<q")
+
+
+def encode_init_kv(num_blocks: int) -> bytes:
+    return OP_INIT_KV + _BLOCKS.pack(num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """What a worker reports once its shard is loaded."""
+
+    kv_cache_bytes_per_block: int
+    model_facts: Any
+    backend_info: Any
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker process starts from (pickled once, at spawn)."""
+
+    rank: int
+    world_size: int
+    config: dict  # EngineConfig.model_dump(mode="json", by_alias=True)
+    init_method: str  # torch.distributed's rendezvous
+    backend: str  # gloo / nccl
+    num_threads: int
+    parent_pid: int
+    log_level: int
+
+
+def run_worker(spec: WorkerSpec, ring_handle, conn) -> None:
+    """A worker process's main: build the rank's shard, then serve the ring until told to
+    stop, the parent dies, or a step fails (the error goes to the parent, then exit 1)."""
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{spec.rank} "
+                        "%(levelname)s %(name)s: %(message)s")
+    try:
+        _serve(spec, ring_handle, conn)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - everything is reported, then the process ends
+        message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        try:
+            conn.send_bytes(TAG_ERROR + message.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+def build_worker(spec: WorkerSpec):
+    """Join the process group and load the rank's shard (multiproc's and Ray's workers)."""
+    import torch
+
+    from llmkit.config.schema import EngineConfig
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.platforms import resolve_platform
+    from llmkit.worker.worker import Worker
+
+    config = EngineConfig.model_validate(spec.config)
+    platform = resolve_platform(config.platform)
+    platform.apply_runtime_settings()
+    torch.set_num_threads(spec.num_threads)  # this rank's share of the cores
+    torch.distributed.init_process_group(spec.backend, init_method=spec.init_method,
+                                         rank=spec.rank, world_size=spec.world_size)
+    return Worker(config, platform, tp=TensorParallelGroup(spec.rank, spec.world_size))
+
+
+def _serve(spec: WorkerSpec, ring_handle, conn) -> None:
+    from llmkit.distributed.shm_broadcast import ShmRingBuffer
+    from llmkit.executor.step_codec import StepDecoder, StepEncoder
+
+    worker = build_worker(spec)
+    ring = ShmRingBuffer.attach(ring_handle, spec.rank)
+    conn.send_bytes(TAG_READY + pickle.dumps(WorkerReady(
+        worker.kv_cache_bytes_per_block(), worker.model_facts, worker.backend_info)))
+    decoder, encoder = StepDecoder(), StepEncoder()
+    output_rank = spec.rank == 0
+
+    def check_parent() -> None:
+        if os.getppid() != spec.parent_pid:
+            raise SystemExit(0)  # the engine is gone: nothing will read our results
+
+    try:
+        while True:
+            msg = ring.dequeue(on_idle=check_parent)
+            op = msg[:1]
+            if op == OP_EXECUTE:
+                out = worker.execute_model(decoder.decode(memoryview(msg)[1:]))
+                if output_rank:
+                    conn.send_bytes(TAG_OUTPUT + encoder.encode_output(out))
+            elif op == OP_INIT_KV:
+                worker.initialize_kv_cache(_BLOCKS.unpack_from(msg, 1)[0])
+                conn.send_bytes(TAG_KV_READY)
+            elif op == OP_SHUTDOWN:
+                break
+            else:
+                raise RuntimeError(f"unknown message {op!r} on the executor's ring")
+    finally:
+        worker.shutdown()
+        ring.close()
+    # Told to stop: leave at once. The interpreter's teardown (torch's, gloo's) takes seconds
+    # on a busy machine and has nothing left to save; a failure above still reports first.
+    os._exit(0)

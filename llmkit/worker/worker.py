@@ -1,0 +1,119 @@
+"""Worker: one rank's model shard, KV cache shard and runner (vLLM's Worker).
+
+The uniproc executor holds one in its own process; the multiproc and Ray executors hold one
+per rank in worker processes, each in its tensor-parallel group (``TensorParallelGroup``).
+Every rank runs the same step on its shard, samples the same tokens from the gathered logits
+(the same seeds, the same draws) and so keeps the same persistent batch; rank 0's output is the
+step's result.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmkit.attention import attention_backend_class
+from llmkit.config.schema import EngineConfig
+from llmkit.distributed.group import TensorParallelGroup
+from llmkit.facts import BackendInfo, ModelFacts
+from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
+from llmkit.linear.parallel import tensor_parallel_factory
+from llmkit.models.base import ModelContext
+from llmkit.models.layers.linear import Linear
+from llmkit.models.loader import ModelSource, build_model, resolve_model_source
+from llmkit.outputs import ModelRunnerOutput
+from llmkit.platforms.base import Platform
+from llmkit.sampling import SAMPLERS
+from llmkit.scheduler.base import SchedulerOutput
+from llmkit.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
+
+
+def linear_method_factory(model_config, platform: Platform,
+                          dtype: torch.dtype) -> LinearMethodFactory:
+    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
+    or a class path (``_target_`` style) is one method class, instantiated per layer."""
+    choice = model_config.linear_method
+    if choice == "auto":
+        return platform.linear_method_factory(dtype)
+    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
+    return lambda spec: cls()
+
+
+def model_facts(source: ModelSource) -> ModelFacts:
+    return ModelFacts(
+        max_model_len=source.max_model_len,
+        vocab_size=source.hf_config.vocab_size,
+        eos_token_id=source.eos_token_ids[0] if source.eos_token_ids else None,
+        eos_token_ids=tuple(source.eos_token_ids),
+    )
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, platform: Platform,
+                 model_source: ModelSource | None = None,
+                 tp: TensorParallelGroup = TensorParallelGroup()) -> None:
+        self.config = config
+        self.platform = platform
+        self.tp = tp
+        source = model_source or resolve_model_source(config.model)
+        dtype = resolve_dtype(config.model.dtype, platform)
+        ops = platform.ops(dtype)
+        attn = attention_backend_class(config.attention, platform)(ops)
+        linear = tensor_parallel_factory(linear_method_factory(config.model, platform, dtype), tp)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear, tp=tp)
+        torch.manual_seed(config.seed)
+        model = build_model(source, ctx, platform.device)
+        sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
+        self.model_facts = model_facts(source)
+        self._dtype = dtype
+        self._names = (attn.name, ops.name)
+        self.runner = ModelRunner(
+            model, attn, sampler,
+            max_num_reqs=config.scheduler.max_num_seqs,
+            max_model_len=source.max_model_len,
+            block_size=config.kv_cache.block_size,
+            num_lookahead_tokens=config.scheduler.num_lookahead_tokens,
+            kv_cache_dtype=dtype,
+            device=platform.device,
+        )
+        if tp.size == 1:
+            self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
+                model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
+        elif config.compilation.mode == "graphs":
+            logger.warning("compilation.mode=graphs: step graphs are not built under tensor "
+                           "parallel yet (their collectives); rank %d runs every step eagerly",
+                           tp.rank)
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        runner = self.runner
+        methods = sorted({m.method.describe() for m in runner.model.modules()
+                          if isinstance(m, Linear)})
+        graphs = runner.step_graphs
+        return BackendInfo(attention=self._names[0], ops=self._names[1],
+                           linear_methods=tuple(methods),
+                           dtype=str(self._dtype).removeprefix("torch."),
+                           device=str(self.platform.device),
+                           step_graphs=graphs.name if graphs is not None else None,
+                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """This rank's bytes per block (its KV heads only)."""
+        return self.runner.kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches.clear()
