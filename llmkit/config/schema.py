@@ -61,6 +61,10 @@ class ModelConfig(_Strict):
     # How linear layers compute: auto = the platform's choice per layer (llmkit/linear/);
     # a registered name (torch, ...) or a class path (package.module.Class) forces one.
     linear_method: str = "auto"
+    # Weights kept quantized (API.md "Quantization"): auto = what the checkpoint is (a GGUF's
+    # Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks stay packed), none = dequantize to model.dtype, int8 /
+    # fp8 = quantize a float checkpoint per output channel, gguf = keep a GGUF's blocks.
+    quantization: Literal["auto", "none", "int8", "fp8", "gguf"] = "auto"
     # Where the sampling defaults of requests that leave a field unset come from (vLLM's
     # --generation-config): auto = the model's (its folder's generation_config.json, then
     # generation_defaults below); vllm = none of the model's (SamplingParams' own defaults);

@@ -30,6 +30,9 @@ class ModelContext:
     dtype: torch.dtype = torch.float32
     ops: ModelOps = ModelOps()
     linear_method: LinearMethodFactory = lambda spec: TorchLinearMethod()
+    # model.quantization as resolved (none, gguf, int8, fp8): with gguf the loader hands a
+    # GGUF's kept blocks to the linear methods, which must be quantized ones
+    quantization: str = "none"
 
 
 class CausalLM(nn.Module, ABC):
