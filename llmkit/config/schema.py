@@ -272,7 +272,12 @@ class BenchConfig(_Strict):
     temperature: float = Field(default=0.0, ge=0)
     # -- offline benchmarks (throughput / latency) ------------------------------------------
     # throughput: also run this baseline on the same model and prompts and print the ratio
-    baseline: Literal["none", "hf"] = "none"
+    # (latency: llamacpp only)
+    baseline: Literal["none", "hf", "llamacpp"] = "none"
+    # llamacpp baseline: the folder holding llama-bench and llama-batched-bench (a llama.cpp
+    # build's bin/), and llama-bench's repetitions
+    llamacpp_bin_dir: str | None = None
+    llamacpp_reps: int = Field(default=3, ge=1)
     # hf baseline: prompts sorted by length, in batches of at most this many (padded left)
     hf_batch_size: int = Field(default=32, ge=1)
     # latency: one batch of this many requests, timed num_iters times after the warm-up
