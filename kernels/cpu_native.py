@@ -5,8 +5,9 @@ Eager torch spends most of a small model's decode step outside its matmuls: a Ll
 decode batches' attention gathers the context into a padded copy first. These kernels fuse each
 of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``,
 ``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
-K/V through the block table in place) and a small-batch ``linear`` (up to a few rows:
-decoding's GEMVs). Each op also has a fake (meta) implementation, so that step graphs
+K/V through the block table in place), a small-batch ``linear`` (up to a few rows:
+decoding's GEMVs) and ``lora_add_`` (each row's own LoRA adapter delta, every row and shard of a
+layer in one call: multi-LoRA decoding). Each op also has a fake (meta) implementation, so that step graphs
 (``torch.compile``) trace through them as opaque calls.
 The quantized-weight ops (``quant_repack``, ``quant_linear``, ``quant_dequantize``,
 ``quantize_activations_q8``: GGUF blocks, int8 and fp8 kept packed) are wrapped by
@@ -201,6 +202,10 @@ def _register_fakes() -> None:
     def _quant_dequantize(packed, format, out_features, in_features, scales=None, rows=None):
         n = out_features if rows is None else rows.shape[0]
         return packed.new_empty(n, in_features, dtype=torch.float32)
+
+    @fake(f"{lib}::lora_add_")
+    def _lora_add(y, x, lora_a, lora_b, row_slots, ranks, out_offsets):
+        return None
 
     @fake(f"{lib}::paged_decode_attention")
     def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale):

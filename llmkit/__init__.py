@@ -2,7 +2,8 @@
 from llmkit.outputs import CompletionOutput, Logprob, RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "LoRARequest"]
 __version__ = "0.1.0"
 
 
@@ -11,4 +12,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from llmkit.engine.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from llmkit.lora.base import LoRARequest
+        return LoRARequest
     raise AttributeError(f"module 'llmkit' has no attribute {name!r}")

@@ -79,7 +79,8 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
-        "cache_salt", "lora_id", "mm_hashes", "all_token_ids", "output_token_ids",
+        "cache_salt", "lora_id", "lora_name", "mm_hashes", "mm_features", "all_token_ids",
+        "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "stop_reason",
         "times", "block_hashes", "max_tokens", "arrival_index", "spec_token_ids",
         "structured_output_request",
@@ -97,6 +98,8 @@ class Request:
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_hashes: tuple[str, ...] = (),
+        lora_name: str | None = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -106,8 +109,12 @@ class Request:
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_id = lora_id
-        self.mm_hashes = tuple(mm_hashes)
+        self.lora_id = lora_id  # the LoRA adapter's lora_int_id (None = the base model)
+        self.lora_name = lora_name
+        # The prompt's images (llmkit.multimodal.MultiModalFeatureSpec), in prompt order:
+        # their placeholder ranges, content hashes and encoder inputs.
+        self.mm_features: list[Any] = list(mm_features or ())
+        self.mm_hashes = tuple(mm_hashes) or tuple(f.identifier for f in self.mm_features)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -164,6 +171,17 @@ class Request:
         if self.lora_id is None and not self.mm_hashes and self.cache_salt is None:
             return None
         return (self.lora_id, self.mm_hashes, self.cache_salt)
+
+    def block_extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
+        """The extra keys of the block of tokens ``[start, end)`` (vLLM's rule for images):
+        the hashes of the images whose placeholders it overlaps. Blocks before an image share
+        across requests with other images; the parent chain carries an image's hash into every
+        block after it."""
+        mm = tuple(f.identifier for f in self.mm_features
+                   if f.offset < end and start < f.offset + f.length)
+        if self.lora_id is None and not mm and self.cache_salt is None:
+            return None
+        return (self.lora_id, mm, self.cache_salt)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -183,7 +183,7 @@ def test_build_config_model_path(tmp_path, monkeypatch):
     (["scheduler.policy=bogus"],
      "scheduler.policy: got 'bogus'; allowed: one of: fcfs, priority"),
     (["attention=foo"], "attention: got 'foo'; allowed: auto, cpu, torch, triton"),
-    (["recipe=nope"], "recipe: got 'nope'; allowed: cpu-chat, cpu-default"),
+    (["recipe=nope"], "recipe: got 'nope'; allowed: cpu-chat, cpu-default, cpu-ngram"),
     (["model=nope"], "model: got 'nope'; allowed: custom, smollm2-135m-instruct (or "
      "model.path=PATH for an HF model folder or a .gguf file)"),
     (["server.port=70000"], "server.port: got 70000; allowed: an integer >= 0 and <= 65535"),

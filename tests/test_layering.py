@@ -25,11 +25,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"bench", "sim", "eval"}),
     # the front ends (LLM, AsyncLLM), the core loop and its process
     ("engine", {"engine"}),
-    # what the core assembles: who runs when, where KV lives, who computes, and how
+    # what the core assembles: who runs when, where KV lives, who computes, and how (lora:
+    # the runner's adapters and the LoRA methods it wraps the model's linear methods in)
     ("runtime", {"scheduler", "kv_cache", "worker", "executor", "spec_decode", "compilation",
-                 "platforms", "structured_output"}),
+                 "platforms", "structured_output", "lora"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
-    ("model", {"models", "attention", "sampling", "linear", "ops", "request"}),
+    ("model", {"models", "attention", "sampling", "linear", "ops", "request", "multimodal"}),
     # kernels (C++, Triton) with their torch references
     ("kernels", {"kernels"}),
     # plain data and the machinery every layer uses
@@ -42,6 +43,10 @@ ONLY = {
     # the platform picks linear methods, ops, step graphs and kernels for a device; it never
     # sees the models it serves nor the engine that asks
     "platforms": {"linear", "ops", "compilation", "kernels", "config", "registry"},
+    # proposers are called by the worker (after sampling) and read its batch through
+    # spec_decode.base.ProposerBatch: no arrow back into the worker, the engine or the scheduler
+    "spec_decode": {"models", "attention", "sampling", "linear", "ops", "request", "kernels",
+                    "config", "registry", "outputs", "facts", "startup"},
     # the cache folder, the build: nothing of the components that call them
     "kernels": {"config", "startup"},
     # below everything

@@ -25,7 +25,7 @@ class OracleProposer(Proposer):
         self.proposed = 0
         self.checks: list = []
 
-    def propose(self, batch, rows: np.ndarray) -> dict[str, list[int]]:
+    def propose(self, batch, rows: np.ndarray, step=None) -> dict[str, list[int]]:
         drafts = {}
         for row in rows.tolist():
             n_prompt = int(batch.num_prompt_tokens[row])

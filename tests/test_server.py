@@ -183,6 +183,12 @@ def test_models_health_docs(env, client):
         assert p in paths
 
 
+def test_lora_routes_absent_without_runtime_updates(env):
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        resp = httpx.post(env.server.url(route), json={"lora_name": "a", "lora_path": "/tmp"})
+        assert resp.status_code == 404 and error_body(resp)["code"] == "not_found"
+
+
 @pytest.mark.parametrize("page", ["/docs", "/redoc"])
 def test_docs_pages_need_no_network(env, page):
     """Swagger UI / ReDoc: every script, style sheet and icon the page loads comes from this

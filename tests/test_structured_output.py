@@ -4,8 +4,8 @@ offline engine on a tiny random Llama: outputs of JSON schemas, regexes, choices
 grammar are valid (an output cut by ``max_tokens`` is a valid prefix), batched with
 unconstrained requests whose greedy outputs they do not change.
 
-Constrained greedy with and without speculative decoding waits for issue 18 (drafts checked
-against the grammar): the manager's draft rows and rollback are tested here already.
+Constrained greedy with and without speculative decoding (drafts checked against the grammar)
+is tested in ``test_spec_decode.py``; the manager's draft rows and rollback are tested here.
 """
 from __future__ import annotations
 

@@ -214,3 +214,68 @@ def write_tiny_gguf(model_dir: Path, out: Path, weight_type: str | None = None,
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def build_eagle_head_dir(target_dir: Path, out: Path, *, seed: int = 0,
+                         num_layers: int = 1, fc_bias: bool = True) -> Path:
+    """A random EAGLE-1 head for the tiny model in ``target_dir``, saved as an EAGLE folder:
+    ``config.json`` (the target's Llama config with ``num_layers`` layers) and
+    ``model.safetensors`` with ``fc.weight`` (+ ``fc.bias``) and ``layers.N.*`` (layer 0
+    without ``input_layernorm``, as EAGLE trains it), plus the target's embedding (EAGLE
+    checkpoints carry it; llmkit shares the target's)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    target = AutoConfig.from_pretrained(str(target_dir))
+    config = LlamaConfig(**{**target.to_dict(), "num_hidden_layers": num_layers,
+                            "architectures": ["LlamaForCausalLM"]})
+    torch.manual_seed(seed)
+    h = config.hidden_size
+    tensors: dict[str, torch.Tensor] = {"fc.weight": torch.randn(h, 2 * h) * (3.0 / h ** 0.5)}
+    if fc_bias:
+        tensors["fc.bias"] = torch.randn(h) * 0.05
+    for i in range(num_layers):
+        layer = LlamaDecoderLayer(config, i)
+        for name, p in layer.state_dict().items():
+            if i == 0 and name.startswith("input_layernorm"):
+                continue
+            t = p.detach().clone().float()
+            t = t.uniform_(0.5, 1.5) if "norm" in name else t.normal_(0.0, 3.0 / h ** 0.5)
+            tensors[f"layers.{i}.{name}"] = t.contiguous()
+    tensors["embed_tokens.weight"] = load_file(str(target_dir / "model.safetensors"))[
+        "model.embed_tokens.weight"].clone()
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def build_successor_model_dir(out: Path, tokenizer, *, seed: int = 0,
+                              layer_scale: float = 0.5) -> Path:
+    """A tiny Llama whose greedy continuation counts up: the LM head is the embedding shifted by
+    one (token x's embedding scores x + 1), its layers' outputs scaled by ``layer_scale`` so
+    that they still move every logit (a wrong KV entry shows in the logprobs) without changing
+    the argmax. Prompts with ascending runs make its outputs copy from its inputs (n-gram
+    drafts get accepted where the run continues and rejected where the prompt's run ends)."""
+    from transformers import AutoModelForCausalLM
+
+    config = make_config("llama", tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            param.mul_(3.0)
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.nn.functional.normalize(torch.randn_like(emb), dim=1) * 8.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(torch.roll(emb, 1, dims=0))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

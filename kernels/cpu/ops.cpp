@@ -6,6 +6,7 @@
 #include "cache.h"
 #include "decode_attention.h"
 #include "linear.h"
+#include "lora.h"
 #include "norm.h"
 #include "quant_activation.h"
 #include "quant_linear.h"
@@ -22,6 +23,8 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
+        "Tensor ranks, int[] out_offsets) -> ()");
   // Quantized weights (quant_*.h): repack GGUF blocks / int8 / fp8 rows into the packed x8
   // layout, read it back as floats, and multiply with it.
   m.def("quant_repack(Tensor raw, str format, int in_features) -> Tensor");
@@ -41,6 +44,7 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
+  m.impl("lora_add_", &llmkit_cpu::lora_add_);
   m.impl("quant_repack", &llmkit_cpu::quant::quant_repack);
   m.impl("quant_dequantize", &llmkit_cpu::quant::quant_dequantize);
   m.impl("quant_linear", &llmkit_cpu::quant::quant_linear);

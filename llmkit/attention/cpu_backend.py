@@ -120,6 +120,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     # Below this many decode rows the compiled kernel has too little to spread over the threads
     # and the torch path (gather + SDPA, whose gather then fits in cache) is a little faster.
     min_compiled_decode_rows = 8
+    # With the C++ kernels, rows of at most this many query tokens run as decode rows, one
+    # per token (speculative verification: 1 + K tokens).
+    max_expanded_query_len = 16
 
     def __init__(self, ops: ModelOps | None = None) -> None:
         super().__init__(ops)
@@ -152,7 +155,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _in_place_metadata(self, m: AttentionMetadata, fields: dict,
                          decode_rows: list[int]) -> CpuAttentionMetadata:
-        qsl = m.query_start_loc_cpu
+        qsl, seq_lens = m.query_start_loc_cpu, m.seq_lens_cpu
+        # Short multi-token rows (a decoding request verifying draft tokens, a small chunk)
+        # run as one decode row per token, token j seeing its row's context up to itself:
+        # every K/V is written before attention, so this is the causal result, from the
+        # kernel plain decoding uses (not one SDPA call per row).
+        short = [i for i in range(m.num_reqs)
+                 if 1 < qsl[i + 1] - qsl[i] <= self.max_expanded_query_len]
+        if short:
+            return self._expanded_metadata(m, fields, sorted(decode_rows + short))
         all_decode = len(decode_rows) == m.num_reqs
         decode = None
         if decode_rows:
@@ -162,6 +173,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 token_rows=torch.tensor([qsl[i] for i in decode_rows]),
                 block_table=m.block_table[rows, :nblk], seq_lens=m.seq_lens[rows])
         prefills = [] if all_decode else super().build_metadata(m).prefills
+        return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
+                                    all_decode=all_decode)
+
+    def _expanded_metadata(self, m: AttentionMetadata, fields: dict,
+                           rows: list[int]) -> CpuAttentionMetadata:
+        qsl, seq_lens = m.query_start_loc_cpu, m.seq_lens_cpu
+        token_rows, owners, lens = [], [], []
+        for i in rows:
+            start, end = qsl[i], qsl[i + 1]
+            first = seq_lens[i] - (end - start) + 1
+            token_rows.extend(range(start, end))
+            owners.extend([i] * (end - start))
+            lens.extend(range(first, first + end - start))
+        nblk = -(-max(seq_lens[i] for i in rows) // m.block_size)
+        all_decode = len(rows) == m.num_reqs
+        decode = PagedDecodePlan(
+            token_rows=torch.tensor(token_rows),
+            block_table=m.block_table[torch.tensor(owners), :nblk].contiguous(),
+            seq_lens=torch.tensor(lens, dtype=torch.int32))
+        prefills = []
+        if not all_decode:
+            keep = set(rows)
+            prefills = [p for p in super().build_metadata(m).prefills
+                        if not any(qsl[i] == p.start for i in keep)]
         return CpuAttentionMetadata(**fields, decode=decode, prefills=prefills,
                                     all_decode=all_decode)
 

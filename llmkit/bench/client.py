@@ -79,7 +79,8 @@ class LoadResult:
 
 
 def _payload(req: WorkloadRequest, opts: ClientOptions, model: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
+    body: dict[str, Any] = {"model": req.lora_name or model, "max_tokens": req.max_tokens,
+                            "stream": True,
                             "stream_options": {"include_usage": True,
                                                "continuous_usage_stats": True},
                             "temperature": opts.temperature}

@@ -15,6 +15,10 @@ Datasets (``bench.dataset``):
 - ``jsonl``: ``dataset_path``, one ``{"prompt": str | [token ids], "max_tokens": int}`` per
   line (``max_tokens`` defaults to ``output_len``); the first ``num_requests`` lines.
 
+``lora_names`` spreads the requests over LoRA adapters: request ``i`` (in arrival order) runs
+with ``lora_names[i % len(lora_names)]`` (sent as its ``model``; offline, the ``lora.modules``
+adapter of that name).
+
 ``prompt_format=text`` turns token-id prompts into text (decoded, then re-encoded to count its
 tokens) for servers that accept only text.
 """
@@ -62,6 +66,8 @@ class WorkloadRequest:
     prompt_len: int | None = None
     # shared_prefix: which prefix the prompt starts with
     prefix_id: int | None = None
+    # bench.lora_names: the LoRA adapter (served name) this request runs with; None = base
+    lora_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -196,4 +202,7 @@ def build_workload(cfg: Any, tokenizer: TokenizerLike | None = None) -> list[Wor
         _as_text(reqs, tokenizer)
     for r, t in zip(reqs, arrival_times(len(reqs), cfg.rate, cfg.arrival, seed=cfg.seed)):
         r.arrival_s = t
+    names = list(getattr(cfg, "lora_names", None) or ())
+    for i, r in enumerate(reqs):  # round robin over the adapters, in arrival order
+        r.lora_name = names[i % len(names)] if names else None
     return reqs

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from llmkit.bench.datasets import build_workload
 from llmkit.bench.metrics import stats
+from llmkit.config.errors import ConfigError
 
 __all__ = ["format_latency", "run_latency"]
 
@@ -27,6 +28,10 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     from llmkit.engine.step_trace import StepTrace
 
     b = cfg.bench
+    if b.lora_names:
+        raise ConfigError("bench.lora_names", list(b.lora_names), "", message=(
+            "bench latency runs the base model only; spread requests over adapters with "
+            "bench serve or bench throughput"))
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
@@ -74,6 +79,18 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         "decode_tokens_per_s": (sum(s["decode_tokens"] for s in steps)
                                 / (sum(decode) / 1e3) if decode else None),
     }
+    if cfg.engine.speculative.enabled:
+        drafts = sum(s["spec_drafts"] for s in steps)
+        proposed = sum(s["spec_draft_tokens"] for s in steps)
+        accepted = sum(s["spec_accepted_tokens"] for s in steps)
+        # decode_tokens counts the verified drafts; what the requests gained is this
+        summary["decode_tokens_per_s"] = (
+            (sum(s["decode_tokens"] for s in steps) - proposed + accepted) / (sum(decode) / 1e3)
+            if decode else None)
+        summary["spec_decode"] = {
+            "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
     baseline = ratio = None
     if llamacpp_dir is not None:
         from llmkit.bench.llamacpp_baseline import run_llamacpp
@@ -107,7 +124,15 @@ def format_latency(result: Mapping[str, Any]) -> str:
         f"  decode step     mean {f(dc['mean'], unit=' ms')}  p50 {f(dc['p50'], unit=' ms')}  "
         f"p99 {f(dc['p99'], unit=' ms')}  ({s['num_decode_steps']} steps)",
         f"  decode tokens/s {f(s['decode_tokens_per_s'])}",
-    ] + _llamacpp_lines(result))
+    ] + ([_spec_line(s["spec_decode"])] if s.get("spec_decode") else [])
+      + _llamacpp_lines(result))
+
+
+def _spec_line(spec: Mapping[str, Any]) -> str:
+    return (f"  speculative     {spec['num_drafts']} drafts, {spec['num_draft_tokens']} draft "
+            f"tokens, {spec['num_accepted_tokens']} accepted (rate "
+            f"{100 * spec['acceptance_rate']:.1f}%, mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f})")
 
 
 def _llamacpp_lines(result: Mapping[str, Any]) -> list[str]:

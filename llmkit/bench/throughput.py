@@ -2,7 +2,8 @@
 against the Hugging Face ``generate`` baseline on the same model, prompts and lengths.
 
 All requests of the workload (``bench.dataset`` etc.; arrival times are ignored) go to one
-``LLM.generate`` call after an untimed warm-up request. Throughputs count completed requests
+``LLM.generate`` call after an untimed warm-up request; with ``bench.lora_names`` each runs
+with its ``lora.modules`` adapter. Throughputs count completed requests
 and their generated tokens over the wall time of that call. With ``bench.baseline=hf`` (or the
 shorthand ``baseline=hf``) the same prompt token ids run through ``transformers`` afterwards in
 the same process and thread count; ``ratio`` is llmkit's throughput over the baseline's (ratios,
@@ -17,7 +18,30 @@ from typing import Any, Mapping
 
 from llmkit.bench.datasets import build_workload
 
-__all__ = ["format_throughput", "run_throughput"]
+__all__ = ["format_spec_decode", "format_throughput", "run_throughput",
+           "spec_decode_summary"]
+
+
+def spec_decode_summary(before: Any, after: Any) -> dict[str, Any]:
+    """Speculative decoding over a run: the difference of two ``SpecDecodeStats`` snapshots,
+    with API.md's rates."""
+    drafts = after.num_drafts - before.num_drafts
+    proposed = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_position[i] if i < len(before.accepted_per_position)
+                    else 0) for i, a in enumerate(after.accepted_per_position)]
+    return {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "accepted_per_position": per_pos,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+def format_spec_decode(spec: Mapping[str, Any]) -> str:
+    return (f"  speculative: {spec['num_drafts']} drafts, {spec['num_draft_tokens']} draft "
+            f"tokens, {spec['num_accepted_tokens']} accepted (rate "
+            f"{100 * spec['acceptance_rate']:.1f}%, mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}; per position "
+            f"{spec['accepted_per_position']})")
 
 
 def _engine_facts(llm: Any) -> dict[str, Any]:
@@ -30,6 +54,24 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
             "device": torch.device(info.device), "backend": dataclasses.asdict(info)}
 
 
+def _lora_requests(llm: Any, workload: list) -> list:
+    """Each request's adapter (``bench.lora_names``: names of ``lora.modules`` adapters)."""
+    from llmkit.bench.datasets import WorkloadError
+
+    names = {r.lora_name for r in workload} - {None}
+    if not names:
+        return [None] * len(workload)
+    if not llm.config.lora.enabled:
+        raise WorkloadError("bench.lora_names needs lora.enabled=true and the adapters in "
+                            "lora.modules")
+    loaded = {lr.lora_name: lr for lr in llm.list_loras()}
+    missing = sorted(names - set(loaded))
+    if missing:
+        raise WorkloadError(f"bench.lora_names: {', '.join(missing)} not in lora.modules "
+                            f"(loaded: {', '.join(sorted(loaded)) or 'none'})")
+    return [loaded[r.lora_name] if r.lora_name else None for r in workload]
+
+
 def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                    llm: Any = None) -> dict[str, Any]:
     """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
@@ -38,6 +80,10 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     from llmkit.bench.results import make_result
 
     b = cfg.bench
+    if b.lora_names and b.baseline == "hf":
+        from llmkit.bench.datasets import WorkloadError
+        raise WorkloadError("bench.baseline=hf runs the base model without adapters; it cannot "
+                            "be compared with bench.lora_names")
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
@@ -50,12 +96,16 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=b.ignore_eos,
                              temperature=b.temperature, seed=b.seed if b.temperature else None)
               for r in workload]
+    loras = _lora_requests(llm, workload)
     facts = _engine_facts(llm)
     llm.generate(prompts[0], SamplingParams(max_tokens=min(4, workload[0].max_tokens),
-                                            ignore_eos=True), use_tqdm=False)
+                                            ignore_eos=True), use_tqdm=False,
+                 lora_request=loras[0])
+    spec_before = llm.engine.stats().spec_decode
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=b.progress)
+    outs = llm.generate(prompts, params, use_tqdm=b.progress, lora_request=loras)
     elapsed = time.perf_counter() - t0
+    spec = spec_decode_summary(spec_before, llm.engine.stats().spec_decode)
     prompt_ids = [list(o.prompt_token_ids) for o in outs]
     records = [{"prompt_tokens": len(o.prompt_token_ids),
                 "output_tokens": sum(len(c.token_ids) for c in o.outputs),
@@ -69,6 +119,8 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                "total_input_tokens": in_tok, "total_output_tokens": out_tok,
                "dtype": str(facts["dtype"]), "num_threads": facts["num_threads"],
                "device": str(facts["device"]), "backend": facts["backend"]}
+    if cfg.engine.speculative.enabled:
+        summary["spec_decode"] = spec
     baseline = ratio = None
     if b.baseline == "hf":
         model_path = llm.model_source.path
@@ -119,6 +171,8 @@ def format_throughput(result: Mapping[str, Any]) -> str:
              f"(dtype {s['dtype']}, {s['num_threads']} threads, {s.get('device', 'cpu')})",
              f"  llmkit: {s['duration_s']:8.2f} s  {s['request_throughput']:9.2f} req/s  "
              f"{s['output_throughput']:10.1f} output tok/s"]
+    if s.get("spec_decode"):
+        lines.append(format_spec_decode(s["spec_decode"]))
     base = result.get("baseline")
     if base and base.get("name") == "llamacpp":
         lines.append(f"  llama.cpp: {base['elapsed_s']:8.2f} s  {base['request_throughput']:9.2f} "

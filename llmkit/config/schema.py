@@ -91,6 +91,11 @@ class SchedulerConfig(_Component):
     num_lookahead_tokens: int = Field(default=0, ge=0)
     # A prefill longer than this is cut into chunks of at most this many tokens (0 = off).
     long_prefill_token_threshold: int = Field(default=0, ge=0)
+    # Multimodal models (vLLM's names): the encoder cache holds this many image tokens'
+    # encoder outputs (an image repeated while cached is encoded once); a step encodes images
+    # of at most this many tokens in all (an image is never split across steps).
+    encoder_cache_size: int = Field(default=8192, ge=1)
+    max_num_encoder_input_tokens: int = Field(default=8192, ge=1)
 
 
 class KVCacheConfig(_Component):
@@ -150,6 +155,135 @@ class PlatformConfig(_Component):
     # if not); on: fail at start-up if they cannot be built; off: torch ops only.
     native_kernels: Literal["auto", "on", "off"] = "auto"
 
+
+class LoRAConfig(_Strict):
+    """Multi-LoRA serving (``llmkit/lora/``): PEFT adapters applied per request, many in a batch.
+
+    A *slot* is one adapter's room in every LoRA layer's stacked buffers, bought at start-up:
+    ``max_loras`` slots of ``max_lora_rank`` (A and B of every q/k/v/o/gate/up/down projection,
+    the LM head and the embedding), whatever adapters are loaded. The engine logs a slot's size.
+    """
+
+    enabled: bool = False
+    # Adapters resident in the model's stacked buffers at once: at most this many distinct
+    # adapters run in one step (others wait their turn; nothing is refused for lack of a slot).
+    max_loras: int = Field(default=4, ge=1)
+    # The largest adapter rank accepted (the buffers' width: a slot's cost grows with it).
+    max_lora_rank: int = Field(default=16, ge=1)
+    # Adapters kept loaded in (CPU) memory, LRU; null = max_loras. Evicted ones are read from
+    # their folder again when needed.
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    # Adapters loaded at start, "name=path" (a PEFT folder); their ids are 1, 2, ... in order.
+    modules: list[str] = Field(default_factory=list)
+    # The server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: the routes do
+    # not exist).
+    allow_runtime_updates: bool = False
+    # Folders under which runtime loads may read adapters (a path outside, or with "..", is
+    # refused with 403). Empty = every runtime load is refused.
+    allowed_paths: list[str] = Field(default_factory=list)
+    # Starvation bound: a waiting request passed over this many steps because its adapter had
+    # no free slot stops requests queued behind it from being admitted until it is.
+    max_skipped_steps: int = Field(default=8, ge=1)
+    # The adapter (a lora.modules name) `llmkit generate` and `llmkit chat` run with; null =
+    # the base model. (The server and LLM pick an adapter per request.)
+    cli_adapter: str | None = None
+
+    @field_validator("modules")
+    @classmethod
+    def _name_equals_path(cls, v: list[str]) -> list[str]:
+        names = set()
+        for item in v:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"each entry must be name=path (a PEFT adapter folder), got "
+                                 f"{item!r}")
+            if name in names:
+                raise ValueError(f"adapter name {name!r} appears twice")
+            names.add(name)
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_holds_slots(self) -> "LoRAConfig":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"lora.max_cpu_loras ({self.max_cpu_loras}) must be >= "
+                             f"lora.max_loras ({self.max_loras})")
+        if not self.enabled and (self.modules or self.allow_runtime_updates):
+            raise ValueError("lora.modules and lora.allow_runtime_updates need "
+                             "lora.enabled=true")
+        if self.cli_adapter is not None:
+            names = [name for name, _ in self.module_list()]
+            if self.cli_adapter not in names:
+                raise ValueError(f"lora.cli_adapter {self.cli_adapter!r} is not an adapter of "
+                                 f"lora.modules (names: {', '.join(names) or 'none'})")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+    def module_list(self) -> list[tuple[str, str]]:
+        """``lora.modules`` as ``(name, path)`` pairs, in order."""
+        return [tuple(item.split("=", 1)) for item in self.modules]  # type: ignore[misc]
+
+class SpeculativeConfig(_Component):
+    """Speculative decoding (group ``speculative``; vLLM's keys where vLLM has them): a
+    proposer drafts up to ``num_speculative_tokens`` tokens per decoding request and step, the
+    target verifies them in one forward (``llmkit/spec_decode/``)."""
+
+    # none | ngram | draft_model | eagle, or a registered proposer / a _target_ class path
+    name: str = "none"
+    # K: the most draft tokens per request and step
+    num_speculative_tokens: int = Field(default=0, ge=0)
+    # ngram (prompt lookup): the suffix lengths tried, longest first
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=5, ge=1)
+    # draft_model: a smaller model with the target's vocabulary (a preset, an HF folder or a
+    # .gguf); eagle: an EAGLE head's folder (config.json + weights)
+    model: str | None = None
+    # K shrinks as more rows are drafted, to 0 where rows x (1 + K) passes the ridge point
+    adaptive: bool = False
+    # vLLM's: no drafts in a step whose batch has at least this many running requests
+    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    # The tokens per forward where the model stops being memory-bound on this machine (what
+    # `adaptive` compares against); null = the platform measures it at start-up (a short timing
+    # of the model's forward at a few token counts). `llmkit sim` derives it from the profile.
+    ridge_tokens: int | None = Field(default=None, ge=1)
+    # `llmkit sim` only (no real engine reads it): the acceptance model, P(draft j accepted |
+    # drafts before it accepted) for j = 0, 1, ...; the last value repeats past the list
+    acceptance_rates: list[float] = Field(default_factory=lambda: [0.8, 0.7, 0.6, 0.5])
+
+    @field_validator("acceptance_rates")
+    @classmethod
+    def _probabilities(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 <= x <= 1.0 for x in v):
+            raise ValueError(f"must be a non-empty list of probabilities in [0, 1], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculativeConfig":
+        if not self.enabled:
+            return self
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative.num_speculative_tokens must be >= 1 with "
+                             f"speculative={self.target or self.name}, got "
+                             f"{self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must "
+                             f"be <= speculative.prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.name in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative.model is required with speculative={self.name} "
+                             "(a path or preset of the draft model / EAGLE head)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none" or self.target is not None
+
+    @property
+    def runs_a_model(self) -> bool:
+        """Draft model and EAGLE write KV of their own at the draft positions (lookahead);
+        a ``_target_`` proposer may too."""
+        return self.name in ("draft_model", "eagle") or self.target is not None
 
 class CompilationConfig(_Strict):
     """Step graphs (``llmkit/compilation/``): decode steps run as a compiled graph (CPU:
@@ -214,6 +348,28 @@ class ServerConfig(_Strict):
     # parser's name, or auto = the one for the model's format (Hermes `<tool_call>` when the
     # model names none).
     tool_call_parser: str = "auto"
+    # Hosts whose http(s) image URLs a chat request may name (fetched by the server), e.g.
+    # ["images.example.com"]. Empty = none: images come as data: URLs.
+    allowed_media_domains: list[str] = Field(default_factory=list)
+
+
+class MultiModalConfig(_Strict):
+    # An image larger than this (encoded bytes) is refused (HTTP 400).
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    # vLLM's limit_mm_per_prompt: the most items of each modality one prompt may carry.
+    limit_mm_per_prompt: dict[Literal["image"], int] = Field(
+        default_factory=lambda: {"image": 8})
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
+        for k, n in v.items():
+            if n < 0:
+                raise ValueError(f"{k}: must be >= 0, got {n}")
+        return v
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, 8)
 
 
 class BenchConfig(_Strict):
@@ -232,6 +388,9 @@ class BenchConfig(_Strict):
     endpoint: Literal["completions", "chat"] = "completions"
     # The served model name; null = the first entry of GET /v1/models.
     model: str | None = None
+    # Spread the requests over these LoRA adapters (served names; request i uses
+    # lora_names[i % len]). bench throughput: names of lora.modules. Empty = the base model.
+    lora_names: list[str] = Field(default_factory=list)
     # Bearer token; null = the LLMKIT_API_KEY / OPENAI_API_KEY environment variables.
     api_key: str | None = None
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -427,7 +586,10 @@ class EngineConfig(_Strict):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None
@@ -441,6 +603,11 @@ class EngineConfig(_Strict):
                 f"scheduler.max_num_batched_tokens ({s.max_num_batched_tokens}) must be >= "
                 f"model.max_model_len ({self.model.max_model_len}) when "
                 "scheduler.enable_chunked_prefill is false, or long prompts could never run")
+        spec = self.speculative
+        if spec.runs_a_model and s.num_lookahead_tokens < spec.num_speculative_tokens:
+            # A draft model writes its KV at up to K positions past the verified ones (vLLM
+            # sets num_lookahead_slots the same way).
+            s.num_lookahead_tokens = spec.num_speculative_tokens
         return self
 
 

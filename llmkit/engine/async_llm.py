@@ -49,11 +49,12 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
+from llmkit.lora.base import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
 from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
@@ -143,9 +144,15 @@ class AsyncLLM:
         self.model_facts = self.engine_core.model_facts
         self.max_model_len = self.model_facts.max_model_len
         self.vocab_size = self.model_facts.vocab_size
-        self._inputs = InputProcessor(self.tokenizer, self.model_facts, engine_config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.model_facts,
+                                             engine_config)
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def multimodal_processor(self):
+        """The served model's ``llmkit.multimodal.MultiModalProcessor``; None: text only."""
+        return self._inputs.mm_processor
+
     @property
     def is_running(self) -> bool:
         return not self._shutdown and not self.engine_core.is_dead
@@ -207,12 +214,17 @@ class AsyncLLM:
                           n: int | None = None, priority: int = 0,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                           prompt_text: str | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, admit and send a request; return its stream. Raises ``ValueError`` (bad
         input: empty or too long a prompt, token ids outside the vocabulary, duplicate id),
         ``EngineOverloadedError`` (queue full) or ``EngineDeadError``, before anything is
-        sent. ``n`` overrides ``sampling_params.n``."""
+        sent. ``n`` overrides ``sampling_params.n``. ``lora_request``: the adapter to run
+        with (the engine loads it the first time it is named; a bad one fails this request)."""
         self._bind_loop()
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got "
+                            f"{type(lora_request).__name__}")
         if self._shutdown:
             raise EngineDeadError("the engine is shutting down")
         if self.engine_core.is_dead:
@@ -224,6 +236,7 @@ class AsyncLLM:
             params = dataclasses.replace(params, n=n)
         p = self._inputs.process(prompt, params, cache_salt=cache_salt)
         text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
+        mm_features = p.mm_features
         if prompt_text is not None:
             text = prompt_text
         num_pending = self._tracker.num_pending
@@ -238,7 +251,8 @@ class AsyncLLM:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
             messages = [self.engine_core.encode(EngineCoreRequest(
-                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt))
+                cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt,
+                lora_request=lora_request, mm_features=mm_features))
                 for cid, cp in children]
         except Exception:
             self._tracker.drop_processor_state([cid for cid, _ in children])
@@ -255,6 +269,7 @@ class AsyncLLM:
                        priority: int = 0,
                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                        cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes (cumulative by default; ``DELTA``
         yields only what is new). Leaving the loop early (break, cancellation, an error)
@@ -263,7 +278,7 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = await self.add_request(request_id, prompt, sampling_params, n=n,
                                         priority=priority, output_kind=output_kind,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -273,8 +288,9 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[Message],
                    sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **kwargs) -> AsyncGenerator[RequestOutput, None]:
-        async for out in self.generate(self.apply_chat_template(messages), sampling_params,
-                                       request_id, **kwargs):
+        prompt = chat_prompt(messages, self.apply_chat_template, self._inputs.mm_processor,
+                             self.config)
+        async for out in self.generate(prompt, sampling_params, request_id, **kwargs):
             yield out
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
@@ -286,6 +302,25 @@ class AsyncLLM:
                                                   add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in the engine now (it checks the files against the model); False
+        if it already was. Raises ``ValueError`` with the engine's reason."""
+        return bool(await self._call("add_lora", lora_request.lora_name,
+                                     lora_request.lora_int_id, lora_request.lora_path))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (the engine forgets it once no request uses it)."""
+        return bool(await self._call("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return [LoRARequest(*item) for item in await self._call("list_loras")]
+
+    async def _call(self, method: str, *args):
+        if self.engine_core.is_dead:
+            raise self.dead_error
+        return await asyncio.wrap_future(self.engine_core.call_utility(method, *args))
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (by the id given to ``generate``); the engine frees their blocks

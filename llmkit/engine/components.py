@@ -14,6 +14,7 @@ def component_registries() -> dict[str, Registry]:
     from llmkit.platforms import PLATFORMS
     from llmkit.sampling import SAMPLERS
     from llmkit.scheduler import SCHEDULERS
+    from llmkit.spec_decode import PROPOSERS
     from llmkit.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
     return {
@@ -24,7 +25,12 @@ def component_registries() -> dict[str, Registry]:
         "structured_output": STRUCTURED_OUTPUT_BACKENDS,
         "executor": EXECUTORS,
         "platform": PLATFORMS,
+        "speculative": PROPOSERS,
     }
+
+
+# Names a section accepts that are no registered implementation.
+_NOT_REGISTERED = {"attention": "auto", "speculative": "none"}
 
 
 def validate_components(config: EngineConfig) -> None:
@@ -37,11 +43,32 @@ def validate_components(config: EngineConfig) -> None:
             except ImportError as e:
                 raise ConfigError(f"{section}._target_", comp.target,
                                   f"an importable class path ({e})") from None
-        elif comp.name not in registry and not (section == "attention" and comp.name == "auto"):
-            allowed = registry.names() + (["auto"] if section == "attention" else [])
+        elif comp.name not in registry and comp.name != _NOT_REGISTERED.get(section):
+            allowed = registry.names() + ([_NOT_REGISTERED[section]]
+                                          if section in _NOT_REGISTERED else [])
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)
+    _check_speculative(config)
+
+
+def _check_speculative(config: EngineConfig) -> None:
+    """Speculation needs a scheduler that schedules draft tokens (a ``_target_`` scheduler
+    that keeps ``Scheduler.update_draft_token_ids`` would refuse the first drafts mid-run)."""
+    from llmkit.scheduler import SCHEDULERS
+    from llmkit.scheduler.base import Scheduler
+
+    spec = config.speculative
+    if not spec.enabled:
+        return
+    sched = config.scheduler
+    cls = SCHEDULERS.resolve(sched.name, sched.target)
+    if getattr(cls, "update_draft_token_ids", None) is Scheduler.update_draft_token_ids:
+        key = "speculative._target_" if spec.target else "speculative.name"
+        raise ConfigError(key, spec.target or spec.name, "", message=(
+            f"speculative decoding needs a scheduler that schedules draft tokens; "
+            f"scheduler {sched.target or sched.name!r} ({cls.__name__}) does not: use "
+            f"scheduler=token_budget or speculative=none"))
 
 
 def _check_linear_method(config: EngineConfig) -> None:

@@ -5,6 +5,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
+from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.components import validate_components
 from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserver,
@@ -12,6 +13,7 @@ from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserv
 from llmkit.engine.step_trace import StepTrace
 from llmkit.executor import EXECUTORS, BackendInfo, Executor, ModelFacts
 from llmkit.kv_cache import KV_CACHE_MANAGERS
+from llmkit.lora.base import LoRARequest
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.platforms import resolve_platform
 from llmkit.request import Request, RequestStatus
@@ -51,13 +53,35 @@ class EngineCore:
         model_source = executor_kwargs.get("model_source")
         self.structured_output_manager = StructuredOutputManager(
             config.structured_output, vocab_size=facts.vocab_size,
-            tokenizer_loader=lambda: self._tokenizer(model_source))
+            tokenizer_loader=lambda: self._tokenizer(model_source),
+            # a step's bitmask walks a request's drafts through its matcher and takes them back
+            max_rollback_tokens=config.speculative.num_speculative_tokens
+            if config.speculative.enabled else 0)
         sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
+        sched_kwargs = {}
+        if config.speculative.name == "eagle":
+            sched_kwargs["drop_last_cached_block"] = True
+        if config.lora.enabled:
+            self._check_lora_support(executor, sched_cls)
+            sched_kwargs.update(max_loras=config.lora.max_loras,
+                                max_lora_skips=config.lora.max_skipped_steps)
         self.scheduler: Scheduler = sched_cls(
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, clock=clock,
-            structured_output_manager=self.structured_output_manager)
+            structured_output_manager=self.structured_output_manager, **sched_kwargs)
         self.clock = clock
+        self._speculative = config.speculative.enabled
+        # Multi-LoRA: the adapters registered (by id), how many unfinished requests use each,
+        # and those removed while requests still used them (forgotten once they finish).
+        self.loras: dict[int, LoRARequest] = {}
+        self._lora_of_request: dict[str, int] = {}
+        self._lora_users: dict[int, int] = {}
+        self._lora_removals: set[int] = set()
+        for i, (name, path) in enumerate(config.lora.module_list()):
+            try:
+                self.add_lora(LoRARequest(name, i + 1, path))
+            except ValueError as e:
+                raise ConfigError("lora.modules", f"{name}={path}", "", message=str(e)) from None
         self._observers: list[StepObserver] = []
         self._num_steps = 0
         # Per-step stats as a Chrome trace (observability.trace_file): an observer like any.
@@ -93,6 +117,21 @@ class EngineCore:
     @property
     def step_observers(self) -> tuple[StepObserver, ...]:
         return tuple(self._observers)
+
+    @staticmethod
+    def _check_lora_support(executor: Executor, sched_cls: type) -> None:
+        if not getattr(executor, "supports_lora", False):
+            raise ConfigError("lora.enabled", True, "", message=(
+                f"executor {type(executor).__name__} does not serve LoRA adapters; use "
+                "executor=uniproc or lora.enabled=false"))
+        import inspect
+
+        params = inspect.signature(sched_cls).parameters
+        if "max_loras" not in params:
+            raise ConfigError("lora.enabled", True, "", message=(
+                f"scheduler {sched_cls.__name__} cannot limit the adapters of a step (its "
+                "constructor takes no max_loras); use scheduler=token_budget or "
+                "lora.enabled=false"))
 
     def _pinned_prefix_ids(self) -> list[list[int]]:
         """``kv_cache.pinned_prefixes`` as token ids (text is tokenized as prompts are)."""
@@ -147,12 +186,78 @@ class EngineCore:
                            kv_cfg.block_size, self.max_model_len)
         return max(int(num), 1)
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and load it in the workers (which check its files against the
+        model). Returns False if it was already registered. Raises ``ValueError`` (a
+        ``LoRALoadError`` for bad files) when LoRA is off, or the id or name is another
+        adapter's."""
+        if not self.config.lora.enabled:
+            raise ValueError("LoRA adapters need lora.enabled=true")
+        lr = lora_request
+        known = self.loras.get(lr.lora_int_id)
+        if known is not None:
+            if known != lr:
+                raise ValueError(f"lora_int_id {lr.lora_int_id} is already adapter "
+                                 f"{known.lora_name!r} ({known.lora_path}); give another "
+                                 "adapter another id")
+            return False
+        for other in self.loras.values():
+            if other.lora_name == lr.lora_name:
+                raise ValueError(f"an adapter named {lr.lora_name!r} is already loaded (id "
+                                 f"{other.lora_int_id}); unload it first or pick another name")
+        self.executor.add_lora(lr)
+        self.loras[lr.lora_int_id] = lr
+        self._lora_removals.discard(lr.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unregister an adapter; the workers forget it once no unfinished request uses it.
+        Returns False if it was not registered."""
+        if self.loras.pop(lora_id, None) is None:
+            return False
+        if self._lora_users.get(lora_id, 0):
+            self._lora_removals.add(lora_id)
+        else:
+            self.executor.remove_lora(lora_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+    def _release_loras(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is None:
+                continue
+            lora_id = self._lora_of_request.pop(out.request_id, None)
+            if lora_id is None:
+                continue
+            left = self._lora_users[lora_id] = self._lora_users[lora_id] - 1
+            if not left:
+                del self._lora_users[lora_id]
+                if lora_id in self._lora_removals:
+                    self._lora_removals.discard(lora_id)
+                    self.executor.remove_lora(lora_id)
+
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        lora_id = request.lora_id
+        if lora_id is not None:
+            lr = self.loras.get(lora_id)
+            if lr is None:
+                raise ValueError(f"request {request.request_id!r}: LoRA adapter id {lora_id} "
+                                 "is not loaded (add it with add_lora first)")
+            request.lora_name = lr.lora_name
         self.scheduler.add_request(request)
+        if lora_id is not None:  # released by the request's final output
+            self._lora_of_request[request.request_id] = lora_id
+            self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort(request_ids)
+        outputs = self.scheduler.abort(request_ids)
+        if self._lora_of_request:
+            self._release_loras(outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -180,7 +285,10 @@ class EngineCore:
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                 ) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if runner_output.draft_token_ids:
+        if self._lora_of_request:
+            self._release_loras(outputs)
+        if runner_output.draft_token_ids or self._speculative:
+            # Also an empty dict: drafts are for the next step only.
             self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
         return outputs
 

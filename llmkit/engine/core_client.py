@@ -14,6 +14,8 @@ Both take ``EngineCoreRequest``s and abort lists and hand back ``EngineCoreOutpu
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import itertools
 import logging
 import multiprocessing
 import os
@@ -21,14 +23,15 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
 
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_proc import (AbortRequests, EngineCoreOutputs, EngineCoreRequest,
-                                     EngineFailed, EngineMessage, EngineReady, ShutdownEngine,
+from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreOutputs,
+                                     EngineCoreRequest, EngineFailed, EngineMessage,
+                                     EngineReady, ShutdownEngine, UtilityCall, UtilityResult,
                                      decode_sampling_params, make_encoder, run_engine_core)
 from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
 from llmkit.facts import ModelFacts
@@ -61,10 +64,18 @@ class InprocClient:
         from llmkit.request import Request
 
         params = decode_sampling_params(request.sampling_params)
+        lora_id = None
+        if request.lora_request is not None:
+            self.core.add_lora(request.lora_request)
+            lora_id = request.lora_request.lora_int_id
         self.core.add_request(Request(request.request_id, request.prompt_token_ids, params,
                                       eos_token_id=self.core.eos_token_id,
                                       arrival_time=self.core.clock(),
-                                      priority=request.priority, cache_salt=request.cache_salt))
+                                      priority=request.priority, cache_salt=request.cache_salt,
+                                      lora_id=lora_id, mm_features=request.mm_features))
+
+    def call_utility(self, method: str, *args) -> Any:
+        return UTILITY_METHODS[method](self.core, *args)
 
     def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.core.abort_requests(list(request_ids)),
@@ -113,6 +124,9 @@ class MPClient:
         self._encoder = make_encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._send_lock = threading.Lock()
+        # Utility calls in flight: call id -> the future their UtilityResult resolves.
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
 
         if log_level is None:
             log_level = logging.getLogger("llmkit").getEffectiveLevel()
@@ -211,6 +225,9 @@ class MPClient:
                 why = failure or f"exit code {self.proc.exitcode}"
                 self._dead = EngineDeadError(f"the engine core process died ({why})")
                 logger.error("%s; requests in flight fail, /health reports 503", self._dead)
+                for fut in list(self._calls.values()):
+                    fut.set_exception(self._dead)
+                self._calls.clear()
                 if self._on_death is not None:
                     self._on_death(self._dead)
                 return
@@ -231,6 +248,8 @@ class MPClient:
                 continue
             if isinstance(msg, EngineFailed):
                 failure = msg.message
+            elif isinstance(msg, UtilityResult):
+                self._resolve(msg)
             elif isinstance(msg, EngineCoreOutputs) and self._on_message is not None:
                 try:
                     self._on_message(msg)
@@ -284,6 +303,34 @@ class MPClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.send_encoded(self.encode(request))
 
+    def call_utility(self, method: str, *args) -> concurrent.futures.Future:
+        """Run ``UTILITY_METHODS[method](core, *args)`` in the engine process; the future
+        holds its result, or the error it raised (``ValueError`` for bad input, with the
+        engine's message), or ``EngineDeadError``."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._dead is not None:
+            fut.set_exception(self._dead)
+            return fut
+        call_id = next(self._call_ids)
+        self._calls[call_id] = fut
+        try:
+            self._send(UtilityCall(call_id, method, list(args)))
+        except Exception as e:  # noqa: BLE001 - reported through the future
+            self._calls.pop(call_id, None)
+            fut.set_exception(e)
+        return fut
+
+    def _resolve(self, msg: UtilityResult) -> None:
+        fut = self._calls.pop(msg.call_id, None)
+        if fut is None:
+            return
+        if msg.error is None:
+            fut.set_result(msg.result)
+        elif msg.error_type in ("ValueError", "LoRALoadError", "ConfigError", "TypeError"):
+            fut.set_exception(ValueError(msg.error))
+        else:
+            fut.set_exception(RuntimeError(f"{msg.error_type}: {msg.error}"))
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
         if ids and not self._closed and self._dead is None:
@@ -324,6 +371,10 @@ class MPClient:
             pass
         finally:
             self._closed = True
+            for fut in list(self._calls.values()):
+                if not fut.done():
+                    fut.set_exception(EngineDeadError("the engine core has been shut down"))
+            self._calls.clear()
             reader = self._reader
             if reader is not None and reader is not threading.current_thread():
                 reader.join(2.0)

@@ -4,9 +4,9 @@ exchanges with the API process over ZMQ.
 Messages are msgspec structs encoded with msgpack: token ids, plain numbers and strings, never
 tensors or pickled objects. Two PUSH/PULL sockets over IPC, both bound by the client:
 
-    API process ──(EngineCoreRequest | AbortRequests | EngineSnapshotQuery |
+    API process ──(EngineCoreRequest | AbortRequests | EngineSnapshotQuery | UtilityCall |
                    ShutdownEngine)──▶ engine core
-    API process ◀──(EngineReady | EngineCoreOutputs | EngineStepSummary |
+    API process ◀──(EngineReady | EngineCoreOutputs | EngineStepSummary | UtilityResult |
                     EngineFailed)────── engine core
 
 The loop (``EngineCoreProc.run``) drains its input without blocking while requests are in
@@ -34,8 +34,10 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from llmkit.multimodal.base import MultiModalFeatureSpec
 from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
                                         StepSummaryPublisher)
+from llmkit.lora.base import LoRARequest
 from llmkit.outputs import EngineCoreOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
@@ -57,6 +59,27 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     sampling_params: dict[str, Any]
     priority: int = 0
     cache_salt: str | None = None
+    # The adapter to compute with (loaded by the engine the first time it is named).
+    lora_request: LoRARequest | None = None
+    # The prompt's images: placeholder ranges, content hashes, pixel values as bytes.
+    mm_features: list[MultiModalFeatureSpec] = []
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag="utility"):
+    """Call one of the engine core's ``UTILITY_METHODS`` (LoRA adapters); answered with a
+    ``UtilityResult`` of the same ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, omit_defaults=True, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    # ``"<ExceptionType>: message"`` when the call raised.
+    error: str | None = None
+    error_type: str | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -67,7 +90,8 @@ class ShutdownEngine(msgspec.Struct, array_like=True, tag="shutdown"):
     """Ask the engine process to stop after the current step."""
 
 
-EngineInput = Union[EngineCoreRequest, AbortRequests, EngineSnapshotQuery, ShutdownEngine]
+EngineInput = Union[EngineCoreRequest, AbortRequests, EngineSnapshotQuery, ShutdownEngine,
+                    UtilityCall]
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -107,7 +131,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", omit_defaults=True):
     errors: dict[str, str] = {}
 
 
-EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs, EngineStepSummary]
+EngineMessage = Union[EngineReady, EngineFailed, EngineCoreOutputs, EngineStepSummary,
+                      UtilityResult]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -136,6 +161,16 @@ def decode_sampling_params(data: dict[str, Any]) -> SamplingParams:
         return msgspec.convert(data, SamplingParams)
     except (msgspec.ValidationError, TypeError, ValueError):
         return SamplingParams(**data)
+
+
+#: What a ``UtilityCall`` may run on the engine core, by name (results cross as plain data).
+UTILITY_METHODS = {
+    "add_lora": lambda core, name, lora_id, path: core.add_lora(
+        LoRARequest(name, lora_id, path)),
+    "remove_lora": lambda core, lora_id: core.remove_lora(lora_id),
+    "list_loras": lambda core: [[r.lora_name, r.lora_int_id, r.lora_path]
+                                for r in core.list_loras()],
+}
 
 
 # --------------------------------------------------------------------------- the process
@@ -227,6 +262,8 @@ class EngineCoreProc:
                 queries.append(msg)
             elif isinstance(msg, ShutdownEngine):
                 self.stop = True
+            elif isinstance(msg, UtilityCall):
+                self.send(self.call_utility(msg))
         if aborted_outputs or errors:
             # Answer at once (not after the next step): the front end learns that the blocks
             # are free even when nothing else runs.
@@ -236,14 +273,29 @@ class EngineCoreProc:
         for query in queries:  # after the aborts above: the snapshot shows their blocks freed
             self.send(self.summaries.snapshot(query))
 
+    def call_utility(self, msg: UtilityCall) -> UtilityResult:
+        method = UTILITY_METHODS.get(msg.method)
+        if method is None:
+            return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}",
+                                 error_type="ValueError")
+        try:
+            return UtilityResult(msg.call_id, result=method(self.core, *msg.args))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error, the engine goes on
+            return UtilityResult(msg.call_id, error=str(e), error_type=type(e).__name__)
+
     def add_request(self, msg: EngineCoreRequest) -> str | None:
         from llmkit.request import Request
 
         try:
             params = decode_sampling_params(msg.sampling_params)
+            lora_id = None
+            if msg.lora_request is not None:
+                self.core.add_lora(msg.lora_request)
+                lora_id = msg.lora_request.lora_int_id
             req = Request(msg.request_id, msg.prompt_token_ids, params,
                           eos_token_id=self.core.eos_token_id, arrival_time=self.core.clock(),
-                          priority=msg.priority, cache_salt=msg.cache_salt)
+                          priority=msg.priority, cache_salt=msg.cache_salt, lora_id=lora_id,
+                          mm_features=msg.mm_features)
             self.core.add_request(req)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             return f"{type(e).__name__}: {e}"

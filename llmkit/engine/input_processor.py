@@ -7,8 +7,12 @@ valid for one exactly when it is valid for the other. It checks against the serv
 reported when it was ready):
 
 - the prompt: text (tokenized here), token ids, or vLLM's dict form ``{"prompt" |
-  "prompt_token_ids", "cache_salt"}``; not empty, at most ``max_model_len`` tokens, every id
-  in ``[0, vocab_size)``;
+  "prompt_token_ids", "cache_salt", "multi_modal_data"}``; not empty, at most
+  ``max_model_len`` tokens (image tokens included), every id in ``[0, vocab_size)``;
+- ``multi_modal_data`` (``{"image": PIL.Image | [PIL.Image, ...]}``, multimodal models only):
+  one image per placeholder, at most ``multimodal.limit_mm_per_prompt``; the multimodal
+  processor expands each placeholder to the image's tokens here, before the engine sees the
+  prompt;
 - ``logit_bias``, ``allowed_token_ids``, ``stop_token_ids``: ids in ``[0, vocab_size)`` (an id
   beyond the vocabulary would fail inside the engine's step, for the whole batch);
 - ``logprobs``, ``prompt_logprobs``: at most ``vocab_size``;
@@ -26,12 +30,14 @@ from typing import Any
 
 from llmkit.config.schema import EngineConfig
 from llmkit.facts import ModelFacts
+from llmkit.multimodal.base import MultiModalFeatureSpec
 from llmkit.request import Request
 from llmkit.sampling.bad_words import tokenize_bad_words
 from llmkit.structured_output.validation import validate_structured_outputs
 from llmkit.sampling.params import SamplingParams
 
-__all__ = ["InputProcessor", "ProcessedPrompt", "PromptType", "unpack_prompt_dict"]
+__all__ = ["InputProcessor", "ProcessedPrompt", "PromptType", "build_input_processor",
+           "chat_prompt", "multi_modal_images", "unpack_prompt_dict"]
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -45,19 +51,24 @@ class ProcessedPrompt:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    mm_features: list[MultiModalFeatureSpec] = dataclasses.field(default_factory=list)
 
     def to_request(self, request_id: str, params: SamplingParams | None = None, *,
                    eos_token_id: int | None, arrival_time: float,
-                   priority: int = 0) -> Request:
-        """The engine ``Request`` (``params``: a fanned-out child's, default this one's)."""
+                   priority: int = 0, lora_id: int | None = None) -> Request:
+        """The engine ``Request`` (``params``: a fanned-out child's, default this one's;
+        ``lora_id``: the LoRA adapter's ``lora_int_id``, None = the base model)."""
         return Request(request_id, self.token_ids, params or self.params,
                        eos_token_id=eos_token_id, arrival_time=arrival_time,
-                       priority=priority, cache_salt=self.cache_salt)
+                       priority=priority, cache_salt=self.cache_salt, lora_id=lora_id,
+                       mm_features=self.mm_features)
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, facts: ModelFacts,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, mm_processor: Any = None) -> None:
+        # llmkit.multimodal.MultiModalProcessor of a multimodal model; None: text only.
+        self.mm_processor = mm_processor
         self.tokenizer = tokenizer
         self.facts = facts
         self.extra_stop_ids = list(facts.eos_token_ids[1:])
@@ -69,12 +80,33 @@ class InputProcessor:
                 cache_salt: str | None = None) -> ProcessedPrompt:
         """Validate ``prompt`` and ``params`` (see the module docstring). A dict prompt's
         ``cache_salt`` wins over the argument."""
+        images: list[Any] = []
         if isinstance(prompt, Mapping):
+            images = multi_modal_images(prompt.get("multi_modal_data"))
             prompt, salt = unpack_prompt_dict(prompt)
             cache_salt = salt if salt is not None else cache_salt
         text, ids = self.tokenize(prompt)
+        features: list[MultiModalFeatureSpec] = []
+        if self.mm_processor is not None:
+            ids, features = self.mm_processor.process(ids, images)
+            self.check_images(features)
+        elif images:
+            raise ValueError("this model takes no images (multi_modal_data); serve a "
+                             "multimodal model such as LLaVA")
         self.check_prompt(ids)
-        return ProcessedPrompt(text, ids, self.process_params(params), cache_salt)
+        return ProcessedPrompt(text, ids, self.process_params(params), cache_salt, features)
+
+    def check_images(self, features: Sequence[MultiModalFeatureSpec]) -> None:
+        if self.config is None:
+            return
+        s = self.config.scheduler
+        limit = min(s.encoder_cache_size, s.max_num_encoder_input_tokens)
+        for f in features:
+            if f.length > limit:
+                raise ValueError(f"an image of {f.length} tokens exceeds "
+                                 f"scheduler.encoder_cache_size ({s.encoder_cache_size}) or "
+                                 "scheduler.max_num_encoder_input_tokens "
+                                 f"({s.max_num_encoder_input_tokens})")
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)``; ids given are checked against the vocabulary."""
@@ -125,17 +157,65 @@ class InputProcessor:
         return dataclasses.replace(params, **changes) if changes else params
 
 
+def build_input_processor(source: Any, tokenizer: Any, facts: ModelFacts,
+                          config: EngineConfig) -> InputProcessor:
+    """The input processor of the model ``source`` (a ``ModelSource``), with its multimodal
+    processor when the model takes images."""
+    from llmkit.multimodal.processor import multimodal_processor_for
+
+    mm = multimodal_processor_for(source.path, source.hf_config, tokenizer,
+                                  config.multimodal.limit("image"))
+    return InputProcessor(tokenizer, facts, config, mm)
+
+
+def chat_prompt(messages: Sequence[Mapping[str, Any]], apply_template: Any,
+                mm_processor: Any, config: EngineConfig) -> PromptType:
+    """A conversation's prompt for ``LLM.chat`` / ``AsyncLLM.chat``: its token ids by
+    ``apply_template(messages)``, or with image content parts (``image_url`` with a data: URL
+    or an allowed host's http(s) URL, ``image_pil``) a dict prompt with ``multi_modal_data``,
+    each image part replaced by the model's placeholder where it stood."""
+    from llmkit.multimodal.content_parts import split_image_parts
+    from llmkit.multimodal.image import load_image_url
+
+    def load(url: str):
+        return load_image_url(url, max_bytes=config.multimodal.max_image_bytes,
+                              allowed_domains=config.server.allowed_media_domains)
+
+    placeholder = mm_processor.image_token if mm_processor is not None else None
+    plain, images = split_image_parts(messages, placeholder, load)
+    ids = apply_template(plain)
+    if not images:
+        return ids
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
 def _is_token_id(t: Any) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
+def multi_modal_images(data: Any) -> list[Any]:
+    """vLLM's ``multi_modal_data``: ``{"image": image | [images]}`` -> the images."""
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise ValueError(f"prompt dict: multi_modal_data must be a dict, got "
+                         f"{type(data).__name__}")
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)}; "
+                         "supported: image")
+    images = data.get("image", [])
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
 def unpack_prompt_dict(prompt: Mapping[str, Any]) -> tuple[str | list[int], str | None]:
     """vLLM's TextPrompt / TokensPrompt: the prompt and its ``cache_salt`` (requests with
-    different salts share no KV blocks, e.g. to isolate tenants)."""
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    different salts share no KV blocks, e.g. to isolate tenants). ``multi_modal_data`` is
+    read by ``multi_modal_images``."""
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
     if unknown:
         raise ValueError(f"prompt dict: unknown keys {sorted(unknown)}; allowed: prompt, "
-                         "prompt_token_ids, cache_salt")
+                         "prompt_token_ids, cache_salt, multi_modal_data")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError("prompt dict: give exactly one of 'prompt' and 'prompt_token_ids'")
     salt = prompt.get("cache_salt")

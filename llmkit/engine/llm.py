@@ -10,8 +10,9 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
-from llmkit.engine.input_processor import InputProcessor, PromptType
+from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmkit.lora.base import LoRARequest
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
@@ -57,7 +58,8 @@ class LLM:
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         self.engine = EngineCore(config, model_source=source)
-        self._inputs = InputProcessor(self.tokenizer, self.engine.model_facts, config)
+        self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
+                                             config)
         self._processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -75,35 +77,71 @@ class LLM:
         return self.engine.max_model_len
 
     # -- requests --------------------------------------------------------------------------
-    def _add(self, prompt: PromptType, params: SamplingParams,
-             kind: RequestOutputKind) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, kind: RequestOutputKind,
+             lora_request: LoRARequest | None = None) -> str:
         p = self._inputs.process(prompt, params)
+        lora_id = None
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest or None, got "
+                                f"{type(lora_request).__name__}")
+            self.engine.add_lora(lora_request)  # loads and checks it the first time
+            lora_id = lora_request.lora_int_id
         rid = str(next(self._ids))
         engine = self.engine
         for child_id, child_params in self._processor.add_request(rid, p.text, p.token_ids,
                                                                   p.params, kind):
             engine.add_request(p.to_request(child_id, child_params,
                                             eos_token_id=engine.model_facts.eos_token_id,
-                                            arrival_time=engine.clock()))
+                                            arrival_time=engine.clock(), lora_id=lora_id))
         return rid
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one per prompt (``None`` = the
+        base model); an adapter is loaded (and checked) the first time it is named."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
-        rids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY)
-                for p, sp in zip(prompt_list, params)]
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        rids: list[str] = []
+        try:
+            for p, sp, lr in zip(prompt_list, params, loras):
+                rids.append(self._add(p, sp, RequestOutputKind.FINAL_ONLY, lr))
+        except BaseException:
+            self.abort(rids)  # nothing of a refused batch runs
+            raise
         return self._run_to_completion(rids, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [self._chat_prompt(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (``generate`` also does on first use); False if it already is.
+        Raises ``LoRALoadError`` (a ``ValueError``) for files that do not fit the model."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
+    def _chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool):
+        return chat_prompt(messages, lambda m: self.apply_chat_template(m, add_generation_prompt),
+                           self._inputs.mm_processor, self.config)
 
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -113,12 +151,12 @@ class LLM:
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: PromptType,
-               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding each step's new text and tokens (delta outputs)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        rid = self._add(prompt, sampling_params, RequestOutputKind.DELTA)
+        rid = self._add(prompt, sampling_params, RequestOutputKind.DELTA, lora_request)
         try:
             while True:
                 for out in self._step():
@@ -167,8 +205,8 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]  # one prompt (a dict prompt is one, not a list of its keys)
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one tokenized prompt
@@ -177,6 +215,17 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
             raise TypeError(f"prompts[{i}] must be a str, a list of token ids or a dict, "
                             f"got {type(p).__name__}")
     return [p if isinstance(p, (str, Mapping)) else list(p) for p in prompts]
+
+
+def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                  n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts; pass one, or one per "
+                         "prompt (None = the base model)")
+    return lora
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,

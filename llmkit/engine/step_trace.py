@@ -1,10 +1,11 @@
 """Per-step engine stats, kept in memory and written as a Chrome-trace JSON (Perfetto).
 
 ``observability.trace_file=PATH`` makes ``EngineCore`` record every step: when it ran, how long
-``schedule`` / ``execute`` / ``update`` took, how many requests it batched and how many tokens it
-scheduled — split into **prefill** (requests whose step computes prompt tokens, or recomputes
-after a preemption) and **decode** (requests past their prompt, computing new tokens). The file
-is written when the engine shuts down (and at interpreter exit); open it at
+``schedule`` / ``execute`` / ``update`` took, how many requests it batched and how many tokens
+it scheduled — split into **prefill** (requests whose step computes prompt tokens, or recomputes
+after a preemption) and **decode** (requests past their prompt, computing new tokens; with
+speculative decoding also the draft tokens they verify, and how many of those were accepted).
+The file is written when the engine shuts down (and at interpreter exit); open it at
 https://ui.perfetto.dev or chrome://tracing: one track of step slices (each with its numbers as
 args) and counter tracks for tokens, batch size, queue length and KV usage.
 
@@ -49,6 +50,11 @@ class StepRecord:
     # with the counts above, enough for `llmkit sim calibrate` to price the step.
     prefill_context: int = 0
     decode_context: int = 0
+    # speculative decoding, in this step: requests that verified drafts, the draft tokens they
+    # verified (part of decode_tokens) and how many were accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def step_ms(self) -> float:
@@ -88,6 +94,7 @@ class StepTrace:
             self.dropped += 1
             return
         stats, split = event.stats, event.split
+        spec = getattr(stats, "step_spec_decode", None)
         with self._lock:
             self.steps.append(StepRecord(
                 step=len(self.steps) + self.dropped, start_s=event.start_s,
@@ -98,7 +105,10 @@ class StepTrace:
                 decode_reqs=split.decode_reqs, decode_tokens=split.decode_tokens,
                 num_preempted=event.num_preempted, num_running=stats.num_running,
                 num_waiting=stats.num_waiting, kv_usage=float(stats.kv_usage),
-                prefill_context=split.prefill_context, decode_context=split.decode_context))
+                prefill_context=split.prefill_context, decode_context=split.decode_context,
+                spec_drafts=spec.num_drafts if spec else 0,
+                spec_draft_tokens=spec.num_draft_tokens if spec else 0,
+                spec_accepted_tokens=spec.num_accepted_tokens if spec else 0))
 
     def clear(self) -> None:
         with self._lock:
@@ -142,6 +152,10 @@ class StepTrace:
                            "args": {"running": s.num_running, "waiting": s.num_waiting}})
             events.append({"ph": "C", "name": "kv usage", "pid": pid, "ts": ts,
                            "args": {"usage": s.kv_usage}})
+            if s.spec_drafts:
+                events.append({"ph": "C", "name": "speculative", "pid": pid, "ts": ts,
+                               "args": {"draft tokens": s.spec_draft_tokens,
+                                        "accepted": s.spec_accepted_tokens}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"generator": "llmkit", "steps": len(steps),
                               "dropped_steps": self.dropped}}

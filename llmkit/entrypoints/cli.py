@@ -41,6 +41,7 @@ commands:
 MODEL        a preset from conf/model/ (default: smollm2-135m-instruct) or a path to an HF
              model folder or a .gguf file
 --prompt T   the prompt for generate (taken verbatim: commas, quotes and '=' are fine)
+--image P    an image file for generate, one per <image> in the prompt (repeatable)
 key=value    Hydra overrides: scheduler.max_num_seqs=64 attention=triton recipe=cpu-chat
              +key=value adds a key, ~key deletes one
 -m           multirun: sweep over comma-separated values (key=a,b)
@@ -69,6 +70,8 @@ class CliArgs:
     subcommand: str | None = None
     model: str | None = None
     prompt: str | None = None
+    # generate: image files for the prompt's <image> placeholders (multimodal models)
+    images: list[str] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     multirun: bool = False
 
@@ -110,10 +113,18 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
             i += 1
         elif word.startswith("--prompt="):
             args.prompt = word[len("--prompt="):]
+        elif word == "--image":
+            if i >= len(rest):
+                raise UsageError("--image needs a file: --image PATH")
+            args.images.append(rest[i])
+            i += 1
+        elif word.startswith("--image="):
+            args.images.append(word[len("--image="):])
         elif word in ("-m", "--multirun"):
             args.multirun = True
         elif word.startswith("-") and len(word) > 1 and not _is_override(word):
-            raise UsageError(f"unknown option {word!r}; options: --prompt TEXT, -m, --help")
+            raise UsageError(f"unknown option {word!r}; options: --prompt TEXT, --image PATH, "
+                             "-m, --help")
         elif _is_override(word):
             args.overrides.append(word)
         elif args.model is None:
@@ -123,6 +134,8 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
                              "overrides are key=value)")
     if args.prompt is not None and command != "generate":
         raise UsageError(f"--prompt only applies to generate, not {command}")
+    if args.images and command != "generate":
+        raise UsageError(f"--image only applies to generate, not {command}")
     return args
 
 
@@ -222,8 +235,13 @@ def _cmd_generate(args: CliArgs) -> int:
     _no_multirun(args)
     _set_engine_openmp_env(args)
     _show_progress()
+    for path in args.images:
+        if not os.path.isfile(path):
+            raise UsageError(f"--image {path!r}: no such file")
     cfg = load_config(args)
-    return int(_offline("run_generate")(cfg, args.prompt) or 0)
+    run = _offline("run_generate")
+    return int((run(cfg, args.prompt, args.images) if args.images else run(cfg, args.prompt))
+               or 0)
 
 
 def _cmd_chat(args: CliArgs) -> int:

@@ -27,13 +27,33 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
 - ``llmkit:prefix_cache_queries_total`` / ``llmkit:prefix_cache_hits_total`` (counters): tokens
   looked up in the prefix cache / tokens served from it (hit rate = hits / queries).
 - ``llmkit:num_preemptions_total`` (counter): preemptions since start-up.
+- ``llmkit:encoder_cache_queries_total`` / ``llmkit:encoder_cache_hits_total`` (counters):
+  images looked up in the encoder cache / found there (not encoded again);
+  ``llmkit:encoder_runs_total`` (counter): images encoded; ``llmkit:encoder_cache_tokens``
+  (gauge): image tokens whose encoder outputs are cached (of ``scheduler.encoder_cache_size``).
 - ``llmkit:engine_up`` (gauge): 1 while the engine core process is alive.
+- With LoRA (``lora.enabled``): ``llmkit:lora_requests_info`` (gauge, vLLM's): labels
+  ``max_lora`` (slots), ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated
+  names of the adapters with requests running / waiting), value the time of the snapshot
+  (Unix seconds); ``llmkit:lora_num_requests{lora_name, state}`` (gauge): requests per
+  adapter, ``state`` ``running`` or ``waiting`` (base-model requests are not counted).
+
+Speculative decoding (``speculative=...``; all 0 without it), counted when drafts are verified:
+
+- ``llmkit:spec_decode_num_drafts_total`` (counter): verify steps of requests that had draft
+  tokens (one per drafted request and step).
+- ``llmkit:spec_decode_num_draft_tokens_total`` (counter): draft tokens proposed and verified.
+- ``llmkit:spec_decode_num_accepted_tokens_total`` (counter): draft tokens accepted.
+- ``llmkit:spec_decode_num_accepted_tokens_per_pos_total{position}`` (counter): drafts accepted
+  at position ``position`` (0-based) of their run; acceptance rate = accepted / draft tokens,
+  mean acceptance length = 1 + accepted / drafts.
 
 And at the HTTP layer: ``llmkit:http_request_errors_total{status}``: requests answered with an
 error (400, 401, 404, 503, 500 ...).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -87,8 +107,51 @@ class _EngineStatsCollector:
                       "Tokens served from the prefix cache.", s.prefix_cache_hits if s else 0)
         yield counter("llmkit:num_preemptions", "Preemptions since start-up.",
                       s.num_preemptions_total if s else 0)
+        enc = s.encoder_cache if s else None
+        yield counter("llmkit:encoder_cache_queries", "Images looked up in the encoder cache.",
+                      enc.queries if enc else 0)
+        yield counter("llmkit:encoder_cache_hits",
+                      "Images found in the encoder cache (not encoded again).",
+                      enc.hits if enc else 0)
+        yield counter("llmkit:encoder_runs", "Images encoded.", enc.num_encoder_runs if enc else 0)
+        yield gauge("llmkit:encoder_cache_tokens",
+                    "Image tokens whose encoder outputs are cached.",
+                    enc.num_cached_tokens if enc else 0)
         yield gauge("llmkit:engine_up", "1 while the engine core process is alive.",
                     1.0 if m.engine_alive() else 0.0)
+        spec = s.spec_decode if s else None
+        yield counter("llmkit:spec_decode_num_drafts",
+                      "Verify steps of requests with draft tokens.", spec.num_drafts if spec else 0)
+        yield counter("llmkit:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      spec.num_draft_tokens if spec else 0)
+        yield counter("llmkit:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      spec.num_accepted_tokens if spec else 0)
+        per_pos = CounterMetricFamily("llmkit:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position of their run.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(spec.accepted_per_position if spec else ()):
+            per_pos.add_metric([m.model_name, str(pos)], n)
+        yield per_pos
+        if m.max_loras is not None:
+            yield from self._lora(s)
+
+    def _lora(self, s: SchedulerStats | None):
+        m = self.metrics
+        running = s.running_lora_adapters if s else {}
+        waiting = s.waiting_lora_adapters if s else {}
+        info = GaugeMetricFamily("llmkit:lora_requests_info",
+                                 "Running and waiting LoRA adapters (value: snapshot time).",
+                                 labels=["model_name", "max_lora", "waiting_lora_adapters",
+                                         "running_lora_adapters"])
+        info.add_metric([m.model_name, str(m.max_loras), ",".join(sorted(waiting)),
+                         ",".join(sorted(running))], m.stats_time or time.time())
+        yield info
+        per = GaugeMetricFamily("llmkit:lora_num_requests", "Requests per LoRA adapter.",
+                                labels=["model_name", "lora_name", "state"])
+        for state, counts in (("running", running), ("waiting", waiting)):
+            for name, n in sorted(counts.items()):
+                per.add_metric([m.model_name, name, state], n)
+        yield per
 
 
 class ServerMetrics:
@@ -96,8 +159,11 @@ class ServerMetrics:
     process); implements AsyncLLM's ``StatLogger`` hooks."""
 
     def __init__(self, model_name: str, *, registry: CollectorRegistry | None = None,
-                 engine_alive: Callable[[], bool] = lambda: True) -> None:
+                 engine_alive: Callable[[], bool] = lambda: True,
+                 max_loras: int | None = None) -> None:
         self.model_name = model_name
+        self.max_loras = max_loras  # None: LoRA is off (no lora series)
+        self.stats_time: float | None = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine_alive = engine_alive
         self.last_stats: SchedulerStats | None = None
@@ -137,6 +203,7 @@ class ServerMetrics:
     # -- StatLogger ---------------------------------------------------------------------------
     def on_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.last_stats = stats
+        self.stats_time = time.time()
 
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+from typing import Sequence
 
 from llmkit.config.schema import EngineConfig
 from llmkit.sampling.params import SamplingParams
@@ -23,12 +25,30 @@ def _start_llm(config: EngineConfig):
     return LLM.from_config(config)
 
 
-def run_generate(config: EngineConfig, prompt: str) -> int:
+def cli_lora_request(llm, config: EngineConfig):
+    """The ``LoRARequest`` of ``lora.cli_adapter`` (loaded at start from ``lora.modules``), or
+    None for the base model."""
+    name = config.lora.cli_adapter
+    if name is None:
+        return None
+    return next(lr for lr in llm.list_loras() if lr.lora_name == name)
+
+
+def run_generate(config: EngineConfig, prompt: str, images: Sequence[str] = ()) -> int:
+    request: str | dict = prompt
+    if images:
+        from llmkit.multimodal.image import decode_image
+
+        # Files the user names on the command line (a server request never reads files).
+        loaded = [decode_image(Path(p).read_bytes(),
+                               max_bytes=config.multimodal.max_image_bytes) for p in images]
+        request = {"prompt": prompt, "multi_modal_data": {"image": loaded}}
     llm = _start_llm(config)
     params = sampling_params_from(config)
+    lora = cli_lora_request(llm, config)
     start = time.perf_counter()
     n = 0
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(request, params, lora_request=lora):
         sys.stdout.write(out.outputs[0].text)
         sys.stdout.flush()
         n += len(out.outputs[0].token_ids)
@@ -45,10 +65,13 @@ def run_chat(config: EngineConfig) -> int:
 
     llm = _start_llm(config)
     params = sampling_params_from(config)
+    lora = cli_lora_request(llm, config)
     limit, max_reply = llm.max_model_len, config.chat.max_tokens
     # A reply always has room for min(chat.max_tokens, half the context).
     history = ChatHistory(llm.apply_chat_template, limit - min(max_reply, limit // 2))
     name = config.model.served_name or config.model.name or "model"
+    if lora is not None:
+        name = f"{name} + LoRA adapter {lora.lora_name}"
     print(f"llmkit chat with {name} — empty line or Ctrl-D to quit, /reset to forget "
           f"(replies up to chat.max_tokens={max_reply} tokens).", file=sys.stderr)
     while True:
@@ -78,7 +101,8 @@ def run_chat(config: EngineConfig) -> int:
         reply, finish = [], None
         try:
             for out in llm.stream(prompt.token_ids,
-                                  dataclasses.replace(params, max_tokens=max_tokens)):
+                                  dataclasses.replace(params, max_tokens=max_tokens),
+                                  lora_request=lora):
                 piece = out.outputs[0].text
                 reply.append(piece)
                 finish = out.outputs[0].finish_reason or finish

@@ -111,7 +111,8 @@ def run_server(config: EngineConfig) -> int:
         model_name = served_model_names(config)[0]
         holder: dict = {}
         metrics = ServerMetrics(model_name, engine_alive=lambda: bool(
-            holder.get("engine") and holder["engine"].is_running))
+            holder.get("engine") and holder["engine"].is_running),
+            max_loras=config.lora.max_loras if config.lora.enabled else None)
         engine = AsyncLLM.from_config(config, stat_logger=metrics, engine_core=engine_core)
         holder["engine"] = engine
     except BaseException:

@@ -35,5 +35,18 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    #: Whether this executor serves LoRA adapters (``add_lora`` / ``remove_lora``); the
+    #: engine refuses ``lora.enabled`` at start-up otherwise.
+    supports_lora: bool = False
+
+    def add_lora(self, lora_request) -> None:
+        """Register and load an adapter (a ``LoRARequest``) in every worker; raises
+        ``LoRALoadError`` (a ``ValueError``) when it cannot be served."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (no request in flight uses it); False if it was not known."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
     def shutdown(self) -> None:
         """Release workers and their memory."""

@@ -135,11 +135,14 @@ class KVCacheManager(KVCacheManagerBase):
             return hashes
         bs = self.block_size
         ids = request.all_token_ids
-        extra = encode_extra_keys(request.block_hash_extra_keys)
+        per_block = bool(request.mm_features)  # images: each block keys the ones it holds
+        extra = b"" if per_block else encode_extra_keys(request.block_hash_extra_keys)
         parent = hashes[-1] if i else None
         append = hashes.append
         start = i * bs
         for _ in range(n - i):
+            if per_block:
+                extra = encode_extra_keys(request.block_extra_keys(start, start + bs))
             parent = hash_block_tokens_encoded(parent, ids[start:start + bs], extra)
             append(parent)
             start += bs

@@ -53,6 +53,10 @@ class CausalLM(nn.Module, ABC):
     head_dim: int
     hidden_size: int
     vocab_size: int
+    #: Fused layers and the checkpoint modules stacked into them, in shard order (vLLM's
+    #: name), e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``: LoRA adapters name the
+    #: checkpoint's modules.
+    packed_modules_mapping: dict[str, list[str]] = {}
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()

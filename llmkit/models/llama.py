@@ -155,6 +155,9 @@ class LlamaForCausalLM(CausalLM):
     """Registered for ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
     ``Qwen3ForCausalLM``."""
 
+    packed_modules_mapping = {fused: [part for f, part, _ in STACKED_PARAMS if f == fused]
+                              for fused, _, _ in STACKED_PARAMS}
+
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         super().__init__(hf_config, ctx)
         config = hf_config

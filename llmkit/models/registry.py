@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 MODELS: Registry["CausalLM"] = Registry("model")
 for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
     MODELS.register_lazy(_arch, "llmkit.models.llama.LlamaForCausalLM")
+MODELS.register_lazy("LlavaForConditionalGeneration",
+                     "llmkit.models.llava.LlavaForConditionalGeneration")
 
 
 class UnsupportedModelError(ValueError):

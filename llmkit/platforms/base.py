@@ -8,6 +8,7 @@ components that run on it. Out-of-tree platforms register through the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import logging
 
@@ -83,3 +84,41 @@ class Platform(ABC):
 
     def kv_cache_budget_bytes(self, memory_gib: float) -> int:
         return int(memory_gib * (1 << 30))
+
+    def measure_ridge_tokens(self, time_forward: Callable[[int], float],
+                             max_tokens: int = 512) -> int:
+        """The model's ridge point on this device, in tokens per forward (adaptive speculative
+        decoding compares rows x (1 + K) against it). ``time_forward(n)`` runs one forward of
+        ``n`` tokens and returns its seconds. The default measures: a few timings at
+        n = 1, 2, 4, ... (until the forward costs 4x a one-token forward, or ``max_tokens``),
+        then the roofline's knee (:func:`ridge_from_timings`). A platform with a calibrated
+        profile may return a figure instead."""
+        import statistics
+
+        timings: dict[int, float] = {}
+        time_forward(1)  # warm-up: first-call costs are no part of the curve
+        n = 1
+        while n <= max_tokens:
+            timings[n] = statistics.median(time_forward(n) for _ in range(3))
+            if timings[n] > 4.0 * timings[1]:
+                break
+            n *= 2
+        return ridge_from_timings(timings)
+
+
+def ridge_from_timings(timings: dict[int, float]) -> int:
+    """The knee of a roofline ``t(n) = max(t0, c n)`` through measured forward times: ``t0`` is
+    the one-token time, ``c`` the slope between the two largest token counts; the ridge is
+    ``t0 / c`` (where compute time reaches the fixed, memory-bound time), clamped to the
+    measured range. A curve that never rises gives the largest count measured."""
+    ns = sorted(timings)
+    if not ns:
+        raise ValueError("no timings")
+    t0 = timings[ns[0]]
+    if len(ns) < 2:
+        return ns[0]
+    a, b = ns[-2], ns[-1]
+    slope = (timings[b] - timings[a]) / (b - a)
+    if slope <= 0:
+        return ns[-1]
+    return int(max(1, min(ns[-1], round(t0 / slope))))

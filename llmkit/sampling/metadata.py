@@ -58,6 +58,9 @@ class SpecDecodeMetadata:
 
     draft_token_ids: torch.Tensor  # int64 [R]
     num_logits: list[int]
+    # The proposal distribution q of each row's draft (a draft model's); None = every draft
+    # is a plain token (one-hot q). Rows without a draft (bonus rows) are zero.
+    draft_probs: torch.Tensor | None = None  # float32 [R, V]
 
 
 @dataclass(slots=True)

@@ -96,7 +96,7 @@ class TorchSampler(Sampler):
 
         return verify_drafts(logits, meta.temperature, meta.spec.draft_token_ids,
                              meta.spec.num_logits, meta.generators, probs,
-                             self._generator(logits.device))
+                             self._generator(logits.device), meta.spec.draft_probs)
 
     def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         is_random = meta.temperature >= _GREEDY_EPS

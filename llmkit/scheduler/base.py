@@ -15,6 +15,7 @@ import numpy as np
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
+from llmkit.scheduler.encoder_cache import EncoderCacheStats
 
 
 @dataclass(slots=True)
@@ -29,6 +30,11 @@ class NewRequestData:
     num_computed_tokens: int
     # The runner masks EOS (with stop_token_ids) until ``min_tokens`` outputs exist.
     eos_token_id: int | None = None
+    # The LoRA adapter the request computes with (its ``lora_int_id``; None = the base model).
+    lora_id: int | None = None
+    # The prompt's images (llmkit.multimodal.MultiModalFeatureSpec): placeholder ranges, hashes
+    # and encoder inputs.
+    mm_features: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,6 +68,11 @@ class SchedulerOutput:
     # (1 + K rows for a request verifying K draft tokens). None when no request is constrained.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Multimodal: the images each request encodes this step (indices into its mm_features;
+    # the runner caches their outputs by content hash), and the hashes the encoder cache
+    # evicted (the runner drops their outputs).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -122,6 +133,12 @@ class SchedulerStats:
     step_num_scheduled_tokens: int = 0
     step_num_preemptions: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Multi-LoRA: running / waiting requests per adapter name (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # the same counters for the latest step alone
+    step_spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
 
 
 class Scheduler(ABC):

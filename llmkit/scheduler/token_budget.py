@@ -18,6 +18,7 @@ from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats, SpecDecodeStats)
+from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 if TYPE_CHECKING:
@@ -35,13 +36,24 @@ class TokenBudgetScheduler(Scheduler):
         max_model_len: int,
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int | None = None,
+        max_lora_skips: int = 8,
+        drop_last_cached_block: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
+        # Multi-LoRA: at most this many distinct adapters in one step (None = no limit), and
+        # the starvation bound of a waiting request passed over for lack of a slot.
+        self.max_loras = max_loras
+        self.max_lora_skips = max_lora_skips
+        self._lora_skips: dict[str, int] = {}
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.clock = clock
+        # EAGLE: a prefix-cache hit leaves its last block to be recomputed (the head's KV at a
+        # position depends on the token after it, which only a matching next block fixes).
+        self.drop_last_cached_block = drop_last_cached_block
         self.requests: dict[str, Request] = {}
         self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
@@ -54,9 +66,11 @@ class TokenBudgetScheduler(Scheduler):
         self._step_preemptions = 0
         self._step_tokens = 0
         self._spec_stats = SpecDecodeStats()
+        self._step_spec_stats = SpecDecodeStats()
         # Structured output: requests wait here (WAITING_FOR_FSM) while their grammar compiles.
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -66,6 +80,14 @@ class TokenBudgetScheduler(Scheduler):
         self._arrivals += 1
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
+        for f in request.mm_features:
+            limit = min(self.config.encoder_cache_size, self.config.max_num_encoder_input_tokens)
+            if f.length > limit:
+                raise ValueError(
+                    f"request {request.request_id!r}: an image of {f.length} tokens exceeds "
+                    f"scheduler.encoder_cache_size ({self.config.encoder_cache_size}) or "
+                    f"scheduler.max_num_encoder_input_tokens "
+                    f"({self.config.max_num_encoder_input_tokens}); it could never be encoded")
         if request.num_prompt_tokens > self.max_model_len:
             # Refuse rather than truncate: the caller learns why through the finish reason.
             request.set_status(RequestStatus.FINISHED_IGNORED)
@@ -115,12 +137,24 @@ class TokenBudgetScheduler(Scheduler):
         preempted_ids: set[str] = set()
         lookahead = cfg.num_lookahead_tokens
         spec_tokens: dict[str, list[int]] = {}
+        encoder_budget = cfg.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
+
+        # The adapters of the requests scheduled so far (multi-LoRA: at most max_loras).
+        loras: set[int] = set()
 
         # 1. Running requests, in admission order: each continues its prefill or decodes.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
+            if n > 0 and not self._lora_fits(req, loras):
+                n = 0
+            enc = None
+            if n > 0 and req.mm_features:
+                enc = self._try_schedule_encoder_inputs(req, req.num_computed_tokens, n,
+                                                        encoder_budget)
+                n = enc[2]
             if n <= 0:
                 i += 1
                 continue
@@ -146,9 +180,16 @@ class TokenBudgetScheduler(Scheduler):
                 if victim is req:
                     break
             if new_blocks is None:
+                if enc is not None:
+                    self._release_encoder_hits(req, enc[1])
                 continue  # req itself was preempted; `i` already points at the next one
+            if enc is not None:
+                encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
             num_scheduled[req.request_id] = n
             budget -= n
+            if req.lora_id is not None:
+                loras.add(req.lora_id)
+            req.spec_token_ids = []  # drafts are verified once (or dropped with the step)
             if drafts:
                 spec_tokens[req.request_id] = drafts
             cached.req_ids.append(req.request_id)
@@ -158,12 +199,28 @@ class TokenBudgetScheduler(Scheduler):
                                            - len(new_blocks))
             i += 1
 
-        # 2. Waiting requests, unless this step had to preempt (blocks are scarce).
+        # 2. Waiting requests, unless this step had to preempt (blocks are scarce). One whose
+        # adapter finds no slot this step is passed over (later ones may go ahead, vLLM's
+        # rule) and put back in its place; once passed over max_lora_skips times, nothing
+        # behind it is admitted until it is, so it waits at most that many steps plus the time
+        # the running requests of one resident adapter take to finish.
+        skipped: list[Request] = []
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
+                if not self._lora_fits(req, loras):
+                    self.waiting.pop()
+                    skipped.append(req)
+                    skips = self._lora_skips[req.request_id] = \
+                        self._lora_skips.get(req.request_id, 0) + 1
+                    if skips >= self.max_lora_skips:
+                        break
+                    continue
                 if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
                     computed_blocks, num_hit = kv.get_computed_blocks(req)
+                    if self.drop_last_cached_block and computed_blocks:
+                        computed_blocks = computed_blocks[:-1]
+                        num_hit -= kv.block_size
                 else:
                     # Cached positions have no logits: a request that still owes its prompt
                     # logprobs computes its whole prompt (as vLLM does). Its blocks are still
@@ -175,10 +232,20 @@ class TokenBudgetScheduler(Scheduler):
                 n = min(n, budget)
                 if cfg.long_prefill_token_threshold:
                     n = min(n, cfg.long_prefill_token_threshold)
+                enc = None
+                if req.mm_features:
+                    # Cut the chunk before an image the encoder cannot take this step.
+                    enc = self._try_schedule_encoder_inputs(req, num_hit, n, encoder_budget)
+                    n = enc[2]
+                    if n <= 0:
+                        self._release_encoder_hits(req, enc[1])
+                        break
                 new_blocks = kv.allocate_slots(req, n, lookahead,
                                                new_computed_blocks=computed_blocks,
                                                num_new_computed_tokens=num_hit)
                 if new_blocks is None:
+                    if enc is not None:
+                        self._release_encoder_hits(req, enc[1])
                     if not self.running and not num_scheduled:
                         # Nothing runs that could free blocks: this request can never fit.
                         self.waiting.pop()
@@ -186,6 +253,11 @@ class TokenBudgetScheduler(Scheduler):
                         continue
                     break
                 self.waiting.pop()
+                self._lora_skips.pop(req.request_id, None)
+                if req.lora_id is not None:
+                    loras.add(req.lora_id)
+                if enc is not None:
+                    encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
                 req.set_status(RequestStatus.RUNNING)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
@@ -203,7 +275,12 @@ class TokenBudgetScheduler(Scheduler):
                     block_ids=kv.get_block_ids(req.request_id),
                     num_computed_tokens=num_hit,
                     eos_token_id=req.eos_token_id,
+                    lora_id=req.lora_id,
+                    mm_features=req.mm_features,
                 ))
+
+        for req in reversed(skipped):  # back in their places, ahead of what came after
+            self.waiting.add_preempted(req)
 
         # The step's tokens count as computed from now: the next schedule() builds on them.
         for req_id, n in num_scheduled.items():
@@ -225,9 +302,76 @@ class TokenBudgetScheduler(Scheduler):
             scheduled_spec_tokens=spec_tokens,
             structured_output_request_ids=so_ids,
             grammar_bitmask=bitmask,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
         )
         self._finished_req_ids = set()
         return out
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req`` may join a step whose requests so far use the adapters ``loras``."""
+        return (self.max_loras is None or req.lora_id is None or req.lora_id in loras
+                or len(loras) < self.max_loras)
+    # -- multimodal encoder inputs --------------------------------------------------------------
+    def _try_schedule_encoder_inputs(self, req: Request, num_computed: int, n: int,
+                                     encoder_budget: int) -> tuple[list[int], list[int], int]:
+        """(images to encode, cached images now referenced, tokens to schedule) for computing
+        tokens ``[num_computed, num_computed + n)`` (vLLM's rule): an image whose placeholders
+        this range touches must be encoded this step or be cached; one that fits neither the
+        encoder budget nor the cache ends the range before its first placeholder, so an image's
+        encoder run is never split or repeated across steps."""
+        to_encode: list[int] = []
+        hits: list[int] = []
+        planned: set[str] = set()
+        planned_tokens = 0
+        cache = self.encoder_cache
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= num_computed + n:
+                break
+            if f.offset + f.length <= num_computed:
+                continue  # its KV is already computed
+            if f.identifier in planned:
+                continue  # the same image earlier in this prompt: encoded once
+            if cache.check_and_update_cache(req, i):
+                hits.append(i)
+                continue
+            if not cache.can_allocate(req, i, encoder_budget - planned_tokens, planned_tokens):
+                n = f.offset - num_computed
+                break
+            to_encode.append(i)
+            planned.add(f.identifier)
+            planned_tokens += f.length
+        return to_encode, hits, n
+
+    def _release_encoder_hits(self, req: Request, hits: list[int]) -> None:
+        for i in hits:
+            self.encoder_cache.free_encoder_input(req, i)
+
+    def _commit_encoder_inputs(self, req: Request, enc: tuple[list[int], list[int], int],
+                               encoder_inputs: dict[str, list[int]]) -> int:
+        """Record the images ``req`` encodes this step; their tokens (of the step's budget)."""
+        to_encode, hits, _ = enc
+        cache = self.encoder_cache
+        # A repeated image in the prompt references the entry its first occurrence makes.
+        by_hash = {}
+        for i, f in enumerate(req.mm_features):
+            by_hash.setdefault(f.identifier, []).append(i)
+        used = 0
+        for i in to_encode:
+            cache.allocate(req, i)
+            used += req.mm_features[i].length
+            for j in by_hash[req.mm_features[i].identifier]:
+                if j > i:
+                    cache.check_and_update_cache(req, j)
+        if to_encode:
+            encoder_inputs[req.request_id] = to_encode
+        return used
+
+    def _free_encoder_inputs(self, req: Request) -> None:
+        """Unreference the images whose placeholders are all computed now."""
+        for i, f in enumerate(req.mm_features):
+            if f.offset + f.length <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req, i)
 
     # -- structured output ---------------------------------------------------------------------
     def _admit_compiled(self) -> None:
@@ -287,6 +431,7 @@ class TokenBudgetScheduler(Scheduler):
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []
         self.kv.free(req)
+        self.encoder_cache.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -297,6 +442,7 @@ class TokenBudgetScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._step_spec_stats = SpecDecodeStats()
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -305,6 +451,8 @@ class TokenBudgetScheduler(Scheduler):
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            if req.mm_features:
+                self._free_encoder_inputs(req)
             i = index.get(req_id)
             new_tokens = sampled[i] if i is not None else []
             if not new_tokens:
@@ -319,6 +467,7 @@ class TokenBudgetScheduler(Scheduler):
                 if num_rejected:
                     self.kv.shrink_slots(req, req.num_computed_tokens)
                 self._spec_stats.observe(len(drafts), len(new_tokens) - 1)
+                self._step_spec_stats.observe(len(drafts), len(new_tokens) - 1)
             kept: list[int] = []
             constrained = req.structured_output_request is not None
             for tok in new_tokens:
@@ -376,7 +525,10 @@ class TokenBudgetScheduler(Scheduler):
         req.set_status(status)
         req.times.finished = self.clock()
         self.kv.free(req)
+        if req.mm_features:
+            self.encoder_cache.free(req)
         self._finished_req_ids.add(req.request_id)
+        self._lora_skips.pop(req.request_id, None)
         del self.requests[req.request_id]
 
     @staticmethod
@@ -414,4 +566,18 @@ class TokenBudgetScheduler(Scheduler):
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
             spec_decode=self._spec_stats.snapshot(),
+            running_lora_adapters=_count_loras(self.running) if self.max_loras else {},
+            waiting_lora_adapters=_count_loras(self.waiting) if self.max_loras else {},
+            step_spec_decode=self._step_spec_stats.snapshot(),
+            encoder_cache=self.encoder_cache.snapshot(),
         )
+
+
+def _count_loras(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name (base-model requests are not counted)."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_id is not None:
+            name = req.lora_name or str(req.lora_id)
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -79,6 +79,14 @@ def format_sim_block(result: dict) -> str:
         f"peak KV usage {pct(sim.get('peak_kv_usage'))}",
         f"  {sim.get('virtual_time_s') or 0:.2f} s simulated in {sim.get('wall_s') or 0:.2f} s",
     ]
+    spec = sim.get("spec_decode")
+    if spec:
+        lines.append(
+            f"  speculative {spec['method']} K={spec['num_speculative_tokens']}"
+            f"{' adaptive' if spec['adaptive'] else ''} (ridge {spec['ridge_tokens']} tokens): "
+            f"{spec['num_draft_tokens']} draft tokens, acceptance rate "
+            f"{pct(spec['acceptance_rate'])}, mean acceptance length "
+            f"{spec['mean_acceptance_length']:.2f}")
     return "\n".join(lines)
 
 

@@ -13,6 +13,12 @@ is replaced. For every ``SchedulerOutput`` the executor
    ends at its ``max_tokens`` (or ``max_model_len``), i.e. output lengths follow the workload,
    as ``bench serve`` with ``ignore_eos`` (its default) makes a real server do.
 
+With ``speculative=...`` (the same group a real engine reads) a request verifying drafts gains
+its accepted drafts plus one token, by the acceptance model, and every sampling request gets
+drafts for the next step, as many as the engine's draft-length policy allows
+(``llmkit.sim.speculation``); the scheduler schedules them as it would a proposer's, so a
+verify step costs what 1 + K tokens per row cost, and a draft model's passes are added.
+
 The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
 activations`` per rank, in blocks (``num_kv_blocks()``). ``llmkit sim`` sets
 ``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
@@ -20,6 +26,7 @@ activations`` per rank, in blocks (``num_kv_blocks()``). ``llmkit sim`` sets
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Any, Callable
@@ -32,6 +39,7 @@ from llmkit.sim.cost_model import CostModel, StepCost
 from llmkit.sim.frontend_cost import StreamRate
 from llmkit.sim.hardware import HardwareProfile, resolve_hardware
 from llmkit.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
+from llmkit.sim.speculation import SimSpeculation
 
 __all__ = ["SimExecutor", "SimStats"]
 
@@ -117,6 +125,9 @@ class SimExecutor(Executor):
         self.last_step: StepCost | None = None
         # tokens/s streamed lately, for the profile's front-end term (needs the clock's time)
         self._stream = StreamRate()
+        self.speculation = (SimSpeculation(config.speculative, self.cost_model, self.hardware,
+                                           self.dtype, config.seed)
+                            if config.speculative.enabled else None)
 
     # -- Executor ---------------------------------------------------------------------------
     @property
@@ -131,13 +142,19 @@ class SimExecutor(Executor):
 
     def kv_cache_bytes_per_block(self) -> int:
         """One block of every layer on every rank (KV heads replicate when fewer than ranks)."""
-        return (self.config.kv_cache.block_size * self.cost_model.kv_bytes_per_token
+        return (self.config.kv_cache.block_size * self._kv_bytes_per_token
                 * self.cost_model.tp)
+
+    @property
+    def _kv_bytes_per_token(self) -> int:
+        """Per rank: the target's and, with a draft model or EAGLE head, the draft's."""
+        spec = self.speculation
+        return self.cost_model.kv_bytes_per_token + (spec.kv_bytes_per_token if spec else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         block = self.config.kv_cache.block_size
-        fits = int(self.kv_budget_bytes() // (block * self.cost_model.kv_bytes_per_token))
+        fits = int(self.kv_budget_bytes() // (block * self._kv_bytes_per_token))
         if num_blocks > fits:
             logger.warning("kv_cache.num_blocks=%d is more than %s holds for this model (%d "
                            "blocks): the simulation assumes memory the device does not have",
@@ -165,27 +182,54 @@ class SimExecutor(Executor):
         work = []
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        spec = self.speculation
+        catch_up: list[tuple[int, int]] = []
         for rid, q in so.num_scheduled_tokens.items():
             c = before[rid] + q
             held = self._num_tokens[rid]
             samples = c >= held
             work.append((q, c, samples))
             req_ids.append(rid)
+            drafts = so.scheduled_spec_tokens.get(rid, ())
             if samples:
-                self._num_tokens[rid] = held + 1
-                sampled.append([self._draw(rid)])
+                gained = 1 + (spec.num_accepted(len(drafts)) if drafts else 0)
+                self._num_tokens[rid] = held + gained
+                sampled.append([self._draw(rid) for _ in range(gained)])
+                catch_up.append((q - len(drafts) + gained, c - len(drafts) + gained))
             else:
                 sampled.append([])
+                catch_up.append((q, c))
+        draft_ids = self._propose(req_ids, sampled) if spec is not None else {}
         now = self.clock() if callable(self.clock) else None
         rate = self._stream.at(now) if now is not None else 0.0
         cost = self.cost_model.step(work, stream_rate=rate)
+        if spec is not None and spec.draft_cost is not None:
+            drafting = [(len(d), self._num_tokens[r]) for r, d in draft_ids.items()]
+            extra = spec.draft_time_s(catch_up, drafting)
+            cost = dataclasses.replace(cost, overhead_s=cost.overhead_s + extra)
         self.last_step = cost
         self.stats.add(cost)
         if self.clock is not None:
             self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
             if now is not None:
-                self._stream.add(now + cost.total_s, sum(1 for t in sampled if t))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+                self._stream.add(now + cost.total_s, sum(len(t) for t in sampled))
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 draft_token_ids=draft_ids)
+
+    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+        """Drafts for every request that sampled, as many as the draft-length policy allows
+        (never past max_model_len); their ids are random (only their number matters here)."""
+        rows = [rid for rid, toks in zip(req_ids, sampled) if toks]
+        k = self.speculation.num_drafts(len(rows), len(self._num_tokens))
+        if k <= 0:
+            return {}
+        limit = self.model.max_model_len
+        out = {}
+        for rid in rows:
+            n = min(k, limit - self._num_tokens[rid])
+            if n > 0:
+                out[rid] = [self._draw(rid) for _ in range(n)]
+        return out
 
     def shutdown(self) -> None:
         self._num_tokens.clear()
@@ -224,7 +268,7 @@ class SimExecutor(Executor):
         not fit), capped as the engine core caps its own budget: never more than
         ``max_num_seqs`` sequences at ``max_model_len`` need (the rest would be idle)."""
         block = self.config.kv_cache.block_size
-        per_block = block * self.cost_model.kv_bytes_per_token
+        per_block = block * self._kv_bytes_per_token
         fits = max(0, int(self.kv_budget_bytes() // per_block))
         cap = -(-self.model.max_model_len // block) * self.config.scheduler.max_num_seqs
         return min(fits, cap)

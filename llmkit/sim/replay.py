@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from llmkit.bench.datasets import WorkloadError, WorkloadRequest, build_workload
 from llmkit.bench.metrics import RequestRecord, request_record, summarize
+from llmkit.config.errors import ConfigError
 from llmkit.sim.virtual_clock import VirtualClock
 
 __all__ = ["SimRun", "build_sim_engine", "replay", "run_sim"]
@@ -213,6 +214,10 @@ def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any 
     from llmkit.sim.hardware import resolve_hardware
     from llmkit.sim.source import resolve_sim_model, workload_tokenizer
 
+    if cfg.bench.lora_names:
+        raise ConfigError("bench.lora_names", list(cfg.bench.lora_names), "", message=(
+            "the simulator models no LoRA adapters (their cost is not in its cost model); "
+            "leave bench.lora_names empty for llmkit sim"))
     model = resolve_sim_model(cfg)
     hardware = resolve_hardware(cfg)
     if tokenizer is None:
@@ -236,6 +241,7 @@ def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any 
         "scheduler": cfg.engine.scheduler.model_dump(mode="json", by_alias=True),
         "kv_cache": cfg.engine.kv_cache.model_dump(mode="json", by_alias=True),
         "seed": cfg.engine.seed,
+        "speculative": cfg.engine.speculative.model_dump(mode="json", by_alias=True),
     }
     return make_result(config, summary, run.records, simulated=True, kind="sim",
                        sim=sim_block(core, executor, run))
@@ -272,4 +278,18 @@ def sim_block(core: Any, executor: Any, run: SimRun) -> dict[str, Any]:
         "peak_kv_usage": run.peak_kv_usage,
         "peak_running": run.peak_running,
         "wall_s": run.wall_s,
+        "spec_decode": _spec_block(executor, stats),
     }
+
+
+def _spec_block(executor: Any, stats: Any) -> dict[str, Any] | None:
+    spec = executor.speculation
+    if spec is None:
+        return None
+    s = stats.spec_decode
+    return {"method": spec.spec.name, "num_speculative_tokens": spec.k,
+            "adaptive": spec.spec.adaptive, "ridge_tokens": spec.ridge,
+            "acceptance_rates": spec.rates, "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_acceptance_length": s.mean_acceptance_length}

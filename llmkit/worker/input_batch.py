@@ -118,12 +118,14 @@ class InputBatch:
         self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
         self.has_bad_words = np.zeros(max_num_reqs, dtype=bool)
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
+        # The LoRA adapter id of each row (0 = the base model).
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)
         self._columns = (
             self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
             self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
             self.frequency_penalty, self.repetition_penalty, self.min_tokens, self.num_logprobs,
             self.has_penalties, self.has_bias, self.has_allowed, self.has_bad_words,
-            self.has_seed)
+            self.has_seed, self.lora_id)
         self.sampling_params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
         self.extras: list[RowSamplingExtras] = []
@@ -162,6 +164,7 @@ class InputBatch:
         self.has_allowed[row] = sp.allowed_token_ids is not None
         self.has_bad_words[row] = bool(sp.bad_words_token_ids)
         self.has_seed[row] = generator is not None
+        self.lora_id[row] = data.lora_id or 0
         self.sampling_params.append(sp)
         self.generators.append(generator)
         self.extras.append(RowSamplingExtras.from_params(sp, data.eos_token_id))

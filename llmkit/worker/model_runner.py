@@ -15,10 +15,11 @@ import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
+from llmkit.lora.manager import LoRAManager
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
-from llmkit.spec_decode.base import Proposer
+from llmkit.spec_decode.base import Proposer, StepContext
 from llmkit.worker import prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
@@ -50,6 +51,7 @@ class StepInputs:
     query_starts: np.ndarray  # per scheduled row: its first token's index in the flat batch
     computed: np.ndarray  # per scheduled row: tokens computed before this step
     num_scheduled: np.ndarray  # per scheduled row: tokens computed in this step
+    samples: np.ndarray  # per scheduled row: its step reaches its last token (it samples)
 
 
 class ModelRunner:
@@ -77,13 +79,27 @@ class ModelRunner:
         self.make_step_graphs: Callable[[torch.nn.Module, list[torch.Tensor]],
                                         StepGraphs | None] | None = None
         self.step_graphs: StepGraphs | None = None
+        # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
+        self.lora_manager: LoRAManager | None = None
+        # Multimodal: encoder outputs by image content hash (what the scheduler's
+        # EncoderCacheManager accounts for), and each running request's images.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self._mm_features: dict[str, list] = {}
+        self.num_encoder_runs = 0  # images encoded since start-up
 
     # -- KV cache ------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         m = self.model
         shape = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
-        per_layer = int(np.prod(shape)) * torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return per_layer * m.num_layers
+        itemsize = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        per_layer = int(np.prod(shape)) * itemsize
+        # A draft model's (or EAGLE head's) layers keep their KV in the same blocks.
+        draft = sum(int(np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, h, d)))
+                    for h, d in self._proposer_kv_layers()) * itemsize
+        return per_layer * m.num_layers + draft
+
+    def _proposer_kv_layers(self) -> list[tuple[int, int]]:
+        return self.proposer.kv_cache_layers() if self.proposer is not None else []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
@@ -92,6 +108,11 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device)
                           for _ in range(m.num_layers)]
         self.attn_backend.warm_up(self.kv_caches[0], m.num_heads, self.kv_cache_dtype)
+        draft_layers = self._proposer_kv_layers()
+        if draft_layers:
+            self.proposer.bind_kv_caches([
+                _zeros(self.attn_backend.kv_cache_shape(num_blocks, self.block_size, h, d),
+                       self.kv_cache_dtype, self.device) for h, d in draft_layers])
         if self.make_step_graphs is not None:
             self.step_graphs = self.make_step_graphs(self.model, self.kv_caches)
         if self.step_graphs is not None:
@@ -99,17 +120,48 @@ class ModelRunner:
             logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
                         self.step_graphs.name, self.step_graphs.max_rows, seconds)
 
+    @torch.inference_mode()
+    def time_forward(self, num_tokens: int) -> float:
+        """Seconds of one forward (and one logits row) over ``num_tokens`` tokens of one fresh
+        sequence that writes no KV (slots -1): for measuring the model's ridge point at
+        start-up, before any request exists."""
+        import time
+
+        n = num_tokens
+        query_start_loc = np.array([0, n])
+        block_table = np.zeros((1, -(-n // self.block_size)), dtype=np.int32)
+        metadata = self.attn_backend.build_metadata(AttentionMetadata(
+            num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.tensor([n], dtype=torch.int32),
+            block_table=torch.from_numpy(block_table),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=[n],
+            block_size=self.block_size))
+        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        t0 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        self.model.compute_logits(hidden[-1:]).cpu()
+        return time.perf_counter() - t0
+
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
+        for h in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(h, None)
         for rid in so.finished_req_ids:
             b.remove_request(rid)
+            self._mm_features.pop(rid, None)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
+            self._mm_features.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
+            if new.mm_features:
+                self._mm_features[new.req_id] = new.mm_features
             sp = new.sampling_params
             gen = None
             if sp.seed is not None:
@@ -196,6 +248,7 @@ class ModelRunner:
             query_starts=starts,
             computed=computed,
             num_scheduled=num_sched,
+            samples=samples,
         )
 
     # -- one step --------------------------------------------------------------------------
@@ -205,7 +258,23 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
-        hidden = self._forward(inputs)
+        if self.lora_manager is None:
+            return self._execute(so, inputs)
+        layout = inputs.logits
+        row_lora = self.batch.lora_id[inputs.rows]
+        self.lora_manager.prepare_step(np.repeat(row_lora, inputs.num_scheduled),
+                                       np.repeat(self.batch.lora_id[layout.rows],
+                                                 layout.num_logits))
+        try:
+            return self._execute(so, inputs)
+        finally:
+            self.lora_manager.end_step()
+
+    def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
+        if so.scheduled_encoder_inputs:
+            self._execute_mm_encoder(so)
+        inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
+        hidden = self._forward(inputs, inputs_embeds)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
@@ -217,11 +286,18 @@ class ModelRunner:
                 bitmask_rows = self._bitmask_rows(so)
             meta = build_sampling_metadata(self.batch, layout, logits.shape[-1], self.device,
                                            bitmask_rows, so.grammar_bitmask)
+            if meta.spec is not None and self.proposer is not None:
+                meta.spec.draft_probs = self._draft_probs(layout, logits.shape[-1])
             out = self.sampler.sample(logits.float(), meta)
             sampled_by_row = self._record(layout, out, logprobs)
         drafts = {}
-        if self.proposer is not None and len(layout.rows):
-            drafts = self.proposer.propose(self.batch, layout.rows)
+        if self.proposer is not None:
+            # Every step, also one where nothing samples: a draft model's KV must cover every
+            # token the target computed.
+            drafts = self.proposer.propose(self.batch, layout.rows, StepContext(
+                rows=inputs.rows, computed=inputs.computed,
+                num_scheduled=inputs.num_scheduled, query_starts=inputs.query_starts,
+                samples=inputs.samples, hidden_states=hidden))
         rows = inputs.rows.tolist()
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
@@ -231,18 +307,96 @@ class ModelRunner:
             draft_token_ids=drafts,
         )
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _draft_probs(self, layout: LogitsLayout, vocab_size: int) -> torch.Tensor | None:
+        """q per logits row when the proposer drew its drafts from a distribution (one-hot rows
+        for drafts given as tokens, zero rows for bonus positions); None if it never did."""
+        probs = [self.proposer.draft_probs(self.batch.req_ids[r], d) if d else None
+                 for r, d in zip(layout.rows.tolist(), layout.drafts)]
+        if all(p is None for p in probs):
+            return None
+        q = torch.zeros(int(layout.num_logits.sum()), vocab_size, device=self.device)
+        start = 0
+        for p, d, n in zip(probs, layout.drafts, layout.num_logits.tolist()):
+            if p is not None:
+                q[start:start + len(d)] = p
+            elif d:
+                q[torch.arange(start, start + len(d), device=self.device),
+                  torch.tensor(d, device=self.device)] = 1.0
+            start += n
+        return q
+
+    # -- multimodal -------------------------------------------------------------------------
+    def _execute_mm_encoder(self, so: SchedulerOutput) -> None:
+        """Encode the step's scheduled images (batched by pixel shape) into the encoder cache."""
+        by_shape: dict[tuple[int, ...], list] = {}
+        for rid, input_ids in so.scheduled_encoder_inputs.items():
+            features = self._mm_features[rid]
+            for i in input_ids:
+                f = features[i]
+                if f.identifier not in self.encoder_cache:
+                    by_shape.setdefault(tuple(f.shape), {})[f.identifier] = f
+        for group in by_shape.values():
+            pixels = torch.cat([f.pixel_tensor() for f in group.values()]).to(self.device)
+            embeds = self.model.embed_multimodal(pixels)
+            for f, e in zip(group.values(), embeds):
+                if e.shape[0] != f.length:
+                    raise RuntimeError(f"image {f.identifier}: the encoder gave {e.shape[0]} "
+                                       f"embeddings for {f.length} placeholder tokens")
+                self.encoder_cache[f.identifier] = e
+            self.num_encoder_runs += len(group)
+
+    def _gather_mm_embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's ``inputs_embeds``: token embeddings with each scheduled image
+        placeholder's row replaced by its slice of the image's (cached) encoder output; None
+        when the step computes no image token. A chunk may start or end inside an image."""
+        rows_idx: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        for i, rid in enumerate(inputs.req_ids):
+            features = self._mm_features.get(rid)
+            if not features:
+                continue
+            start, n = int(inputs.computed[i]), int(inputs.num_scheduled[i])
+            qs = int(inputs.query_starts[i])
+            for f in features:
+                lo, hi = max(start, f.offset), min(start + n, f.offset + f.length)
+                if lo >= hi:
+                    continue
+                parts.append(self.encoder_cache[f.identifier][lo - f.offset:hi - f.offset])
+                rows_idx.append(torch.arange(qs + lo - start, qs + hi - start))
+        if not parts:
+            return None
+        embeds = self.model.embed_input_ids(inputs.input_ids.to(self.device))
+        embeds[torch.cat(rows_idx).to(self.device)] = torch.cat(parts).to(embeds.dtype)
+        return embeds
+
+    def _forward(self, inputs: StepInputs,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The model's hidden states: through a step graph for a decode-only step it covers,
         else eagerly."""
         md = inputs.attn_metadata
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
-        if (graphs is not None and md.num_actual_tokens == md.num_reqs
-                and graphs.covers(md.num_reqs)):
+        if inputs_embeds is not None:
+            return self.model(None, positions, self.kv_caches,
+                              self.attn_backend.build_metadata(md), inputs_embeds)
+        if (graphs is not None and graphs.covers(md.num_actual_tokens)
+                and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows
-            return graphs.run(ids, positions, md.slot_mapping.to(self.device),
-                              torch.from_numpy(self.batch.block_table[rows]).to(self.device),
-                              md.seq_lens.to(self.device))
+            if md.num_actual_tokens == md.num_reqs:
+                return graphs.run(ids, positions, md.slot_mapping.to(self.device),
+                                  torch.from_numpy(self.batch.block_table[rows]).to(self.device),
+                                  md.seq_lens.to(self.device))
+            layout = inputs.logits
+            if len(layout.rows) == len(rows) and bool((layout.num_logits
+                                                       == inputs.num_scheduled).all()):
+                # Decoding rows verifying drafts: each token is a decode row over its context
+                # up to itself (every K/V is written before attention), so the decode graph
+                # computes the step with one block-table row and length per token.
+                per_token = np.repeat(rows, inputs.num_scheduled)
+                return graphs.run(
+                    ids, positions, md.slot_mapping.to(self.device),
+                    torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
+                    (positions + 1).to(torch.int32))
         return self.model(ids, positions, self.kv_caches, self.attn_backend.build_metadata(md))
 
     @staticmethod
@@ -291,7 +445,11 @@ class ModelRunner:
             if state is None:
                 continue
             row = int(inputs.rows[i])
-            prompt_logprobs.score_chunk(state, hidden, self.model.compute_logits,
+            compute_logits = self.model.compute_logits
+            if self.lora_manager is not None:  # the rows are this request's: its adapter
+                compute_logits = self.lora_manager.logits_fn(int(self.batch.lora_id[row]),
+                                                             compute_logits)
+            prompt_logprobs.score_chunk(state, hidden, compute_logits,
                                         self.batch.token_ids[row], int(inputs.query_starts[i]),
                                         int(inputs.computed[i]), int(inputs.num_scheduled[i]))
             if prompt_logprobs.finished(state):

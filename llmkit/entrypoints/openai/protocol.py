@@ -240,10 +240,21 @@ class ChatMessage(_Request):
     def _parts(cls, v):
         if isinstance(v, list):
             for i, part in enumerate(v):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                if kind == "image_url":
+                    spec = part.get("image_url")
+                    if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+                        raise ValueError(f"content part {i}: an image_url part is "
+                                         "{'type': 'image_url', 'image_url': {'url': ...}}")
+                elif kind != "text" or not isinstance(part.get("text"), str):
                     raise ValueError(f"content part {i}: only {{'type': 'text', 'text': ...}} "
-                                     "parts are supported")
+                                     "and {'type': 'image_url', ...} parts are supported")
         return v
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") == "image_url"
+                                                      for p in self.content)
 
     def text(self) -> str:
         if self.content is None:
@@ -376,12 +387,29 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmkit"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and
+    ignored: the name identifies the adapter)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 # --------------------------------------------------------------------------- tokenize

@@ -3,7 +3,9 @@
 ``build_app(engine, config, metrics=..., api_key=...)`` wires an ``AsyncLLM`` into a FastAPI
 app; ``llmkit.entrypoints.serve.run_server`` runs it under uvicorn.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+Routes: ``GET /v1/models`` (the base model and its LoRA adapters, each with ``parent``),
+``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (only with
+``lora.allow_runtime_updates``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
 ``stream`` is true), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
 once the engine process is gone), ``GET /metrics`` (Prometheus text), ``GET /docs``;
 ``GET /v1/engine/stats`` and ``GET /v1/engine/events`` (``engine_view.py``); the pages ``/``
@@ -13,12 +15,12 @@ Errors: ``{"error": {"message", "type", "param", "code"}}`` — 400 for bad JSON
 out-of-range values and prompts that do not fit ``max_model_len``; 401 for a missing or wrong
 API key (``server.api_key`` or ``LLMKIT_API_KEY``; ``/v1/*``, ``/tokenize`` and
 ``/detokenize`` need ``Authorization: Bearer KEY``, ``/health``, ``/metrics`` and ``/docs`` do
-not); 404 for an unknown model or route; 503 with ``Retry-After`` when
-``server.max_waiting_requests`` requests already wait for their first token; 500 when the
-engine process has died; 413 for a body over ``server.max_request_bytes`` (``limits.py``).
-``server.allowed_origins`` lists the origins whose pages may call the API (CORS; none by
-default: same origin only). ``server.restart_engine`` starts a new engine core when it dies
-(``engine_restart.py``).
+not); 403 for a LoRA path outside ``lora.allowed_paths``; 404 for an unknown model, adapter or
+route; 503 with ``Retry-After`` when ``server.max_waiting_requests`` requests already wait for
+their first token; 500 when the engine process has died; 413 for a body over
+``server.max_request_bytes`` (``limits.py``). ``server.allowed_origins`` lists the origins whose
+pages may call the API (CORS; none by default: same origin only). ``server.restart_engine``
+starts a new engine core when it dies (``engine_restart.py``).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,8 +44,9 @@ from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
 from llmkit.entrypoints.openai.limits import RequestSizeLimit
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                DetokenizeRequest, ErrorResponse, ModelList,
-                                                TokenizeRequest)
+                                                DetokenizeRequest, ErrorResponse,
+                                                LoadLoRAAdapterRequest, ModelList,
+                                                TokenizeRequest, UnloadLoRAAdapterRequest)
 from llmkit.entrypoints.openai.serving import OpenAIError, OpenAIServing
 from llmkit.entrypoints.openai.web import add_web_routes
 
@@ -146,7 +149,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics | None = None,
               api_key: str | None = None, engine_stop_timeout: float = 5.0) -> FastAPI:
     names = served_model_names(config, str(engine.model_source.path))
-    serving = OpenAIServing(engine, names)
+    serving = OpenAIServing(engine, names, config.lora)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -239,6 +242,19 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):
         return serving.detokenize(request)
+
+    if config.lora.enabled and config.lora.allow_runtime_updates:
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                  responses={**_ERRORS, 403: {"model": ErrorResponse,
+                                              "description": "Path outside lora.allowed_paths"}})
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+            return PlainTextResponse(await serving.models.load(request.lora_name,
+                                                               request.lora_path))
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                  responses=_ERRORS)
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+            return PlainTextResponse(await serving.models.unload(request.lora_name))
 
     add_engine_view_routes(app, engine, events_per_s=config.server.engine_events_per_s)
     add_web_routes(app)

@@ -11,6 +11,7 @@ Usage counts the prompt tokens once per prompt and every generated token of ever
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,12 +20,13 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                      RequestOutputKind, RequestStream)
 from llmkit.entrypoints.openai.errors import (OpenAIError, bad_request, engine_dead, overloaded,
                                               param_of)
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
-from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatMessage,
                                                 ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatResponseMessage, ChatStreamChoice,
                                                 CompletionChoice, CompletionRequest,
@@ -35,6 +37,7 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
 from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
+from llmkit.entrypoints.openai.serving_models import ServingModels
 from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
                                                  sse)
@@ -44,6 +47,9 @@ from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_pa
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
 from llmkit.entrypoints.openai.tools import (ToolUse, template_messages, template_supports_tools,
                                              tool_use)
+from llmkit.lora.base import LoRARequest
+from llmkit.multimodal.content_parts import split_image_parts
+from llmkit.multimodal.image import ImageError, load_image_url
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
@@ -51,11 +57,13 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 lora: LoRAConfig | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.model_name = served_model_names[0]
+        self.models = ServingModels(engine, served_model_names, lora or LoRAConfig())
         # the engine's own (AsyncLLM's input processor checks against the same)
         self.vocab_size = engine.model_facts.vocab_size
         self._warned_fields: set[str] = set()
@@ -67,11 +75,13 @@ class OpenAIServing:
         self.tool_parser = TOOL_PARSERS.get(parser_name)()
 
     # -- shared checks ----------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise OpenAIError(404, f"The model `{name}` does not exist. This server serves "
-                                   f"`{self.model_name}`.", param="model",
-                              code="model_not_found")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model); a 404
+        ``OpenAIError`` for a name this server does not serve."""
+        return self.models.resolve(name)
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        return lora.lora_name if lora is not None else self.model_name
 
     def check_engine(self) -> None:
         if not self.engine.is_running:
@@ -140,8 +150,8 @@ class OpenAIServing:
 
     async def _start(self, request_id: str, prompts: list[list[int]],
                      prompt_texts: list[str | None], params: SamplingParams, n: int,
-                     priority: int, stream: bool,
-                     cache_salt: str | None = None) -> list[RequestStream]:
+                     priority: int, stream: bool, cache_salt: str | None = None,
+                     lora: LoRARequest | None = None) -> list[RequestStream]:
         """Admit one engine request (of ``n`` samples) per prompt; all or none."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
@@ -150,7 +160,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
                 streams.append(await self.engine.add_request(
                     rid, ids, params, n=n, priority=priority, output_kind=kind,
-                    prompt_text=text, cache_salt=cache_salt))
+                    prompt_text=text, cache_salt=cache_salt, lora_request=lora))
         except EngineOverloadedError as e:
             abort_all(streams)
             raise overloaded(e) from None
@@ -164,9 +174,7 @@ class OpenAIServing:
 
     # -- /v1/models -------------------------------------------------------------------------
     def list_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name,
-                                         root=str(self.engine.model_source.path),
-                                         max_model_len=self.engine.max_model_len)])
+        return self.models.list_models()
 
     # -- /v1/completions --------------------------------------------------------------------
     def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]],
@@ -194,7 +202,7 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request):
         self._warn_extra(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_engine()
         if req.echo:
             raise bad_request("`echo` is not supported by this server", "echo")
@@ -210,10 +218,11 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         streams = await self._start(request_id, prompts, texts, params, req.n, req.priority,
-                                    req.stream, req.cache_salt)
+                                    req.stream, req.cache_salt, lora)
+        model = self.response_model(lora)
         if req.stream:
             return EngineStreamingResponse(
-                self._completion_events(req, request_id, created, streams, prompts),
+                self._completion_events(req, request_id, created, streams, prompts, model),
                 on_close=lambda: abort_all(streams))
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
@@ -232,16 +241,16 @@ class OpenAIServing:
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, created=created, model=self.model_name,
+        return CompletionResponse(id=request_id, created=created, model=model,
                                   choices=choices, usage=usage)
 
     async def _completion_events(self, req: CompletionRequest, request_id: str, created: int,
-                                 streams: list[RequestStream],
-                                 prompts: list[list[int]]) -> AsyncIterator[str]:
+                                 streams: list[RequestStream], prompts: list[list[int]],
+                                 model: str) -> AsyncIterator[str]:
         usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         offsets: dict[int, int] = {}
         base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
+                "model": model}
         cached: dict[int, int] = {}
         try:
             async for p, ro in merge(streams):
@@ -294,28 +303,70 @@ class OpenAIServing:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
 
+    async def chat_images(self, req: ChatCompletionRequest
+                          ) -> tuple[ChatCompletionRequest, list]:
+        """The request with each image content part replaced by the model's placeholder, and
+        the images (decoded here: a bad one is a 400 before the engine sees anything)."""
+        if not any(m.has_images for m in req.messages):
+            return req, []
+        mm = self.engine.multimodal_processor
+        if mm is None:
+            raise bad_request("this model takes no images; send text content parts only",
+                              "messages")
+        cfg = self.engine.config
+        limit = cfg.multimodal.limit("image")
+        n = sum(1 for m in req.messages if m.has_images for p in m.content
+                if p.get("type") == "image_url")
+        if n > limit:
+            raise bad_request(f"the conversation has {n} images, more than "
+                              f"multimodal.limit_mm_per_prompt.image={limit}", "messages")
+
+        def load(url: str):
+            return load_image_url(url, max_bytes=cfg.multimodal.max_image_bytes,
+                                  allowed_domains=cfg.server.allowed_media_domains)
+
+        try:
+            # In a thread: decoding (and fetching from an allowed host) must not stall the
+            # event loop that streams other requests.
+            messages, images = await asyncio.to_thread(
+                split_image_parts, [m.model_dump(exclude_none=True) for m in req.messages],
+                mm.image_token, load)
+        except ImageError as e:
+            raise bad_request(str(e), "messages") from None
+        return req.model_copy(update={"messages": [ChatMessage(**m) for m in messages]}), images
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         self._warn_extra(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_engine()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         use = tool_use(req, self.tool_parser)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
+        req, images = await self.chat_images(req)
         ids = self.chat_prompt(req, use)
+        num_prompt_tokens = len(ids)
+        prompt: list[int] | dict = ids
+        if images:
+            # Each placeholder becomes the image's tokens: they count as prompt tokens.
+            num_prompt_tokens += len(images) * (
+                self.engine.multimodal_processor.num_image_tokens - 1)
+            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         max_tokens = req.max_output_tokens
-        self._check_length(len(ids), max_tokens, "messages")
+        self._check_length(num_prompt_tokens, max_tokens, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                       structured_outputs=structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await self._start(request_id, [ids], [None], params, req.n, req.priority,
-                                    req.stream, req.cache_salt)
+        streams = await self._start(request_id, [prompt], [None], params, req.n, req.priority,
+                                    req.stream, req.cache_salt, lora)
+        model = self.response_model(lora)
         if req.stream:
             return EngineStreamingResponse(
-                self._chat_events(req, request_id, created, streams, len(ids), k, use),
+                self._chat_events(req, request_id, created, streams, num_prompt_tokens, k, use,
+                                  model),
                 on_close=lambda: abort_all(streams))
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
@@ -333,13 +384,13 @@ class OpenAIServing:
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
-        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+        return ChatCompletionResponse(id=request_id, created=created, model=model,
                                       choices=choices, usage=usage)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, created: int,
                            streams: list[RequestStream], num_prompt_tokens: int,
-                           k: int | None, use: ToolUse) -> AsyncIterator[str]:
-        base = dict(id=request_id, created=created, model=self.model_name)
+                           k: int | None, use: ToolUse, model: str) -> AsyncIterator[str]:
+        base = dict(id=request_id, created=created, model=model)
         usage = Usage(prompt_tokens=num_prompt_tokens)
         cached = 0
         # Per choice: tool calls found as the text grows, sent as OpenAI deltas.

@@ -158,6 +158,12 @@ def build_model(source: ModelSource, ctx: ModelContext,
     return model.eval()
 
 
+def text_config(hf_config):
+    """The language model's config: ``text_config`` of a multimodal model, else the config."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if get is not None else hf_config
+
+
 # -- facts -----------------------------------------------------------------------------------
 def _as_list(value) -> list[int]:
     if value is None:
@@ -170,7 +176,8 @@ def _as_list(value) -> list[int]:
 def _eos_token_ids(source: ModelSource, extra: list[int]) -> list[int]:
     """The config's EOS first, then generation_config.json's; the tokenizer's only when neither
     names one; then ``model.extra_eos_token_ids``. Duplicates removed, order kept."""
-    ids = _as_list(getattr(source.hf_config, "eos_token_id", None))
+    ids = _as_list(getattr(source.hf_config, "eos_token_id", None)) or \
+        _as_list(getattr(text_config(source.hf_config), "eos_token_id", None))
     gen_file = source.path / "generation_config.json"
     if not source.is_gguf and gen_file.is_file():
         ids += _as_list(json.loads(gen_file.read_text()).get("eos_token_id"))
@@ -184,6 +191,7 @@ def _eos_token_ids(source: ModelSource, extra: list[int]) -> list[int]:
 def _max_model_len(hf_config, requested: int | None) -> int:
     """``max_position_embeddings``, or the sliding window when it is smaller, capping
     ``model.max_model_len``."""
+    hf_config = text_config(hf_config)
     limit = getattr(hf_config, "max_position_embeddings", None)
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and (limit is None

@@ -1,0 +1,159 @@
+"""LLaVA (``LlavaForConditionalGeneration``): a CLIP vision tower, a two-layer MLP projector
+and a Llama-family language model.
+
+The language model is ``LlamaForCausalLM`` itself, built from the config's ``text_config``
+with the same ``ModelContext``: its forward (paged attention, platform ops, linear methods) is
+the one every text model runs; LLaVA adds only what turns an image into the embeddings of its
+placeholder tokens.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmkit.attention.base import AttentionMetadata
+from llmkit.linear.base import copy_weight
+from llmkit.models.base import CausalLM, ModelContext
+from llmkit.models.clip import CLIPVisionModel, num_layers_to_feature
+from llmkit.models.interfaces import SupportsMultiModal
+from llmkit.models.llama import LlamaForCausalLM
+
+PROJECTOR_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
+                         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+# Checkpoint name prefixes -> this model's: transformers < 4.52 saved
+# ``language_model.model.*``; newer versions save ``model.language_model.*``.
+_WEIGHT_PREFIXES = (
+    ("language_model.model.", "language_model.model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("vision_tower.", "vision_tower."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        if act not in PROJECTOR_ACTIVATIONS:
+            raise ValueError(f"projector_hidden_act {act!r} is not supported; supported: "
+                             f"{', '.join(PROJECTOR_ACTIVATIONS)}")
+        self.act = PROJECTOR_ACTIVATIONS[act]
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias, dtype=dtype)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def llava_num_image_tokens(hf_config) -> int:
+    """Placeholder tokens per image: one per patch, plus CLS under the ``full`` strategy."""
+    vc = hf_config.vision_config
+    patches = (vc.image_size // vc.patch_size) ** 2
+    return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+
+
+class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
+        super().__init__(hf_config, ctx)
+        feature_layer = hf_config.vision_feature_layer
+        if not isinstance(feature_layer, int):
+            raise ValueError(f"vision_feature_layer {feature_layer!r}: only one layer (an int) "
+                             "is supported")
+        strategy = hf_config.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
+                             "(default, full)")
+        vc, tc = hf_config.vision_config, hf_config.text_config
+        if vc.model_type != "clip_vision_model":
+            raise ValueError(f"LLaVA vision tower {vc.model_type!r} is not supported "
+                             "(clip_vision_model)")
+        self.drop_cls = strategy == "default"
+        self.image_token_id = int(getattr(hf_config, "image_token_id", None)
+                                  if getattr(hf_config, "image_token_id", None) is not None
+                                  else hf_config.image_token_index)
+        # The vision tower is small next to the LM and runs once per image: plain torch
+        # modules in the model's dtype rather than the platform's linear methods.
+        self.vision_tower = CLIPVisionModel(vc, num_layers_to_feature(vc, feature_layer),
+                                            ctx.dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(
+            vc.hidden_size, tc.hidden_size, hf_config.projector_hidden_act,
+            bool(getattr(hf_config, "multimodal_projector_bias", True)), ctx.dtype)
+        self.language_model = LlamaForCausalLM(tc, ctx)
+        lm = self.language_model
+        self.num_layers, self.num_heads = lm.num_layers, lm.num_heads
+        self.num_kv_heads, self.head_dim = lm.num_kv_heads, lm.head_dim
+        self.hidden_size, self.vocab_size = lm.hidden_size, lm.vocab_size
+        self.num_image_tokens = llava_num_image_tokens(hf_config)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata,
+                                   inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        features = self.vision_tower(pixel_values.to(self.dtype))
+        if self.drop_cls:
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        own = dict(self.named_parameters())
+        tower_layers = len(self.vision_tower.encoder.layers)
+        loaded: set[str] = set()
+
+        def text_weights():
+            for name, tensor in weights:
+                name = _rename(name)
+                if name.startswith("language_model."):
+                    yield name.removeprefix("language_model."), tensor
+                    continue
+                if name.startswith("vision_tower."):
+                    name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+                    if _unused_vision_weight(name, tower_layers):
+                        continue
+                param = own.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint weight {name!r} has no counterpart in the "
+                                     "model")
+                copy_weight(param, tensor, name)
+                loaded.add(name)
+
+        self.language_model.load_weights(text_weights())
+        missing = sorted(n for n in own if not n.startswith("language_model.")
+                         and n not in loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: "
+                             f"{', '.join(missing[:8])}")
+
+
+def _rename(name: str) -> str:
+    for old, new in _WEIGHT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _unused_vision_weight(name: str, num_layers: int) -> bool:
+    """Layers past the feature layer, and the final norm, that the LM never reads."""
+    if name.startswith("vision_tower.post_layernorm."):
+        return True
+    prefix = "vision_tower.encoder.layers."
+    if name.startswith(prefix):
+        return int(name[len(prefix):].split(".", 1)[0]) >= num_layers
+    return False
