@@ -193,6 +193,16 @@ def _register_fakes() -> None:
     def _reshape_and_cache(key, value, kv_cache, slot_mapping):
         return None
 
+    @fake(f"{lib}::quant_linear")
+    def _quant_linear(x, packed, format, out_features, scales=None, bias=None,
+                      float_activations=False, portable=False):
+        return x.new_empty(x.shape[0], out_features)
+
+    @fake(f"{lib}::quant_dequantize")
+    def _quant_dequantize(packed, format, out_features, in_features, scales=None, rows=None):
+        n = out_features if rows is None else rows.shape[0]
+        return packed.new_empty(n, in_features, dtype=torch.float32)
+
     @fake(f"{lib}::lora_add_")
     def _lora_add(y, x, lora_a, lora_b, row_slots, ranks, out_offsets):
         return None

@@ -54,3 +54,21 @@ def test_graphs_need_the_cpp_kernels(tiny_model_dir, caplog):
               platform={"native_kernels": "off"})
     assert llm.engine.executor.runner.step_graphs is None
     assert "no graph-safe decode path" in caplog.text
+
+
+@pytest.mark.slow
+def test_graph_decode_steps_with_quantized_weights(tiny_model_dir, tmp_path):
+    """The quantized linear (and the packed embedding lookup) inside the step graphs: the
+    same bits as eager."""
+    from tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_model_dir("mistral"), tmp_path / "q.gguf", "Q4_1")
+    _, eager = generate(path, "eager", "float32", PROMPTS[:3])
+    llm, graph = generate(path, "graphs", "float32", PROMPTS[:3])
+    assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+    assert "quantized:q4_1" in llm.engine.executor.backend_info.linear_methods
+    for e, g in zip(eager, graph):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lp_g.items()} == \
+                {t: v.logprob for t, v in lp_e.items()}

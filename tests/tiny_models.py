@@ -121,10 +121,16 @@ def _llama_cpp_permute(w, n_head: int):
         .reshape(w.shape)
 
 
-def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
+def write_tiny_gguf(model_dir: Path, out: Path, weight_type: str | None = None,
+                    type_of: dict[str, str] | None = None) -> Path:
     """Convert a tiny model folder to a GGUF file the way llama.cpp would (llama/mistral q/k
     rows permuted; weights Q8_0, the output matrix Q4_0, the embedding F16, norms F32; the
-    tokenizer and chat template in the metadata)."""
+    tokenizer and chat template in the metadata).
+
+    ``weight_type`` (a GGUF type name: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) puts every matrix, the
+    embedding and output included, in that type, or in ``type_of[gguf short name]`` (e.g.
+    ``{"attn_v": "Q6_K"}``). gguf-py cannot quantize Q4_K / Q6_K: their matrices are random
+    valid blocks (``llmkit.kernels.quant.testing``) in place of the model's values."""
     import json
 
     import gguf
@@ -187,6 +193,17 @@ def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
                          "lm_head": "output"}[module] + f".{kind}"
         if array.ndim == 1:
             w.add_tensor(gguf_name, array)
+        elif weight_type is not None:
+            short = gguf_name.split(".")[-2]
+            qtype = getattr(Q, (type_of or {}).get(short, weight_type))
+            if qtype in (Q.Q4_K, Q.Q6_K):
+                from llmkit.kernels.quant.testing import random_gguf_rows
+                import zlib
+                raw = random_gguf_rows(qtype.name.lower(), *array.shape,
+                                       seed=zlib.crc32(gguf_name.encode()), scale=0.004).numpy()
+            else:
+                raw = gguf.quants.quantize(array, qtype)
+            w.add_tensor(gguf_name, raw, raw_dtype=qtype)
         elif gguf_name == "token_embd.weight":
             w.add_tensor(gguf_name, array.astype(np.float16))
         else:

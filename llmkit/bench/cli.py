@@ -132,9 +132,11 @@ def run_bench(args: Any, load_config: Callable[..., Any], out=None) -> int:
         # Compose every point first: a bad value fails before anything runs.
         configs = [(load_config(args, run, tool=BenchToolConfig), sweep)
                    for run, sweep in points]
-        if sub != "throughput" and any(c.bench.baseline != "none" for c, _ in configs):
-            raise BenchError(f"bench.baseline applies to bench throughput only, not bench {sub}",
-                             code=2)
+        allowed = {"throughput": {"none", "hf", "llamacpp"}, "latency": {"none", "llamacpp"}}
+        for c, _ in configs:
+            if c.bench.baseline not in allowed.get(sub, {"none"}):
+                raise BenchError(f"bench.baseline={c.bench.baseline} does not apply to bench "
+                                 f"{sub} (throughput: hf, llamacpp; latency: llamacpp)", code=2)
         engine_keys = [k for k in points[0][1]
                        if sub == "serve" and not k.startswith(("bench.", "slo."))]
         if engine_keys:

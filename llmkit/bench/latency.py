@@ -35,6 +35,13 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
+    llamacpp_dir = None
+    if b.baseline == "llamacpp":  # fail before the run
+        from llmkit.bench.llamacpp_baseline import check_llamacpp
+        llamacpp_dir = check_llamacpp(b, llm.model_source.path)
+    model_path = llm.model_source.path
+    import torch
+    threads = torch.get_num_threads()
     tokenizer = llm.get_tokenizer()
     engine = llm.engine
     trace = StepTrace()
@@ -84,9 +91,20 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+    baseline = ratio = None
+    if llamacpp_dir is not None:
+        from llmkit.bench.llamacpp_baseline import run_llamacpp
+
+        baseline = run_llamacpp(llamacpp_dir, model_path, threads=threads,
+                                num_seqs=b.batch_size, input_len=b.input_len,
+                                output_len=b.output_len, reps=b.llamacpp_reps)
+        ratio = {"decode_tokens_per_s": (summary["decode_tokens_per_s"]
+                                         / baseline["decode_throughput"]
+                                         if summary["decode_tokens_per_s"] else None)}
     config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
     return make_result(config, summary, [{"latency_s": x, "ok": True} for x in latencies],
-                       simulated=False, kind="latency", steps=last_steps)
+                       simulated=False, kind="latency", steps=last_steps,
+                       baseline=baseline, ratio=ratio)
 
 
 def format_latency(result: Mapping[str, Any]) -> str:
@@ -106,7 +124,8 @@ def format_latency(result: Mapping[str, Any]) -> str:
         f"  decode step     mean {f(dc['mean'], unit=' ms')}  p50 {f(dc['p50'], unit=' ms')}  "
         f"p99 {f(dc['p99'], unit=' ms')}  ({s['num_decode_steps']} steps)",
         f"  decode tokens/s {f(s['decode_tokens_per_s'])}",
-    ] + ([_spec_line(s["spec_decode"])] if s.get("spec_decode") else []))
+    ] + ([_spec_line(s["spec_decode"])] if s.get("spec_decode") else [])
+      + _llamacpp_lines(result))
 
 
 def _spec_line(spec: Mapping[str, Any]) -> str:
@@ -114,3 +133,14 @@ def _spec_line(spec: Mapping[str, Any]) -> str:
             f"tokens, {spec['num_accepted_tokens']} accepted (rate "
             f"{100 * spec['acceptance_rate']:.1f}%, mean acceptance length "
             f"{spec['mean_acceptance_length']:.2f})")
+
+
+def _llamacpp_lines(result: Mapping[str, Any]) -> list[str]:
+    base = result.get("baseline")
+    if not base:
+        return []
+    r = (result.get("ratio") or {}).get("decode_tokens_per_s")
+    return [f"  llama.cpp decode tokens/s {base['decode_throughput']:.2f}  (prompt "
+            f"{base['prompt_throughput']:.1f} tok/s; {base['tool']}, {base['threads']} threads)",
+            f"  ratio llmkit/llama.cpp (decode tokens/s): "
+            + ("-" if r is None else f"{r:.2f}x")]

@@ -7,7 +7,8 @@ with its ``lora.modules`` adapter. Throughputs count completed requests
 and their generated tokens over the wall time of that call. With ``bench.baseline=hf`` (or the
 shorthand ``baseline=hf``) the same prompt token ids run through ``transformers`` afterwards in
 the same process and thread count; ``ratio`` is llmkit's throughput over the baseline's (ratios,
-not absolute times, are what the suite compares).
+not absolute times, are what the suite compares). ``bench.baseline=llamacpp`` runs llama.cpp's
+benchmarks on the same GGUF instead (``llmkit/bench/llamacpp_baseline.py``).
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
+    if b.baseline == "llamacpp":  # fail before the run
+        from llmkit.bench.llamacpp_baseline import check_llamacpp
+        llamacpp_dir = check_llamacpp(b, llm.model_source.path)
     tokenizer = llm.get_tokenizer()
     workload = build_workload(b, tokenizer)
     prompts = [r.payload_prompt for r in workload]
@@ -140,6 +144,19 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         baseline = {"name": "hf", **hf.to_dict()}
         ratio = {k: summary[k] / baseline[k] if baseline[k] else None
                  for k in ("output_throughput", "request_throughput")}
+    elif b.baseline == "llamacpp":
+        from llmkit.bench.llamacpp_baseline import run_llamacpp
+
+        model_path = llm.model_source.path
+        if own:
+            llm.shutdown()
+            llm = None
+            gc.collect()
+        baseline = run_llamacpp(llamacpp_dir, model_path, threads=facts["num_threads"],
+                                num_seqs=len(workload), input_len=b.input_len,
+                                output_len=b.output_len, reps=b.llamacpp_reps)
+        ratio = {k: summary[k] / baseline[k] if baseline[k] else None
+                 for k in ("output_throughput", "request_throughput")}
     if own and llm is not None:
         llm.shutdown()
     config = {**cfg.flat_dump(mode="json", by_alias=True), "sweep": dict(sweep or {})}
@@ -157,7 +174,16 @@ def format_throughput(result: Mapping[str, Any]) -> str:
     if s.get("spec_decode"):
         lines.append(format_spec_decode(s["spec_decode"]))
     base = result.get("baseline")
-    if base:
+    if base and base.get("name") == "llamacpp":
+        lines.append(f"  llama.cpp: {base['elapsed_s']:8.2f} s  {base['request_throughput']:9.2f} "
+                     f"req/s  {base['output_throughput']:10.1f} output tok/s  (decode alone "
+                     f"{base['decode_throughput']:.1f} tok/s, prompt {base['prompt_throughput']:.1f}"
+                     f" tok/s; {base['tool']}, {base['threads']} threads)")
+        r = result.get("ratio") or {}
+        if r.get("output_throughput") is not None:
+            lines.append(f"  ratio llmkit/llama.cpp (output tok/s, end to end): "
+                         f"{r['output_throughput']:.2f}x")
+    elif base:
         lines.append(f"  hf:     {base['elapsed_s']:8.2f} s  {base['request_throughput']:9.2f} "
                      f"req/s  {base['output_throughput']:10.1f} output tok/s  (transformers "
                      f"generate, {base['attn_implementation']}, batches of "

@@ -283,7 +283,8 @@ def _plain(v: Any) -> Any:
 
 def build_config(model: str | None = None, *, dtype: str | None = None,
                  overrides: Sequence[str] = (),
-                 groups: Mapping[str, str | Mapping] | None = None) -> EngineConfig:
+                 groups: Mapping[str, str | Mapping] | None = None,
+                 quantization: str | None = None) -> EngineConfig:
     """The Python API's config: ``LLM(model, dtype=..., scheduler={...}, attention="triton",
     overrides=[...])``.
 
@@ -291,11 +292,11 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     - ``groups``: a ``str`` selects a group's yaml (``attention="triton"``, ``recipe="cpu-chat"``);
       a mapping merges its fields into that section (after composition, before validation);
       a plain value sets a top-level key (``seed=3``).
-    - ``dtype`` sets ``model.dtype``.
+    - ``dtype`` sets ``model.dtype``, ``quantization`` ``model.quantization`` (vLLM's names).
     Order: Hydra composition (group choices, ``overrides``), then the mappings, then ``dtype``
     and the model path. Raises ``ConfigError``.
     """
-    return validate_engine_config(_build_dict(model, dtype, overrides, groups))
+    return validate_engine_config(_build_dict(model, dtype, overrides, groups, quantization))
 
 
 def build_tool_config(tool: type[ToolConfig], model: str | None = None, *,
@@ -307,7 +308,8 @@ def build_tool_config(tool: type[ToolConfig], model: str | None = None, *,
 
 
 def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
-                groups: Mapping[str, str | Mapping] | None) -> dict:
+                groups: Mapping[str, str | Mapping] | None,
+                quantization: str | None = None) -> dict:
     if isinstance(overrides, str):
         overrides = [overrides]
     hydra_overrides: list[str] = []
@@ -345,6 +347,8 @@ def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
     _deep_merge(data, merges)
     if dtype is not None:
         _deep_merge(data, {"model": {"dtype": dtype}})
+    if quantization is not None:
+        _deep_merge(data, {"model": {"quantization": quantization}})
     _deep_merge(data, model_merges)
     return data
 

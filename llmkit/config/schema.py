@@ -61,6 +61,10 @@ class ModelConfig(_Strict):
     # How linear layers compute: auto = the platform's choice per layer (llmkit/linear/);
     # a registered name (torch, ...) or a class path (package.module.Class) forces one.
     linear_method: str = "auto"
+    # Weights kept quantized (API.md "Quantization"): auto = what the checkpoint is (a GGUF's
+    # Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks stay packed), none = dequantize to model.dtype, int8 /
+    # fp8 = quantize a float checkpoint per output channel, gguf = keep a GGUF's blocks.
+    quantization: Literal["auto", "none", "int8", "fp8", "gguf"] = "auto"
     # Where the sampling defaults of requests that leave a field unset come from (vLLM's
     # --generation-config): auto = the model's (its folder's generation_config.json, then
     # generation_defaults below); vllm = none of the model's (SamplingParams' own defaults);
@@ -487,7 +491,12 @@ class BenchConfig(_Strict):
     temperature: float = Field(default=0.0, ge=0)
     # -- offline benchmarks (throughput / latency) ------------------------------------------
     # throughput: also run this baseline on the same model and prompts and print the ratio
-    baseline: Literal["none", "hf"] = "none"
+    # (latency: llamacpp only)
+    baseline: Literal["none", "hf", "llamacpp"] = "none"
+    # llamacpp baseline: the folder holding llama-bench and llama-batched-bench (a llama.cpp
+    # build's bin/), and llama-bench's repetitions
+    llamacpp_bin_dir: str | None = None
+    llamacpp_reps: int = Field(default=3, ge=1)
     # hf baseline: prompts sorted by length, in batches of at most this many (padded left)
     hf_batch_size: int = Field(default=32, ge=1)
     # latency: one batch of this many requests, timed num_iters times after the warm-up

@@ -88,8 +88,9 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
                  overrides: Sequence[str] = (), stat_logger: StatLogger | None = None,
-                 **groups: str | dict) -> None:
-        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups)
+                 quantization: str | None = None, **groups: str | dict) -> None:
+        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups,
+                              quantization=quantization)
         self._init_from_config(config, stat_logger)
 
     @classmethod

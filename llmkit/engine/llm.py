@@ -37,8 +37,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str | None = None,
-                 overrides: Sequence[str] = (), **groups: str | dict) -> None:
-        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups)
+                 overrides: Sequence[str] = (),
+                 quantization: str | None = None, **groups: str | dict) -> None:
+        config = build_config(model, dtype=dtype, overrides=overrides, groups=groups,
+                              quantization=quantization)
         self._init_from_config(config)
 
     @classmethod

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from llmkit.attention import attention_backend_class
+from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
@@ -34,15 +35,31 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
 
 
-def linear_method_factory(model_config, platform: Platform,
-                          dtype: torch.dtype) -> LinearMethodFactory:
+def linear_method_factory(model_config, platform: Platform, dtype: torch.dtype,
+                          quantization: str = "none") -> tuple[LinearMethodFactory, str]:
     """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
-    or a class path (``_target_`` style) is one method class, instantiated per layer."""
+    or a class path (``_target_`` style) is one method class, instantiated per layer.
+
+    ``quantization`` (resolved ``model.quantization``) other than none asks the platform for
+    its quantized methods; where it has none, or a method was forced, ``model.quantization=
+    auto`` dequantizes with a warning and an explicit one fails. Returns the factory and the
+    quantization it runs."""
     choice = model_config.linear_method
+    if quantization != "none":
+        why = (f"model.linear_method={choice} is a float method" if choice != "auto"
+               else platform.quantized_linear_method_factory(dtype, quantization))
+        if not isinstance(why, str):
+            return why, quantization
+        if model_config.quantization != "auto":
+            raise ConfigError("model.quantization", model_config.quantization, "", message=(
+                f"got {model_config.quantization!r}, but {why}; use model.quantization=none"))
+        logger.warning("model.quantization=auto: the checkpoint is quantized (%s) but %s; "
+                       "dequantizing it to %s", quantization, why,
+                       str(dtype).removeprefix("torch."))
     if choice == "auto":
-        return platform.linear_method_factory(dtype)
+        return platform.linear_method_factory(dtype), "none"
     cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
-    return lambda spec: cls()
+    return (lambda spec: cls()), "none"
 
 
 def check_encoder_budget(model: torch.nn.Module, config: EngineConfig) -> None:
@@ -69,13 +86,25 @@ class UniprocExecutor(Executor):
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        linear_method = linear_method_factory(config.model, platform, dtype)
+        quantization = source.quantization
+        if config.lora.enabled and quantization != "none":
+            # LoRA's embedding and tied-head wrappers read the dense base weights
+            if config.model.quantization != "auto":
+                raise ConfigError("model.quantization", config.model.quantization, "", message=(
+                    f"got {config.model.quantization!r}, but LoRA adapters (lora.enabled=true) "
+                    "apply over float weights only; use model.quantization=none"))
+            logger.warning("model.quantization=auto with lora.enabled: dequantizing the "
+                           "checkpoint (LoRA applies over float weights only)")
+            quantization = "none"
+        linear_method, quantization = linear_method_factory(config.model, platform, dtype,
+                                                            quantization)
         lora = None
         if config.lora.enabled:
             lora = LoRASetup(config.lora, source, platform, dtype,
                              max_num_tokens=config.scheduler.max_num_batched_tokens)
             linear_method = lora.wrap(linear_method)
-        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear_method,
+                           quantization=quantization)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
         check_encoder_budget(model, config)

@@ -83,6 +83,9 @@ class LinearMethod(ABC):
 
     #: A short name for logs and ``describe()``.
     name: str = "base"
+    #: The embedding module a tied LM head shares its weight with (set by the model); methods
+    #: that keep weights packed read the embedding's packed rows from it.
+    tied_embedding: nn.Module | None = None
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = nn.Parameter(torch.empty(spec.out_features, spec.in_features,

@@ -33,6 +33,9 @@ class ModelContext:
     ops: ModelOps = ModelOps()
     linear_method: LinearMethodFactory = lambda spec: TorchLinearMethod()
     tp: TensorParallelGroup = TensorParallelGroup()
+    # model.quantization as resolved (none, gguf, int8, fp8): with gguf the loader hands a
+    # GGUF's kept blocks to the linear methods, which must be quantized ones
+    quantization: str = "none"
 
 
 class CausalLM(nn.Module, ABC):

@@ -179,6 +179,8 @@ class LlamaForCausalLM(CausalLM):
                                     parallel="column", gather_output=True)
         if self.tie_word_embeddings:  # the head's method computes with the embedding matrix
             self.lm_head.weight = self.model.embed_tokens.weight
+            # (a quantized method multiplies with the embedding's packed rows instead)
+            self.lm_head.method.tied_embedding = self.model.embed_tokens
         self.num_layers = config.num_hidden_layers
         self.num_heads = self.model.layers[0].self_attn.num_heads
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
@@ -200,6 +202,8 @@ class LlamaForCausalLM(CausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+        embeddings = {f"{name}.weight": m for name, m in self.named_modules()
+                      if isinstance(m, VocabEmbedding)}
         if self.tie_word_embeddings:
             del linears["lm_head"]
         params = {name: p for name, p in self.named_parameters()
@@ -223,6 +227,10 @@ class LlamaForCausalLM(CausalLM):
             if layer is not None:
                 layer.load_weight(attr, tensor, shard)
                 loaded.add((f"{prefix}.{attr}", shard))
+                continue
+            if name in embeddings:  # may be kept quantized (GGUF blocks)
+                embeddings[name].load_weight(tensor, name)
+                loaded.add((name, None))
                 continue
             param = params.get(name)
             if param is None:

@@ -59,6 +59,12 @@ class Platform(ABC):
         choice from the layer's spec; a method may dispatch by row count inside itself)."""
         return lambda spec: TorchLinearMethod()
 
+    def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
+                                        ) -> LinearMethodFactory | str:
+        """The linear methods of a model whose weights stay quantized (``model.quantization``
+        resolved: gguf, int8, fp8), or why this platform cannot run them (a sentence)."""
+        return f"platform {self.name!r} has no quantized-weight kernels"
+
     def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                     config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
         """The step graphs for ``model`` (``compilation.mode=graphs``), or None: decode

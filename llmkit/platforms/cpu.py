@@ -75,6 +75,18 @@ class CpuPlatform(Platform):
         widen = pack and dtype == torch.bfloat16 and not has_native_bf16()
         return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen)
 
+    def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
+                                        ) -> LinearMethodFactory | str:
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"the quantized kernels take float32 or bfloat16 activations, not {dtype}"
+        kernels = self.native_kernels(dtype)
+        if kernels is None or not hasattr(kernels, "quant_linear"):
+            return ("the quantized kernels are llmkit's C++ CPU kernels, which are off or did "
+                    "not build here (platform.native_kernels)")
+        from llmkit.linear.quantized import quantized_method_factory
+
+        return quantized_method_factory(mode, self.linear_method_factory(dtype), kernels)
+
     def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                     config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
         """Decode steps of up to the C++ linear's rows compiled by inductor (the graph needs

@@ -33,6 +33,8 @@ class ModelSource:
     max_model_len: int
     # A tokenizer folder or hub name that overrides the model's own (model.tokenizer).
     tokenizer: str | None = None
+    # model.quantization resolved against the checkpoint: none, gguf, int8 or fp8
+    quantization: str = "none"
     _tokenizer: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -70,11 +72,12 @@ class ModelSource:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         return self._tokenizer
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` pairs of every checkpoint tensor."""
+    def iter_weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` pairs of every checkpoint tensor; ``keep_quantized``: a GGUF's
+        kept block types come as ``GGUFRows`` (``llmkit/linear/quantized.py``)."""
         if self.is_gguf:
             from llmkit.models.loader.gguf import iter_gguf_weights
-            return iter_gguf_weights(self.path, self.hf_config)
+            return iter_gguf_weights(self.path, self.hf_config, keep_quantized)
         from llmkit.models.loader.safetensors import iter_safetensors_weights
         return iter_safetensors_weights(self.path)
 
@@ -106,7 +109,38 @@ def resolve_model_source(model_config: "ModelConfig") -> ModelSource:
                          max_model_len=_max_model_len(hf_config, model_config.max_model_len),
                          tokenizer=model_config.tokenizer)
     source.eos_token_ids = _eos_token_ids(source, model_config.extra_eos_token_ids)
+    source.quantization = resolve_quantization(model_config.quantization, source)
     return source
+
+
+#: Hugging Face ``quantization_config.quant_method`` values llmkit runs: none yet.
+SUPPORTED_HF_QUANT_METHODS: frozenset[str] = frozenset()
+
+
+def resolve_quantization(requested: str, source: ModelSource) -> str:
+    """``model.quantization`` against the checkpoint: ``auto`` keeps what the checkpoint is
+    (a GGUF's blocks: ``gguf``; a float folder: ``none``). A folder quantized in a format
+    llmkit does not run (GPTQ, AWQ, ...) fails here, whatever was asked: its weights cannot be
+    read as floats."""
+    from llmkit.config.errors import ConfigError
+
+    qconfig = getattr(source.hf_config, "quantization_config", None)
+    if qconfig is not None and not source.is_gguf:
+        method = (qconfig.get("quant_method") if isinstance(qconfig, dict)
+                  else getattr(qconfig, "quant_method", None))
+        method = str(getattr(method, "value", method))
+        if method not in SUPPORTED_HF_QUANT_METHODS:
+            raise ConfigError("model.path", str(source.path), "", message=(
+                f"{str(source.path)!r} is quantized with {method!r} "
+                f"(config.json quantization_config), which llmkit does not run; use a float "
+                "checkpoint (optionally with model.quantization=int8|fp8) or a GGUF file"))
+    if requested == "auto":
+        return "gguf" if source.is_gguf else "none"
+    if requested == "gguf" and not source.is_gguf:
+        raise ConfigError("model.quantization", requested,
+                          "auto, none, int8, fp8 (gguf keeps a .gguf file's blocks; "
+                          f"{str(source.path)!r} is not one)")
+    return requested
 
 
 def build_model(source: ModelSource, ctx: ModelContext,
@@ -119,7 +153,7 @@ def build_model(source: ModelSource, ctx: ModelContext,
     cls = get_model_class(source.hf_config)
     with torch.device(device):
         model = cls(source.hf_config, ctx)
-    model.load_weights(source.iter_weights())
+    model.load_weights(source.iter_weights(keep_quantized=ctx.quantization == "gguf"))
     model.process_weights_after_loading()
     return model.eval()
 

@@ -33,6 +33,8 @@ from llmkit.startup import startup_step
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
+    from llmkit.linear.quantized import GGUFRows
+
 logger = logging.getLogger(__name__)
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face module name (after "model.layers.N.").
@@ -159,11 +161,20 @@ def load_gguf_tokenizer(path: Path):
 
 
 # -- weights ---------------------------------------------------------------------------------
-def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: Path, hf_config, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, "torch.Tensor | GGUFRows"]]:
     """``(hf_name, tensor)`` for every tensor of the file, dequantized to float32 one at a
-    time."""
+    time; with ``keep_quantized`` (``model.quantization=gguf``) the matrices in a type the
+    kernels keep (``GGUF_KEPT``) come as their raw rows (:class:`GGUFRows`) instead, q/k rows
+    un-permuted the same way, and every other quantized type is dequantized with one notice
+    per type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS,
+                                                          LlamaTensorProcessor, TensorProcessor)
+
+    from llmkit.kernels.quant.formats import GGUF_KEPT
+    from llmkit.linear.quantized import GGUFRows
 
     path = Path(path)
     arch, tensors = _read_tensors(path)
@@ -172,6 +183,11 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor
         "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None)
         or hf_config.num_attention_heads,
     })
+    # Row permutations (llama's q/k) apply to raw block rows as to float rows; processors
+    # that compute on values (other architectures) would not.
+    rows_only = type(processor) in (TensorProcessor, LlamaTensorProcessor)
+    floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    noticed: set[str] = set()
     for name, qtype, data in tensors:
         hf_name = gguf_to_hf_name(name)
         if hf_name is None:
@@ -185,6 +201,19 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor
                 continue
             raise ValueError(f"{path.name}: tensor {name!r} has no Hugging Face counterpart "
                              "that llmkit knows")
+        if keep_quantized and qtype not in floats:
+            kept = GGUF_KEPT.get(qtype.name)
+            if kept is not None and rows_only and data.ndim == 2:
+                raw = processor.process(weights=data, name=name).weights
+                raw = np.array(raw, copy=True, order="C")
+                block_size, type_size = GGML_QUANT_SIZES[qtype]
+                cols = raw.shape[1] // type_size * block_size
+                yield hf_name, GGUFRows(torch.from_numpy(raw), kept, cols)
+                continue
+            if qtype.name not in noticed:
+                noticed.add(qtype.name)
+                logger.warning("%s: %s tensors are dequantized to float at load (llmkit keeps "
+                               "%s quantized)", path.name, qtype.name, ", ".join(GGUF_KEPT))
         weights = dequantize(data, qtype)
         weights = processor.process(weights=weights, name=name).weights
         if not weights.flags.writeable or not weights.flags.c_contiguous:
