@@ -13,6 +13,6 @@ def __getattr__(name: str):
         from llmkit.engine.llm import LLM
         return LLM
     if name == "LoRARequest":
-        from llmkit.lora.base import LoRARequest
+        from llmkit.lora.request import LoRARequest
         return LoRARequest
     raise AttributeError(f"module 'llmkit' has no attribute {name!r}")

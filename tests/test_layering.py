@@ -218,3 +218,13 @@ def test_no_arrow_runs_up_the_layers():
                 bad.append(f"{where(module)}:{line}: {module} -> {dep} (layer "
                            f"{LAYERS[layer_of(src)][0]} -> {LAYERS[layer_of(dst)][0]})")
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_engine_core_process_module_loads_without_torch():
+    """The engine-core process sets OpenMP's wait policy before torch loads (a spinning
+    libgomp slows every other job on the cores 10x): importing its module must not load torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, llmkit.engine.core_proc; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -54,7 +54,7 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
 from llmkit.engine.stat_logger import StatLogger
-from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
 from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults

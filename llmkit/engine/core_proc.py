@@ -37,7 +37,7 @@ import zmq
 from llmkit.multimodal.base import MultiModalFeatureSpec
 from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
                                         StepSummaryPublisher)
-from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import LoRARequest
 from llmkit.outputs import EngineCoreOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats

@@ -12,7 +12,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
 from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
-from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import LoRARequest
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput

@@ -17,37 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from llmkit.lora.request import LoRALoadError, LoRARequest  # noqa: F401  (re-exported)
+
 #: A row that computes with the base model only.
 NO_SLOT = -1
-
-
-@dataclass(frozen=True, slots=True)
-class LoRARequest:
-    """An adapter a request runs with: ``LoRARequest(lora_name, lora_int_id, lora_path)``.
-
-    ``lora_int_id`` (>= 1) identifies the adapter's weights: two requests with the same id
-    share KV blocks, with different ids none. One engine refuses a second adapter under an id
-    it already knows (by name or path)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"LoRARequest.lora_name must be a non-empty string, got "
-                             f"{self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
-                or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest.lora_int_id must be an integer >= 1, got "
-                             f"{self.lora_int_id!r}")
-        if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(f"LoRARequest.lora_path must be a non-empty string, got "
-                             f"{self.lora_path!r}")
-
-
-class LoRALoadError(ValueError):
-    """An adapter that cannot be served (bad files, modules or shapes); the message says why."""
 
 
 @dataclass(slots=True)

@@ -6,11 +6,13 @@ and bytes — so that it crosses from the API process to the engine core like th
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PlaceholderRange(NamedTuple):
@@ -46,7 +48,9 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         return cls(identifier, offset, length, pixels.tobytes(), list(pixels.shape), modality)
 
-    def pixel_tensor(self) -> torch.Tensor:
+    def pixel_tensor(self) -> "torch.Tensor":
         """The encoder input as a tensor (a copy: the bytes are immutable)."""
         arr = np.frombuffer(self.pixel_values, dtype=np.float32).reshape(self.shape)
+        import torch  # here: the engine process sets OpenMP's wait policy before torch loads
+
         return torch.from_numpy(arr.copy())

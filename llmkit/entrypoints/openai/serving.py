@@ -47,7 +47,7 @@ from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_pa
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
 from llmkit.entrypoints.openai.tools import (ToolUse, template_messages, template_supports_tools,
                                              tool_use)
-from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import LoRARequest
 from llmkit.multimodal.content_parts import split_image_parts
 from llmkit.multimodal.image import ImageError, load_image_url
 from llmkit.outputs import RequestOutput

@@ -21,7 +21,7 @@ from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.protocol import ModelCard, ModelList
-from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import LoRARequest
 
 
 class ServingModels:
