@@ -328,6 +328,6 @@ def test_auto_dtype_is_the_platforms_one_choice(monkeypatch):
     monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"sse4_2"}))
     monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
     assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
-    from llmkit.executor.uniproc import resolve_dtype
+    from llmkit.worker.model_setup import resolve_dtype
     assert resolve_dtype("auto", off) == torch.float32
     assert resolve_dtype("bfloat16", off) == torch.bfloat16

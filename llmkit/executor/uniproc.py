@@ -6,17 +6,14 @@ import logging
 import torch
 
 from llmkit.attention import attention_backend_class
-from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
-from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.config.errors import ConfigError
 from llmkit.lora.base import LoRARequest
 from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
 from llmkit.models.interfaces import supports_multimodal
-from llmkit.models.layers.linear import Linear
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source, text_config
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -25,42 +22,9 @@ from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode import ProposerEnv, build_proposer
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
 from llmkit.worker.model_runner import ModelRunner
+from llmkit.worker.model_setup import describe_backend, linear_method_factory, resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
-
-
-def linear_method_factory(model_config, platform: Platform, dtype: torch.dtype,
-                          quantization: str = "none") -> tuple[LinearMethodFactory, str]:
-    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
-    or a class path (``_target_`` style) is one method class, instantiated per layer.
-
-    ``quantization`` (resolved ``model.quantization``) other than none asks the platform for
-    its quantized methods; where it has none, or a method was forced, ``model.quantization=
-    auto`` dequantizes with a warning and an explicit one fails. Returns the factory and the
-    quantization it runs."""
-    choice = model_config.linear_method
-    if quantization != "none":
-        why = (f"model.linear_method={choice} is a float method" if choice != "auto"
-               else platform.quantized_linear_method_factory(dtype, quantization))
-        if not isinstance(why, str):
-            return why, quantization
-        if model_config.quantization != "auto":
-            raise ConfigError("model.quantization", model_config.quantization, "", message=(
-                f"got {model_config.quantization!r}, but {why}; use model.quantization=none"))
-        logger.warning("model.quantization=auto: the checkpoint is quantized (%s) but %s; "
-                       "dequantizing it to %s", quantization, why,
-                       str(dtype).removeprefix("torch."))
-    if choice == "auto":
-        return platform.linear_method_factory(dtype), "none"
-    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
-    return (lambda spec: cls()), "none"
-
 
 def check_encoder_budget(model: torch.nn.Module, config: EngineConfig) -> None:
     """An image must fit the encoder cache and one step's encoder budget, or it could never
@@ -145,16 +109,7 @@ class UniprocExecutor(Executor):
 
     @property
     def backend_info(self) -> BackendInfo:
-        runner = self.runner
-        methods = sorted({m.method.describe() for m in runner.model.modules()
-                          if isinstance(m, Linear)})
-        graphs = runner.step_graphs
-        return BackendInfo(attention=self._names[0], ops=self._names[1],
-                           linear_methods=tuple(methods),
-                           dtype=str(self._dtype).removeprefix("torch."),
-                           device=str(self.platform.device),
-                           step_graphs=graphs.name if graphs is not None else None,
-                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
+        return describe_backend(self.runner, *self._names, self._dtype, self.platform)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

@@ -16,36 +16,17 @@ from llmkit.attention import attention_backend_class
 from llmkit.config.schema import EngineConfig
 from llmkit.distributed.group import TensorParallelGroup
 from llmkit.facts import BackendInfo, ModelFacts
-from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.linear.parallel import tensor_parallel_factory
 from llmkit.models.base import ModelContext
-from llmkit.models.layers.linear import Linear
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.model_runner import ModelRunner
+from llmkit.worker.model_setup import describe_backend, linear_method_factory, resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
-
-
-def linear_method_factory(model_config, platform: Platform,
-                          dtype: torch.dtype) -> LinearMethodFactory:
-    """``model.linear_method``: ``auto`` is the platform's choice per layer; a registered name
-    or a class path (``_target_`` style) is one method class, instantiated per layer."""
-    choice = model_config.linear_method
-    if choice == "auto":
-        return platform.linear_method_factory(dtype)
-    cls = LINEAR_METHODS.resolve(None, choice) if "." in choice else LINEAR_METHODS.get(choice)
-    return lambda spec: cls()
-
 
 def model_facts(source: ModelSource) -> ModelFacts:
     return ModelFacts(
@@ -67,7 +48,7 @@ class Worker:
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        linear = tensor_parallel_factory(linear_method_factory(config.model, platform, dtype), tp)
+        linear = tensor_parallel_factory(linear_method_factory(config.model, platform, dtype)[0], tp)
         ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear, tp=tp)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
@@ -94,16 +75,7 @@ class Worker:
 
     @property
     def backend_info(self) -> BackendInfo:
-        runner = self.runner
-        methods = sorted({m.method.describe() for m in runner.model.modules()
-                          if isinstance(m, Linear)})
-        graphs = runner.step_graphs
-        return BackendInfo(attention=self._names[0], ops=self._names[1],
-                           linear_methods=tuple(methods),
-                           dtype=str(self._dtype).removeprefix("torch."),
-                           device=str(self.platform.device),
-                           step_graphs=graphs.name if graphs is not None else None,
-                           step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
+        return describe_backend(self.runner, *self._names, self._dtype, self.platform)
 
     def kv_cache_bytes_per_block(self) -> int:
         """This rank's bytes per block (its KV heads only)."""
