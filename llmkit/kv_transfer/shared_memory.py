@@ -41,6 +41,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorOutput,
                                      KVConnectorRole, KVLayout)
+from llmkit.kv_transfer.loads import collect_finished_loads
 
 if TYPE_CHECKING:
     from llmkit.request import Request
@@ -268,17 +269,7 @@ class SharedMemoryConnector(KVConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out, self._out = self._out, KVConnectorOutput()
-        for rid, fut in list(self._loads.items()):
-            if not fut.done():
-                continue
-            del self._loads[rid]
-            ok, n, seconds = fut.result()
-            out.finished_recving.append(rid)
-            if not ok:
-                out.failed_recving.append(rid)
-            out.num_loaded_blocks += n
-            out.loaded_bytes += n * self.layout.block_nbytes
-            out.load_s += seconds
+        collect_finished_loads(self._loads, out, self.layout.block_nbytes)
         if self._held:
             now = time.monotonic()
             for rid, deadline in list(self._held.items()):

@@ -23,6 +23,7 @@ import zmq
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.kv_transfer.base import KVConnectorOutput, KVConnectorRole, KVLayout
+from llmkit.kv_transfer.loads import collect_finished_loads
 from llmkit.kv_transfer.shared_memory import LoadSpec, SharedMemoryConnector
 
 if TYPE_CHECKING:
@@ -198,17 +199,7 @@ class ZmqConnector(SharedMemoryConnector):
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         # the shared-memory bookkeeping, minus its files: timeouts and loads
         out, self._out = self._out, KVConnectorOutput()
-        for rid, fut in list(self._loads.items()):
-            if not fut.done():
-                continue
-            del self._loads[rid]
-            ok, n, seconds = fut.result()
-            out.finished_recving.append(rid)
-            if not ok:
-                out.failed_recving.append(rid)
-            out.num_loaded_blocks += n
-            out.loaded_bytes += n * self.layout.block_nbytes
-            out.load_s += seconds
+        collect_finished_loads(self._loads, out, self.layout.block_nbytes)
         now = time.monotonic()
         with self._lock:
             sent, self._sent = self._sent, []
