@@ -317,6 +317,45 @@ def test_unsupported_combinations_fail_at_start(tiny_model_dir):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_1"])
+def test_adapters_over_kept_gguf_blocks_match_the_float_reference(weight_type, tiny_model_dir,
+                                                                  tmp_path):
+    """A GGUF stays packed under LoRA (the base GEMM on the blocks, the delta in float, the
+    tied LM head on the packed embedding): greedy tokens and logprobs equal the same adapters
+    over the dequantized weights with a reference linear of the kernel's arithmetic."""
+    from test_quantized_models import assert_same_greedy
+    from tiny_models import write_tiny_gguf
+
+    model_dir = tiny_model_dir("mistral")  # tied embedding: the head multiplies packed rows
+    path = write_tiny_gguf(model_dir, tmp_path / "m.gguf", weight_type)
+    adapter = build_adapter(model_dir, tmp_path / "a", r=8, lora_alpha=16, seed=5,
+                            target_modules=ALL_LINEAR + ("embed_tokens",))
+    prompts = [[5, 9, 33, 2, 71, 8], [17, 18, 19, 20, 21, 22, 23], [40, 41, 42]]
+    lr = LoRARequest("a", 1, str(adapter))
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="float32", platform={"native_kernels": "on"},
+                  kv_cache={"num_blocks": 64}, lora={"enabled": True, "max_lora_rank": 8},
+                  **kw)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+        outs = llm.generate(prompts * 2, params, lora_request=[lr] * 3 + [None] * 3,
+                            use_tqdm=False)
+        methods = llm.engine.executor.backend_info.linear_methods
+        llm.shutdown()
+        return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in
+                                          zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs], methods
+
+    kept, methods = run()
+    assert methods and all(m.startswith("lora[") and "quantized:" in m for m in methods), \
+        methods
+    ref, ref_methods = run(quantization="none",
+                           overrides=["model.linear_method=quant_reference.GGUFReference"])
+    assert all("gguf-reference" in m for m in ref_methods), ref_methods
+    assert_same_greedy(kept, ref)
+    assert [t for t, _ in kept[:3]] != [t for t, _ in kept[3:]]  # the adapter is applied
+
+
 def test_cli_generate_runs_with_lora_cli_adapter(llama_llm, capsys):
     """``llmkit generate`` with ``lora.cli_adapter``: the text LLM gives under that adapter."""
     from llmkit.config.compose import build_config

@@ -51,15 +51,6 @@ class UniprocExecutor(Executor):
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
         quantization = source.quantization
-        if config.lora.enabled and quantization != "none":
-            # LoRA's embedding and tied-head wrappers read the dense base weights
-            if config.model.quantization != "auto":
-                raise ConfigError("model.quantization", config.model.quantization, "", message=(
-                    f"got {config.model.quantization!r}, but LoRA adapters (lora.enabled=true) "
-                    "apply over float weights only; use model.quantization=none"))
-            logger.warning("model.quantization=auto with lora.enabled: dequantizing the "
-                           "checkpoint (LoRA applies over float weights only)")
-            quantization = "none"
         linear_method, quantization = linear_method_factory(config.model, platform, dtype,
                                                             quantization)
         lora = None

@@ -48,6 +48,16 @@ class LoRALinearMethod(LinearMethod):
         self.stack: StackedLoRA | None = None
 
     # -- the base layer: delegated ---------------------------------------------------------
+    @property
+    def tied_embedding(self) -> nn.Module | None:
+        return self.base.tied_embedding
+
+    @tied_embedding.setter
+    def tied_embedding(self, embedding: nn.Module | None) -> None:
+        # The model ties its LM head to the embedding after building the layer; the base
+        # method is the one that computes with (and may keep packed) the shared rows.
+        self.base.tied_embedding = embedding
+
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         self.base.create_weights(layer, spec)
         self.stack = StackedLoRA.empty(self.num_slots, self.max_rank, spec.in_features,
@@ -123,11 +133,11 @@ class LoRAVocabEmbedding(nn.Module):
         self.mapping = mapping
         self.ops = ops
         self.max_rank = max_rank
-        weight = base.weight
-        self.num_embeddings, self.embedding_dim = weight.shape
-        with torch.device(weight.device):
+        # The base's sizes, not its weight's shape: kept GGUF blocks leave the weight empty.
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        with torch.device(base.weight.device):
             self.stack = StackedLoRA.empty(num_slots, max_rank, self.num_embeddings,
-                                           (self.embedding_dim,), weight.dtype, embedding=True)
+                                           (self.embedding_dim,), base.dtype, embedding=True)
 
     @property
     def weight(self) -> torch.Tensor:
