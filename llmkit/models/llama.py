@@ -29,6 +29,17 @@ STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+
+
+def fused_target(prefix: str) -> tuple[str, str | None]:
+    """A checkpoint module name -> the fused layer that holds it and the shard id
+    (``...self_attn.k_proj`` -> ``(...self_attn.qkv_proj, "k")``); others pass unchanged."""
+    for fused, part, shard_id in STACKED_PARAMS:
+        if prefix.endswith(f".{part}"):
+            return prefix[:-len(part)] + fused, shard_id
+    return prefix, None
+
+
 # Checkpoint tensors that carry no parameter.
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -218,11 +229,7 @@ class LlamaForCausalLM(CausalLM):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # a tied checkpoint that also stores the output matrix
             prefix, _, attr = name.rpartition(".")
-            shard = None
-            for fused, part, shard_id in STACKED_PARAMS:
-                if prefix.endswith(f".{part}"):
-                    prefix, shard = prefix[:-len(part)] + fused, shard_id
-                    break
+            prefix, shard = fused_target(prefix)
             layer = linears.get(prefix)
             if layer is not None:
                 layer.load_weight(attr, tensor, shard)
