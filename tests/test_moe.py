@@ -101,3 +101,154 @@ def test_align_block_size_groups_slots_by_expert_in_whole_blocks():
     # expert 0: slots 1, 4 (+ padding); expert 1: none; expert 2: slots 0, 2, 5
     assert slots[:8].tolist() == [1, 4, 6, 6, 0, 2, 5, 6]
     assert experts.tolist()[:2] == [0, 2] and set(experts.tolist()[2:]) == {3}
+
+
+# -- the MoE architectures against Hugging Face ----------------------------------------------
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three"]
+MAX_TOKENS = 6
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _greedy():
+    from llmkit import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)  # stops at EOS, as HF does
+
+
+def _tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy(), use_tqdm=False)]
+
+
+def _hf_greedy(model_dir, tokenizer) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = torch.tensor([tokenizer(p)["input_ids"]])
+            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones_like(ids),
+                                 pad_token_id=tokenizer.pad_token_id)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(tiny_model_dir):
+    """Greedy tokens of the single-process engine per MoE arch (computed once)."""
+    from llmkit import LLM
+
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            llm = LLM(str(tiny_model_dir(arch)), dtype="float32")
+            try:
+                cache[arch] = _tokens(llm)
+            finally:
+                llm.engine.shutdown()
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_tokens_match_hf(arch, tiny_model_dir, tiny_tokenizer, single_process_tokens):
+    want = _hf_greedy(tiny_model_dir(arch), tiny_tokenizer)
+    assert single_process_tokens(arch) == want
+
+
+def test_moe_model_layout(tiny_model_dir):
+    """Experts stacked at load; Qwen2-MoE's layer 1 is dense (mlp_only_layers), the others a
+    MoE block with a shared expert."""
+    from safetensors.torch import load_file
+
+    from llmkit.attention.torch_backend import TorchAttentionBackend
+    from llmkit.config.schema import ModelConfig
+    from llmkit.models.base import ModelContext
+    from llmkit.models.layers.moe import FusedMoE
+    from llmkit.models.llama import LlamaMLP
+    from llmkit.models.loader import build_model, resolve_model_source
+
+    path = tiny_model_dir("qwen2_moe")
+    model = build_model(resolve_model_source(ModelConfig(path=str(path))),
+                        ModelContext(TorchAttentionBackend()))
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert isinstance(mlps[1], LlamaMLP)
+    assert isinstance(mlps[0].experts, FusedMoE) and mlps[0].shared_expert is not None
+    ckpt = load_file(str(path / "model.safetensors"))
+    w13, w2 = mlps[2].experts.w13_weight, mlps[2].experts.w2_weight
+    assert w13.shape == (4, 64, 64) and w2.shape == (4, 64, 32)
+    p = "model.layers.2.mlp.experts.3"
+    torch.testing.assert_close(w13[3, :32], ckpt[f"{p}.gate_proj.weight"])
+    torch.testing.assert_close(w13[3, 32:], ckpt[f"{p}.up_proj.weight"])
+    torch.testing.assert_close(w2[3], ckpt[f"{p}.down_proj.weight"])
+
+
+def test_missing_expert_weight_is_reported(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmkit import LLM
+
+    src = tiny_model_dir("mixtral")
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"lacks 1 expert weight.*layers\.1\.mlp\.experts\.2\.w3"):
+        LLM(str(dst), dtype="float32")
+
+
+# -- tensor and expert parallel over worker processes ----------------------------------------
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_tensor_and_expert_parallel_match_the_single_process_engine(
+        arch, expert_parallel, tiny_model_dir, single_process_tokens, monkeypatch):
+    from llmkit import LLM
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    want = single_process_tokens(arch)
+    llm = LLM(str(tiny_model_dir(arch)), dtype="float32",
+              parallel={"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel})
+    try:
+        methods = llm.engine.backend_info.linear_methods
+        split = "expert-parallel[0/2]" if expert_parallel else "tensor-parallel[0/2]"
+        assert any(m.startswith(f"fused-moe-{split}") for m in methods), methods
+        assert _tokens(llm) == want
+    finally:
+        llm.engine.shutdown()
+
+
+# -- start-up errors -------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,overrides,parallel,text", [
+    # 3 experts over 2 expert-parallel ranks
+    ("mixtral", {"num_local_experts": 3}, {"enable_expert_parallel": True},
+     "a divisor of the model's 3 experts with parallel.enable_expert_parallel=true (1, 3)"),
+    # each expert's 33 intermediate rows over 2 tensor-parallel ranks
+    ("qwen3_moe", {"moe_intermediate_size": 33}, {},
+     "a divisor of the experts' intermediate size 33 (1, 3, 11, 33), or "
+     "parallel.enable_expert_parallel=true"),
+])
+def test_moe_sizes_that_do_not_divide_are_config_errors(tiny_model_dir, arch, overrides,
+                                                        parallel, text):
+    from llmkit import LLM
+    from llmkit.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_model_dir(arch, **overrides)), dtype="float32",
+            parallel={"tensor_parallel_size": 2, **parallel})
+    assert err.value.key == "parallel.tensor_parallel_size"
+    assert text in str(err.value) and "\n" not in str(err.value)
+
+
+def test_expert_parallel_on_a_dense_model_is_a_config_error(tiny_model_dir):
+    from llmkit import LLM
+    from llmkit.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallel.enable_expert_parallel: .*dense model"):
+        LLM(str(tiny_model_dir("llama")), dtype="float32",
+            parallel={"tensor_parallel_size": 2, "enable_expert_parallel": True})
