@@ -72,7 +72,9 @@ def moe_align_block_size(ids: torch.Tensor, num_experts: int,
     s = ids.shape[0]
     device = ids.device
     num_blocks = triton.cdiv(s + num_experts * (block_m - 1), block_m)
-    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    # (not torch.bincount: on CUDA it reads the largest id back to the host)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, ids, torch.ones_like(ids))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
