@@ -159,6 +159,48 @@ def test_moe_greedy_tokens_match_hf(arch, tiny_model_dir, tiny_tokenizer, single
     assert single_process_tokens(arch) == want
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_logits_match_hf_through_prefill_and_decode(arch, tiny_model_dir, tiny_tokenizer):
+    """The CPU platform's ops and linear methods (C++ kernels where they build): every
+    position's logits of a prefill, then two decode steps, equal HF's."""
+    from test_models import PagedRun, assert_close, hf_logits, load_llmkit, random_seqs
+
+    model_dir = tiny_model_dir(arch)
+    seq = random_seqs(len(tiny_tokenizer), [10])[0]
+    ref = hf_logits(model_dir, [seq])[0]
+    run = PagedRun(load_llmkit(model_dir, kernels="native")[0], 1, len(seq))
+    assert_close(run.step({0: seq[:8]})[0], ref[:8])
+    for t in (8, 9):
+        assert_close(run.step({0: seq[t:t + 1]})[0], ref[t:t + 1])
+
+
+def test_triton_ops_moe_model_matches_hf(tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """The CUDA platform's ops, the Triton fused-MoE kernel among them (interpreted here):
+    Qwen2-MoE's logits equal HF's."""
+    from test_models import PagedRun, assert_close, hf_logits, random_seqs
+
+    from llmkit.attention.triton_backend import TritonAttentionBackend
+    from llmkit.config.schema import ModelConfig
+    from llmkit.kernels import count_launches
+    from llmkit.models.base import ModelContext
+    from llmkit.models.loader import build_model, resolve_model_source
+    from llmkit.ops.triton_ops import TritonOps
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model_dir = tiny_model_dir("qwen2_moe")
+    ops = TritonOps()
+    model = build_model(resolve_model_source(ModelConfig(path=str(model_dir))),
+                        ModelContext(TritonAttentionBackend(ops), torch.float32, ops))
+    seq = random_seqs(len(tiny_tokenizer), [7])[0]
+    ref = hf_logits(model_dir, [seq])[0]
+    run = PagedRun(model, 1, len(seq))
+    with count_launches() as launches:
+        assert_close(run.step({0: seq[:6]})[0], ref[:6], atol=2e-4)
+        assert_close(run.step({0: seq[6:7]})[0], ref[6:7], atol=2e-4)
+    assert launches["_fused_moe_kernel"] == 2 * 2 * 2  # 2 steps x 2 MoE layers x 2 GEMMs
+
+
 def test_moe_model_layout(tiny_model_dir):
     """Experts stacked at load; Qwen2-MoE's layer 1 is dense (mlp_only_layers), the others a
     MoE block with a shared expert."""
