@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from llmkit.config.errors import ConfigError
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.moe import FusedMoE
@@ -102,6 +103,14 @@ _SHARD_OF = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "
 class MoeForCausalLM(LlamaForCausalLM):
     """Registered for ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
     ``Qwen3MoeForCausalLM``."""
+
+    def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
+        if ctx.quantization != "none":
+            # the linear methods would quantize attention and the router but not the experts,
+            # which hold most of the weights
+            raise ConfigError("model.quantization", ctx.quantization,
+                              "none or auto for a MoE model (its experts are not quantized yet)")
+        super().__init__(hf_config, ctx, prefix)
 
     def make_mlp(self, config, prefix: str, ctx: ModelContext,
                  layer_index: int) -> nn.Module | None:
