@@ -46,7 +46,7 @@ def test_reference_is_the_definition():
     torch.testing.assert_close(fused_moe_reference(*case), _by_hand(*case))
 
 
-@pytest.mark.parametrize("t", [1, 9, 40])  # decode-sized, a few tokens, more than the experts
+@pytest.mark.parametrize("t", [0, 1, 9, 40])  # none, decode-sized, more than the experts
 def test_grouped_cpu_path_matches_the_reference(t):
     case = _moe_case(t)
     torch.testing.assert_close(fused_moe_grouped(*case), fused_moe_reference(*case))

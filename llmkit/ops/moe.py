@@ -89,7 +89,7 @@ def _fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         out[slots] = F.linear(h, w2[e]).float() * weights[slots, None]
     # the k contributions of a token summed in k order, whichever experts computed them
-    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+    return out.view(t, k, x.shape[1]).sum(dim=1).to(x.dtype)
 
 
 @torch.library.custom_op("llmkit::fused_moe_grouped", mutates_args=())
