@@ -15,6 +15,7 @@ rms_norm                     norm                    rms_norm_ref
 fused_add_rms_norm           norm                    fused_add_rms_norm_ref
 rotary_embedding             rotary                  rotary_embedding_ref
 silu_and_mul                 activation              silu_and_mul_ref
+fused_moe                    moe                     llmkit.ops.moe.fused_moe_reference
 ===========================  ======================  ================================
 
 Whether a launch compiles for the GPU or runs in Triton's interpreter is decided at launch time
@@ -40,6 +41,7 @@ _EXPORTS = {
     "fused_add_rms_norm": "norm", "fused_add_rms_norm_ref": "norm",
     "rotary_embedding": "rotary", "rotary_embedding_ref": "rotary",
     "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
+    "fused_moe": "moe", "moe_align_block_size": "moe",
 }
 
 #: Kernel names (as counted by ``launch_counts``) by the public function that launches them.
@@ -51,6 +53,7 @@ KERNELS = {
     "fused_add_rms_norm": ("_rms_norm_kernel",),
     "rotary_embedding": ("_rotary_kernel",),
     "silu_and_mul": ("_silu_and_mul_kernel",),
+    "fused_moe": ("_fused_moe_kernel", "_silu_and_mul_kernel"),
 }
 
 

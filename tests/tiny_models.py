@@ -51,6 +51,19 @@ ARCHS = {
                                   "sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "num_hidden_layers": 3}),
+    # MoE (issue 22): 4-8 small experts, top-2
+    "mixtral": ("MixtralConfig", {"tie_word_embeddings": False, "num_hidden_layers": 2,
+                                  "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "intermediate_size": 64, "sliding_window": None}),
+    # a shared expert; layer 1 dense (mlp_only_layers); top-k not renormalised; qkv bias
+    "qwen2_moe": ("Qwen2MoeConfig", {"tie_word_embeddings": True, "num_hidden_layers": 3,
+                                     "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64,
+                                     "mlp_only_layers": [1], "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"tie_word_embeddings": False, "num_hidden_layers": 2,
+                                     "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }
 BASE_CONFIG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -76,7 +89,8 @@ def build_tokenizer():
 
 
 def make_config(arch: str, tokenizer, **overrides):
-    """A tiny config of ``arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``): hidden 64,
+    """A tiny config of ``arch`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``,
+    ``qwen2_moe``, ``qwen3_moe``): hidden 64,
     4 heads, 2 KV heads, head_dim 16, vocab = the tokenizer's."""
     import transformers
 

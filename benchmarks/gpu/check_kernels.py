@@ -49,6 +49,7 @@ class Sizes:
     decode_batches: tuple
     decode_ctxs: tuple
     prefill_cases: tuple
+    moe: tuple = ()  # fused_moe: (tokens, hidden, intermediate, experts, top_k)
 
 
 GPU = Sizes(
@@ -62,11 +63,13 @@ GPU = Sizes(
                    ("8 x 512 chunks after 4096 cached", (512,) * 8, (4096,) * 8),
                    ("2 x 1024 fresh + 64 decodes at 2k", (1024, 1024) + (1,) * 64,
                     (0, 0) + (2048,) * 64)),
+    moe=((1, 4096, 1792, 8, 2), (300, 2048, 768, 64, 8), (37, 1024, 512, 8, 2)),
 )
 SMOKE = Sizes(
     dtypes=(torch.float32,), tokens=24, decode_ctx=(1, 37, 70), unified_q=(1, 19, 5),
     unified_ctx=(30, 0, 17), hidden=(64,), mlp=(96,), heads=(4, 1), decode_batches=(1, 2),
     decode_ctxs=(32,), prefill_cases=(("1 x 24 fresh", (24,), (0,)),),
+    moe=((1, 64, 32, 4, 2), (21, 64, 48, 8, 2)),
 )
 
 
@@ -192,6 +195,30 @@ def check_correctness(c: Checker, dev: torch.device, sz: Sizes) -> None:
                 name = f"rotary {'neox' if neox else 'gptj'} {t} heads={hq}/{hkv} d={d}"
                 c.close(name + " q", q, qr, dtype)
                 c.close(name + " k", k, kr, dtype)
+        check_fused_moe(c, dev, sz, dtype)
+
+
+def check_fused_moe(c: Checker, dev: torch.device, sz: Sizes, dtype: torch.dtype) -> None:
+    """The Triton fused-MoE kernel against the grouped torch path (itself tested against the
+    definition, ``fused_moe_reference``, on the CPU), all experts here and expert parallel
+    (this rank holding the second half of the experts)."""
+    from llmkit.kernels import fused_moe
+    from llmkit.ops.moe import fused_moe_grouped, fused_topk
+
+    t = str(dtype).removeprefix("torch.")
+    for tokens, hidden, inter, experts, top_k in sz.moe:
+        x = torch.randn(tokens, hidden, device=dev).to(dtype)
+        w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) / hidden ** 0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, device=dev) / inter ** 0.5).to(dtype)
+        weights, ids = fused_topk(torch.randn(tokens, experts, device=dev), top_k, True)
+        name = f"fused_moe {t} T={tokens} H={hidden} I={inter} E={experts} k={top_k}"
+        c.close(name, fused_moe(x, w13, w2, weights, ids),
+                fused_moe_grouped(x, w13, w2, weights, ids), dtype)
+        half = experts // 2
+        emap = torch.full((experts,), -1, dtype=torch.int32, device=dev)
+        emap[half:] = torch.arange(experts - half, dtype=torch.int32, device=dev)
+        c.close(name + " expert-parallel", fused_moe(x, w13[half:], w2[half:], weights, ids, emap),
+                fused_moe_grouped(x, w13[half:], w2[half:], weights, ids, emap), dtype)
 
 
 def bench_decode(dev: torch.device, peak: float, sz: Sizes, quick: bool) -> None:

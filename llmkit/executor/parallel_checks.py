@@ -6,6 +6,7 @@ import os
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
+from llmkit.models.moe import MoeShape, moe_shape
 from llmkit.platforms.base import Platform
 
 #: CPU ranks allowed per usable core: ranks beyond the cores share them (tiny models in tests
@@ -34,6 +35,27 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _check_mlp_split(hf_config, moe: MoeShape | None, tp: int, expert_parallel: bool) -> None:
+    """The MLP dimensions tensor parallel splits (a MoE model's experts: whole experts per
+    rank under expert parallel, else every expert's intermediate dimension)."""
+    key = "parallel.tensor_parallel_size"
+    inter = getattr(hf_config, "intermediate_size", None)
+    dense_layers = moe is None or len(moe.sparse_layers) < hf_config.num_hidden_layers
+    if moe is not None and moe.shared_expert_intermediate_size % tp:
+        size = moe.shared_expert_intermediate_size
+        raise ConfigError(key, tp, f"a divisor of the model's shared_expert_intermediate_size "
+                          f"{size} ({_divisors(size)})")
+    if moe is not None and expert_parallel and moe.num_experts % tp:
+        raise ConfigError(key, tp, f"a divisor of the model's {moe.num_experts} experts with "
+                          f"parallel.enable_expert_parallel=true ({_divisors(moe.num_experts)})")
+    if moe is not None and not expert_parallel and moe.expert_intermediate_size % tp:
+        size = moe.expert_intermediate_size
+        raise ConfigError(key, tp, f"a divisor of the experts' intermediate size {size} "
+                          f"({_divisors(size)}), or parallel.enable_expert_parallel=true")
+    if dense_layers and inter is not None and inter % tp:
+        raise ConfigError(key, tp, f"a divisor of the model's intermediate_size {inter}")
+
+
 def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -> None:
     """Raise ``ConfigError`` where the sizes do not fit the model or the machine, or name what
     is not supported yet."""
@@ -45,9 +67,11 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     if par.data_parallel_size > 1:
         raise ConfigError("parallel.data_parallel_size", par.data_parallel_size,
                           "1 (data parallel is not implemented yet)")
-    if par.enable_expert_parallel:
+    moe = moe_shape(hf_config)
+    if par.enable_expert_parallel and moe is None:
         raise ConfigError("parallel.enable_expert_parallel", True,
-                          "false (no MoE architecture is implemented yet)")
+                          f"false for model_type {hf_config.model_type!r} (a dense model has no "
+                          "experts to split; MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)")
     spec = config.speculative
     if spec.enabled or spec.target:
         raise ConfigError("speculative.name", spec.name, "none with several workers "
@@ -68,10 +92,7 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     if kv_heads % tp and tp % kv_heads:
         raise ConfigError("parallel.tensor_parallel_size", tp,
                           f"a divisor or a multiple of the model's {kv_heads} KV heads")
-    inter = getattr(hf_config, "intermediate_size", None)
-    if inter is not None and inter % tp:
-        raise ConfigError("parallel.tensor_parallel_size", tp,
-                          f"a divisor of the model's intermediate_size {inter}")
+    _check_mlp_split(hf_config, moe, tp, par.enable_expert_parallel)
     layers = hf_config.num_hidden_layers
     if pp > layers:
         raise ConfigError("parallel.pipeline_parallel_size", pp,

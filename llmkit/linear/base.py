@@ -49,6 +49,9 @@ class LinearSpec:
     #: Tensor parallel: a column-parallel layer whose whole output is consumed (the LM head)
     #: gathers every rank's columns after the matmul.
     gather_output: bool = False
+    #: Tensor parallel: a row-parallel layer whose partial sums the caller adds into a larger
+    #: sum before one all-reduce (a MoE block's shared expert) leaves them unreduced.
+    reduce_results: bool = True
 
     def __post_init__(self) -> None:
         if len(self.output_sizes) != len(self.shard_ids):

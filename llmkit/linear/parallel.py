@@ -108,7 +108,8 @@ class RowParallelLinearMethod(_ParallelLinearMethod):
         self.inner.load_weight(layer, self.local, name, piece, shard_id)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.inner.apply(layer, x))
+        y = self.inner.apply(layer, x)
+        return self.tp.all_reduce(y) if self.local.reduce_results else y
 
 
 def tensor_parallel_factory(inner: LinearMethodFactory,

@@ -33,6 +33,9 @@ class ModelContext:
     ops: ModelOps = ModelOps()
     linear_method: LinearMethodFactory = lambda spec: TorchLinearMethod()
     tp: TensorParallelGroup = TensorParallelGroup()
+    # parallel.enable_expert_parallel: a MoE model splits its experts over the tp ranks
+    # (whole experts per rank) instead of every expert's intermediate dimension
+    enable_expert_parallel: bool = False
     # model.quantization as resolved (none, gguf, int8, fp8): with gguf the loader hands a
     # GGUF's kept blocks to the linear methods, which must be quantized ones
     quantization: str = "none"

@@ -6,7 +6,7 @@ Module names otherwise follow Hugging Face's so that checkpoint names map one to
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear
+from llmkit.models.layers.moe import FusedMoE
 from llmkit.models.layers.norm import RMSNorm
 from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from llmkit.ops.base import RotaryTables
@@ -64,7 +65,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or config.model_type == "qwen2"
+        qkv_bias = attention_bias or config.model_type == "qwen2" or \
+            bool(getattr(config, "qkv_bias", False))  # qwen2_moe
         self.qkv_proj = MergedLinear(
             f"{prefix}.qkv_proj", config.hidden_size,
             {"q": heads * self.head_dim, "k": kv_heads * self.head_dim,
@@ -74,7 +76,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear.build(f"{prefix}.o_proj", heads * self.head_dim, config.hidden_size,
                                    bias=attention_bias, dtype=ctx.dtype,
                                    linear_method=ctx.linear_method, parallel="row")
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
         else:
@@ -98,31 +100,41 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
+    """The gated MLP, ``intermediate_size`` wide (default: the config's); ``reduce_results``
+    False leaves a tensor-parallel down projection's partial sums to the caller's all-reduce
+    (a MoE block's shared expert)."""
+
+    def __init__(self, config, prefix: str, ctx: ModelContext,
+                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported by the Llama family "
                              "implementation (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(f"{prefix}.gate_up_proj", config.hidden_size,
                                          {"gate": inter, "up": inter}, bias=bias,
                                          dtype=ctx.dtype, linear_method=ctx.linear_method)
         self.act_fn = SiluAndMul(ctx.ops)
         self.down_proj = Linear.build(f"{prefix}.down_proj", inter, config.hidden_size,
                                       bias=bias, dtype=ctx.dtype,
-                                      linear_method=ctx.linear_method, parallel="row")
+                                      linear_method=ctx.linear_method, parallel="row",
+                                      reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
+    """Attention then an MLP, each after an RMSNorm; ``mlp`` replaces the gated MLP (a MoE
+    block: ``x [T, H] -> [T, H]``)."""
+
+    def __init__(self, config, prefix: str, ctx: ModelContext,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", ctx)
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", ctx)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, f"{prefix}.mlp", ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype,
                                        ctx.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
@@ -141,14 +153,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+#: ``(config, prefix, ctx, layer_index) -> the layer's MLP``, or ``None`` for the gated MLP.
+MlpFactory = Callable[[object, str, ModelContext, int], "nn.Module | None"]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
+    def __init__(self, config, prefix: str, ctx: ModelContext,
+                 make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         head_dim = _head_dim(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
                                            ctx.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"{prefix}.layers.{i}", ctx)
+            LlamaDecoderLayer(config, f"{prefix}.layers.{i}", ctx,
+                              make_mlp and make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
         inv_freq, attention_scaling = compute_inv_freq(config, head_dim)
@@ -183,7 +201,7 @@ class LlamaForCausalLM(CausalLM):
                 set(config.layer_types) != {"full_attention"}:
             raise ValueError(f"layer types {sorted(set(config.layer_types))} are not supported "
                              "(only full_attention)")
-        self.model = LlamaModel(config, prefix, ctx)
+        self.model = LlamaModel(config, prefix, ctx, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear.build("lm_head", config.hidden_size, config.vocab_size,
                                     bias=False, dtype=ctx.dtype, linear_method=ctx.linear_method,
@@ -198,6 +216,12 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = _head_dim(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+
+    def make_mlp(self, config, prefix: str, ctx: ModelContext,
+                 layer_index: int) -> nn.Module | None:
+        """Layer ``layer_index``'s MLP; ``None``: the gated MLP (subclasses put MoE blocks
+        here)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
@@ -217,8 +241,10 @@ class LlamaForCausalLM(CausalLM):
                       if isinstance(m, VocabEmbedding)}
         if self.tie_word_embeddings:
             del linears["lm_head"]
+        experts = tuple(f"{name}." for name, m in self.named_modules() if isinstance(m, FusedMoE))
         params = {name: p for name, p in self.named_parameters()
-                  if name.rpartition(".")[0] not in linears and name != "lm_head.weight"}
+                  if name.rpartition(".")[0] not in linears and name != "lm_head.weight"
+                  and not name.startswith(experts)}  # experts: the MoE model's loader
         expected = {(f"{name}.{w}", shard) for name, layer in linears.items()
                     for w, shard in layer.expected_weights()}
         expected |= {(name, None) for name in params}

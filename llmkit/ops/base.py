@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmkit.ops.moe import fused_moe_grouped, fused_topk
+
 
 @dataclass(slots=True)
 class RotaryTables:
@@ -68,6 +70,19 @@ class ModelOps:
         """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dim ``2d``."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
+
+    # -- mixture of experts (``llmkit/ops/moe.py`` has the shapes) ------------------------
+    def moe_topk(self, router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice: ``(weights float32 [T, k], expert ids int32 [T, k])``."""
+        return fused_topk(router_logits, top_k, renormalize)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's experts' weighted sum for every token: ``[T, H]`` in ``x``'s dtype
+        (tokens grouped by expert, one GEMM pair per active expert)."""
+        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map)
 
     # -- KV cache ----------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -38,3 +38,8 @@ class TritonOps(ModelOps):
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
         return kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)

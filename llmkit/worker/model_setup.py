@@ -11,6 +11,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.facts import BackendInfo
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.models.layers.linear import Linear
+from llmkit.models.layers.moe import FusedMoE
 from llmkit.platforms.base import Platform
 from llmkit.worker.model_runner import ModelRunner
 
@@ -55,7 +56,8 @@ def describe_backend(runner: ModelRunner, attention: str, ops: str, dtype: torch
     """What computes: the attention backend, the op set, the linear methods the model's layers
     took, and the step graphs."""
     methods = sorted({m.method.describe() for m in runner.model.modules()
-                      if isinstance(m, Linear)})
+                      if isinstance(m, Linear)}
+                     | {m.describe() for m in runner.model.modules() if isinstance(m, FusedMoE)})
     graphs = runner.step_graphs
     return BackendInfo(attention=attention, ops=ops, linear_methods=tuple(methods),
                        dtype=str(dtype).removeprefix("torch."), device=str(platform.device),

@@ -49,7 +49,8 @@ class Worker:
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
         linear = tensor_parallel_factory(linear_method_factory(config.model, platform, dtype)[0], tp)
-        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear, tp=tp)
+        ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear, tp=tp,
+                           enable_expert_parallel=config.parallel.enable_expert_parallel)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)

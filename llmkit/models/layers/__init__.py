@@ -2,8 +2,9 @@
 from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear
+from llmkit.models.layers.moe import FusedMoE
 from llmkit.models.layers.norm import RMSNorm
 from llmkit.models.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 
-__all__ = ["Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SiluAndMul",
+__all__ = ["FusedMoE", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SiluAndMul",
            "VocabEmbedding", "apply_rotary", "compute_inv_freq"]

@@ -27,9 +27,10 @@ class Linear(nn.Module):
     def build(cls, prefix: str, in_features: int, out_features: int, *, bias: bool,
               dtype: torch.dtype, linear_method: LinearMethodFactory,
               parallel: ParallelKind = "replicated", weight_format: object | None = None,
-              gather_output: bool = False) -> "Linear":
+              gather_output: bool = False, reduce_results: bool = True) -> "Linear":
         spec = LinearSpec(prefix, in_features, (out_features,), (None,), bias, dtype, parallel,
-                          weight_format, gather_output=gather_output)
+                          weight_format, gather_output=gather_output,
+                          reduce_results=reduce_results)
         return cls(spec, linear_method)
 
     @property
