@@ -105,7 +105,8 @@ class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
 
-    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed_multimodal(self, pixel_values: torch.Tensor,
+                         grid_thw: tuple[int, int, int] | None = None) -> torch.Tensor:
         features = self.vision_tower(pixel_values.to(self.dtype))
         if self.drop_cls:
             features = features[:, 1:]

@@ -13,6 +13,8 @@ for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
     MODELS.register_lazy(_arch, "llmkit.models.llama.LlamaForCausalLM")
 MODELS.register_lazy("LlavaForConditionalGeneration",
                      "llmkit.models.llava.LlavaForConditionalGeneration")
+for _arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+    MODELS.register_lazy(_arch, "llmkit.models.qwen2_vl.Qwen2VLForConditionalGeneration")
 
 
 class UnsupportedModelError(ValueError):
