@@ -41,6 +41,8 @@ def fused_target(prefix: str) -> tuple[str, str | None]:
     return prefix, None
 
 
+# Qwen2 and the language models of Qwen2-VL / Qwen2.5-VL: biases on q, k, v (not o).
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Checkpoint tensors that carry no parameter.
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -65,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or config.model_type == "qwen2" or \
+        qkv_bias = attention_bias or config.model_type in QKV_BIAS_MODEL_TYPES or \
             bool(getattr(config, "qkv_bias", False))  # qwen2_moe
         self.qkv_proj = MergedLinear(
             f"{prefix}.qkv_proj", config.hidden_size,

@@ -16,6 +16,7 @@ import torch
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
 from llmkit.lora.manager import LoRAManager
+from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
@@ -53,6 +54,9 @@ class StepInputs:
     computed: np.ndarray  # per scheduled row: tokens computed before this step
     num_scheduled: np.ndarray  # per scheduled row: tokens computed in this step
     samples: np.ndarray  # per scheduled row: its step reaches its last token (it samples)
+    # M-RoPE models: the rotary positions ([3, tokens] while a prompt with images is
+    # computed, else [tokens] with each request's delta added); None: ``positions``.
+    rope_positions: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -87,6 +91,10 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
         self.num_encoder_runs = 0  # images encoded since start-up
+        # M-RoPE (Qwen2-VL): each running request with images' prompt positions [3, prompt]
+        # and the delta of the positions after its prompt.
+        self.uses_mrope = supports_mrope(model)
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         # KV connector, worker side (llmkit/kv_transfer): loads before and saves after the
         # forward; it may own the pool's memory (a shared-memory producer).
         self.kv_connector: KVConnectorBase | None = None
@@ -173,15 +181,20 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
+            self._mrope.pop(rid, None)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
+            self._mrope.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
             if new.mm_features:
                 self._mm_features[new.req_id] = new.mm_features
+                if self.uses_mrope:
+                    self._mrope[new.req_id] = self.model.get_mrope_input_positions(
+                        new.num_prompt_tokens, new.mm_features)
             sp = new.sampling_params
             gen = None
             if sp.seed is not None:
@@ -257,9 +270,14 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             block_size=self.block_size,
         )
+        rope_positions = None
+        if self._mrope:
+            rope_positions = torch.from_numpy(
+                self._mrope_positions(req_ids, starts, computed, num_sched, positions))
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
+            rope_positions=rope_positions,
             attn_metadata=metadata,
             logits_indices=torch.from_numpy(logits_indices),
             logits=LogitsLayout(rows[sample_idx], num_logits, drafts),
@@ -270,6 +288,30 @@ class ModelRunner:
             num_scheduled=num_sched,
             samples=samples,
         )
+
+    def _mrope_positions(self, req_ids: list[str], starts: np.ndarray, computed: np.ndarray,
+                         num_sched: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The step's M-RoPE positions: a prompt's tokens from its table (whatever chunk or
+        prefix hit the step starts at), later tokens at ``index + delta``. ``[tokens]`` when no
+        token of the step is in a prompt with images (decode steps keep step graphs)."""
+        shifted = positions.copy()
+        in_prompt = []
+        for i, rid in enumerate(req_ids):
+            state = self._mrope.get(rid)
+            if state is None:
+                continue
+            table, delta = state
+            qs, lo, n = int(starts[i]), int(computed[i]), int(num_sched[i])
+            shifted[qs:qs + n] += delta
+            k = min(n, table.shape[1] - lo)
+            if k > 0:
+                in_prompt.append((qs, lo, k, table))
+        if not in_prompt:
+            return shifted
+        out = np.broadcast_to(shifted, (3, len(shifted))).copy()
+        for qs, lo, k, table in in_prompt:
+            out[:, qs:qs + k] = table[:, lo:lo + k]
+        return out
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -370,16 +412,19 @@ class ModelRunner:
     # -- multimodal -------------------------------------------------------------------------
     def _execute_mm_encoder(self, so: SchedulerOutput) -> None:
         """Encode the step's scheduled images (batched by pixel shape) into the encoder cache."""
-        by_shape: dict[tuple[int, ...], list] = {}
+        by_shape: dict[tuple, dict] = {}
         for rid, input_ids in so.scheduled_encoder_inputs.items():
             features = self._mm_features[rid]
             for i in input_ids:
                 f = features[i]
                 if f.identifier not in self.encoder_cache:
-                    by_shape.setdefault(tuple(f.shape), {})[f.identifier] = f
-        for group in by_shape.values():
+                    key = (tuple(f.shape), tuple(f.grid_thw))
+                    by_shape.setdefault(key, {})[f.identifier] = f
+        for (_, grid), group in by_shape.items():
             pixels = torch.cat([f.pixel_tensor() for f in group.values()]).to(self.device)
-            embeds = self.model.embed_multimodal(pixels)
+            # A patch-grid encoder (Qwen2-VL) takes the group's grid; a fixed-size one none.
+            embeds = self.model.embed_multimodal(pixels, grid) if grid else \
+                self.model.embed_multimodal(pixels)
             for f, e in zip(group.values(), embeds):
                 if e.shape[0] != f.length:
                     raise RuntimeError(f"image {f.identifier}: the encoder gave {e.shape[0]} "
@@ -418,14 +463,16 @@ class ModelRunner:
         md = inputs.attn_metadata
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
-        if inputs_embeds is not None:
-            return self.model(None, positions, self.kv_caches,
+        rope = positions if inputs.rope_positions is None else \
+            inputs.rope_positions.to(self.device)
+        if inputs_embeds is not None or rope.dim() > 1:
+            return self.model(None if inputs_embeds is not None else ids, rope, self.kv_caches,
                               self.attn_backend.build_metadata(md), inputs_embeds)
         if (graphs is not None and graphs.covers(md.num_actual_tokens)
                 and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows
             if md.num_actual_tokens == md.num_reqs:
-                return graphs.run(ids, positions, md.slot_mapping.to(self.device),
+                return graphs.run(ids, rope, md.slot_mapping.to(self.device),
                                   torch.from_numpy(self.batch.block_table[rows]).to(self.device),
                                   md.seq_lens.to(self.device))
             layout = inputs.logits
@@ -436,10 +483,10 @@ class ModelRunner:
                 # computes the step with one block-table row and length per token.
                 per_token = np.repeat(rows, inputs.num_scheduled)
                 return graphs.run(
-                    ids, positions, md.slot_mapping.to(self.device),
+                    ids, rope, md.slot_mapping.to(self.device),
                     torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
                     (positions + 1).to(torch.int32))
-        return self.model(ids, positions, self.kv_caches, self.attn_backend.build_metadata(md))
+        return self.model(ids, rope, self.kv_caches, self.attn_backend.build_metadata(md))
 
     @staticmethod
     def _bitmask_rows(so: SchedulerOutput) -> dict[str, int]:
