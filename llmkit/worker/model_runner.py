@@ -15,6 +15,7 @@ import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
+from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.lora.manager import LoRAManager
 from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
@@ -216,6 +217,13 @@ class ModelRunner:
                 b.num_blocks[row] = offset  # blocks past it were given back
             b.append_block_ids(row, block_ids)
             b.num_computed_tokens[row] = n_computed
+        # Pipeline parallel: the step's tokens (a stage that does not sample learns the last
+        # stage's samples here; the last stage has them already).
+        for rid, n_computed, toks in zip(c.req_ids, c.num_computed_tokens, c.new_token_ids):
+            row = b.req_id_to_row[rid]
+            end = n_computed + len(toks)
+            b.token_ids[row, n_computed:end] = toks
+            b.num_tokens[row] = max(int(b.num_tokens[row]), end)
         # Draft tokens sit after the known tokens while they are verified; accepted ones are
         # written again (the same ids) when the step's output is recorded.
         for rid, drafts in so.scheduled_spec_tokens.items():
@@ -315,7 +323,11 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors:
+        """The step's output; a pipeline stage before the last returns the tensors the next
+        stage continues from (``intermediate_tensors``: what the previous stage sent)."""
         self._update_states(so)
         conn = self.kv_connector
         if conn is not None:
@@ -325,7 +337,7 @@ class ModelRunner:
                 conn.get_finished(so.finished_req_ids) if conn is not None else None))
         inputs = self.prepare_inputs(so)
         if self.lora_manager is None:
-            return self._execute(so, inputs)
+            return self._execute(so, inputs, intermediate_tensors)
         layout = inputs.logits
         row_lora = self.batch.lora_id[inputs.rows]
         self.lora_manager.prepare_step(np.repeat(row_lora, inputs.num_scheduled),
@@ -336,12 +348,16 @@ class ModelRunner:
         finally:
             self.lora_manager.end_step()
 
-    def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
+    def _execute(self, so: SchedulerOutput, inputs: StepInputs,
+                 intermediate_tensors: IntermediateTensors | None = None
+                 ) -> ModelRunnerOutput | IntermediateTensors:
         conn = self.kv_connector
         if so.scheduled_encoder_inputs:
             self._execute_mm_encoder(so)
         inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
-        hidden = self._forward(inputs, inputs_embeds)
+        hidden = self._forward(inputs, inputs_embeds, intermediate_tensors)
+        if isinstance(hidden, IntermediateTensors):
+            return hidden  # a pipeline stage before the last: nothing samples here
         if conn is not None:
             # The forward is one call (no per-layer hook yet): each layer is handed over once
             # it is complete, i.e. after the forward.
@@ -456,8 +472,9 @@ class ModelRunner:
         embeds[torch.cat(rows_idx).to(self.device)] = torch.cat(parts).to(embeds.dtype)
         return embeds
 
-    def _forward(self, inputs: StepInputs,
-                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None = None,
+                 intermediate_tensors: IntermediateTensors | None = None
+                 ) -> torch.Tensor | IntermediateTensors:
         """The model's hidden states: through a step graph for a decode-only step it covers,
         else eagerly."""
         md = inputs.attn_metadata
@@ -465,6 +482,10 @@ class ModelRunner:
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
         rope = positions if inputs.rope_positions is None else \
             inputs.rope_positions.to(self.device)
+        if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)
+            return self.model(None, rope, self.kv_caches,
+                              self.attn_backend.build_metadata(md),
+                              intermediate_tensors=intermediate_tensors)
         if inputs_embeds is not None or rope.dim() > 1:
             return self.model(None if inputs_embeds is not None else ids, rope, self.kv_caches,
                               self.attn_backend.build_metadata(md), inputs_embeds)
