@@ -298,6 +298,29 @@ def test_the_pool_holds_more_blocks_in_the_same_memory(model, caplog):
     assert "KV cache int8" in caplog.text and "3.20x the blocks" in caplog.text
 
 
+def test_an_offloaded_int8_block_comes_back_with_its_scales(model):
+    """The host tier copies whole blocks: a quantized prefix evicted from a small pool and
+    loaded back gives the tokens computed from scratch (its scales are inside its rows)."""
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(5, 600, (30,), generator=g).tolist() for _ in range(2))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kv = {"block_size": 4, "cache_dtype": "int8"}
+
+    def gen(llm, p):
+        return llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    big = LLM(str(model), dtype="float32", kv_cache={**kv, "num_blocks": 64})
+    expected = gen(big, a)
+    big.shutdown()
+    llm = LLM(str(model), dtype="float32", kv_cache={**kv, "num_blocks": 12},
+              kv_offload={"host_gib": 0.01})
+    assert gen(llm, a) == expected
+    gen(llm, b)  # evicts a's blocks into the host tier
+    assert gen(llm, a) == expected
+    assert llm.engine.kv_connector.stats.hits_per_tier.get("host", 0) > 0
+    llm.shutdown()
+
+
 def test_bad_values_are_config_errors(model):
     with pytest.raises(ConfigError, match=r"kv_cache\.cache_dtype.*'int4'.*int8"):
         LLM(str(model), dtype="float32", kv_cache={"cache_dtype": "int4"})
