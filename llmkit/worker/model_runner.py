@@ -16,6 +16,9 @@ import torch
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
 from llmkit.distributed.pipeline import IntermediateTensors
+from llmkit.config.errors import ConfigError
+from llmkit.kernels.kv_quant import cache_row_width
+from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
 from llmkit.lora.manager import LoRAManager
 from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
@@ -72,6 +75,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
+        if kv_quant_format_of(kv_cache_dtype) is not None and model.head_dim % 4:
+            # a row's float32 scale must sit 4-byte aligned after its head_dim codes
+            raise ConfigError("kv_cache.cache_dtype", kv_quant_format_of(kv_cache_dtype).name,
+                              f"auto, bfloat16 or float16 for this model (head_dim "
+                              f"{model.head_dim} is not a multiple of 4)")
         max_blocks = -(-(max_model_len + num_lookahead_tokens) // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.kv_caches: list[torch.Tensor] = []
@@ -101,25 +109,36 @@ class ModelRunner:
         self.kv_connector: KVConnectorBase | None = None
 
     # -- KV cache ------------------------------------------------------------------------
-    def kv_cache_bytes_per_block(self) -> int:
+    def _cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One layer's pool shape; a quantized cache's rows hold ``head_dim`` codes and their
+        scale (``llmkit.kernels.kv_quant``), so its last dimension is the row's width."""
+        return self.attn_backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads,
+                                                cache_row_width(head_dim, self.kv_cache_dtype))
+
+    def kv_cache_bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block over every layer, in the pool's dtype (or ``dtype``'s)."""
+        dtype = dtype or self.kv_cache_dtype
         m = self.model
-        shape = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
-        itemsize = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        per_layer = int(np.prod(shape)) * itemsize
+
+        def nbytes(h: int, d: int) -> int:
+            shape = self.attn_backend.kv_cache_shape(1, self.block_size, h,
+                                                     cache_row_width(d, dtype))
+            return int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+
         # A draft model's (or EAGLE head's) layers keep their KV in the same blocks.
-        draft = sum(int(np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, h, d)))
-                    for h, d in self._proposer_kv_layers()) * itemsize
-        return per_layer * m.num_layers + draft
+        return (nbytes(m.num_kv_heads, m.head_dim) * m.num_layers
+                + sum(nbytes(h, d) for h, d in self._proposer_kv_layers()))
 
     def _proposer_kv_layers(self) -> list[tuple[int, int]]:
         return self.proposer.kv_cache_layers() if self.proposer is not None else []
 
     def kv_layout(self, fingerprint: str) -> KVLayout:
         """The pool's layout, for KV connectors: the block axis found by comparing the shapes
-        of one and two blocks."""
+        of one and two blocks. A quantized block's scales are inside its rows, so they travel
+        wherever its bytes do."""
         m = self.model
-        one = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
-        two = self.attn_backend.kv_cache_shape(2, self.block_size, m.num_kv_heads, m.head_dim)
+        one = self._cache_shape(1, m.num_kv_heads, m.head_dim)
+        two = self._cache_shape(2, m.num_kv_heads, m.head_dim)
         dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
         return KVLayout(num_layers=m.num_layers, block_shape=one[:dim] + one[dim + 1:],
                         block_dim=dim, dtype=str(self.kv_cache_dtype).removeprefix("torch."),
@@ -127,8 +146,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads,
-                                                 m.head_dim)
+        shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
+        self._log_kv_cache(num_blocks)
         conn = self.kv_connector
         owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
             if conn is not None else None
@@ -140,14 +159,27 @@ class ModelRunner:
         draft_layers = self._proposer_kv_layers()
         if draft_layers:
             self.proposer.bind_kv_caches([
-                _zeros(self.attn_backend.kv_cache_shape(num_blocks, self.block_size, h, d),
-                       self.kv_cache_dtype, self.device) for h, d in draft_layers])
+                _zeros(self._cache_shape(num_blocks, h, d), self.kv_cache_dtype, self.device)
+                for h, d in draft_layers])
         if self.make_step_graphs is not None:
             self.step_graphs = self.make_step_graphs(self.model, self.kv_caches)
         if self.step_graphs is not None:
             seconds = self.step_graphs.capture(self.batch.block_table.shape[1])
             logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
                         self.step_graphs.name, self.step_graphs.max_rows, seconds)
+
+    def _log_kv_cache(self, num_blocks: int) -> None:
+        """Start-up says what a quantized (or narrower) cache buys: blocks in the same memory."""
+        model_dtype = getattr(self.model, "dtype", None)
+        if not isinstance(model_dtype, torch.dtype) or model_dtype == self.kv_cache_dtype:
+            return
+        fmt = kv_quant_format_of(self.kv_cache_dtype)
+        name = fmt.name if fmt is not None else str(self.kv_cache_dtype).removeprefix("torch.")
+        mine, theirs = self.kv_cache_bytes_per_block(), self.kv_cache_bytes_per_block(model_dtype)
+        logger.info("KV cache %s%s: %d bytes a block vs %d at %s, %.2fx the blocks in the same "
+                    "memory (%d blocks)", name,
+                    " (codes + a float32 scale per token and KV head)" if fmt else "", mine,
+                    theirs, str(model_dtype).removeprefix("torch."), theirs / mine, num_blocks)
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int) -> float:

@@ -30,7 +30,8 @@ from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.worker.model_runner import ModelRunner
-from llmkit.worker.model_setup import describe_backend, linear_method_factory, resolve_dtype
+from llmkit.worker.model_setup import (describe_backend, linear_method_factory, resolve_dtype,
+                                       resolve_kv_cache_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Worker:
             max_model_len=source.max_model_len,
             block_size=config.kv_cache.block_size,
             num_lookahead_tokens=config.scheduler.num_lookahead_tokens,
-            kv_cache_dtype=dtype,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache.cache_dtype, dtype),
             device=platform.device,
         )
         if tp.size == 1 and pp.size == 1:
