@@ -126,6 +126,29 @@ def test_pipeline_parallel_matches_the_single_process_engine(tiny_model_dir, arc
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_executor_ray_pipeline_parallel_2_on_a_local_cluster(tiny_model_dir):
+    pytest.importorskip("ray", reason="ray is not installed (it is in the test extra)")
+    path = str(tiny_model_dir("llama"))
+    single = LLM(path, dtype="float32", scheduler=SCHEDULER)
+    try:
+        want = _tokens(single)
+    finally:
+        single.engine.shutdown()
+    llm = LLM(path, dtype="float32", parallel={"pipeline_parallel_size": 2}, executor="ray",
+              scheduler=SCHEDULER)
+    try:
+        core = llm.engine
+        assert type(core.executor).__name__ == "RayExecutor"
+        assert core.executor.max_concurrent_batches == 2
+        watch = _InFlight(core)
+        core.add_step_observer(watch)
+        assert _tokens(llm) == want
+        assert max(watch.seen) == 1, watch.seen
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_killed_stage_fails_the_engine_within_seconds(tiny_model_dir):
     from llmkit.executor.multiproc import WorkerDiedError
 
