@@ -126,6 +126,29 @@ def test_pipeline_parallel_matches_the_single_process_engine(tiny_model_dir, arc
         llm.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_executor_ray_pipeline_parallel_2_on_a_local_cluster(tiny_model_dir):
+    pytest.importorskip("ray", reason="ray is not installed (it is in the test extra)")
+    path = str(tiny_model_dir("llama"))
+    single = LLM(path, dtype="float32", scheduler=SCHEDULER)
+    try:
+        want = _tokens(single)
+    finally:
+        single.engine.shutdown()
+    llm = LLM(path, dtype="float32", parallel={"pipeline_parallel_size": 2}, executor="ray",
+              scheduler=SCHEDULER)
+    try:
+        core = llm.engine
+        assert type(core.executor).__name__ == "RayExecutor"
+        assert core.executor.max_concurrent_batches == 2
+        watch = _InFlight(core)
+        core.add_step_observer(watch)
+        assert _tokens(llm) == want
+        assert max(watch.seen) == 1, watch.seen
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_killed_stage_fails_the_engine_within_seconds(tiny_model_dir):
     from llmkit.executor.multiproc import WorkerDiedError
 
@@ -265,3 +288,33 @@ def test_sim_pipeline_replay_keeps_both_stages_busy():
     overlap = pp["sim"]["busy_s"] / pp["sim"]["virtual_time_s"]
     assert 1.6 < overlap <= 2.0, overlap
     assert tp["sim"]["busy_s"] / tp["sim"]["virtual_time_s"] <= 1.0 + 1e-9
+
+
+# -- the scheduler behind a batch queue ------------------------------------------------------
+def test_scheduler_keeps_in_flight_requests_out_of_the_next_batch():
+    from test_scheduler import fake_run, req
+
+    from llmkit.config.schema import SchedulerConfig
+    from llmkit.kv_cache import KVCacheManager
+    from llmkit.scheduler.token_budget import TokenBudgetScheduler
+
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True, max_model_len=256)
+    sched = TokenBudgetScheduler(SchedulerConfig(), kv, max_model_len=256, eos_token_id=0,
+                                 pipeline_parallel_size=2)
+    for rid in "abcd":
+        sched.add_request(req(rid, 6, max_tokens=8))
+    prefill = sched.schedule()
+    assert sorted(prefill.num_scheduled_tokens) == list("abcd")
+    assert not sched.schedule().num_scheduled_tokens  # all four in flight: nothing to add
+    fake_run(sched, prefill)
+    # Decoding: each batch takes half the running requests; the second one the other half.
+    first, second = sched.schedule(), sched.schedule()
+    assert len(first.num_scheduled_tokens) == len(second.num_scheduled_tokens) == 2
+    assert not set(first.num_scheduled_tokens) & set(second.num_scheduled_tokens)
+    assert not sched.schedule().num_scheduled_tokens
+    # The stages that do not sample learn each request's next input token from the batch.
+    c = first.scheduled_cached_reqs
+    for rid, toks in zip(c.req_ids, c.new_token_ids):
+        assert toks == [sched.requests[rid].all_token_ids[-1]] == [7]
+    fake_run(sched, first)
+    assert set(sched.schedule().num_scheduled_tokens) == set(first.num_scheduled_tokens)
