@@ -242,3 +242,22 @@ def test_server_chat_with_data_url_images_matches_hf(model_dirs, hf_reference, t
     # The images' tokens are prompt tokens.
     assert resp.usage.prompt_tokens == len(ref_prompt)
     assert tokenized["tokens"] == ref_prompt and tokenized["count"] == len(ref_prompt)
+
+
+def test_decode_steps_take_one_position_row(model_dirs):
+    """Past its prompt a request's 3 M-RoPE rows are equal (``index + delta``): decode steps
+    hand the model one row, as for text models, which is what step graphs capture."""
+    llm = LLM(str(model_dirs["qwen2_vl"]), dtype="float32")
+    seen: list[tuple[int, int]] = []  # (tokens, position rows) per forward
+    model = llm.engine.executor.runner.model
+    hook = model.register_forward_pre_hook(
+        lambda _, args: seen.append((args[1].shape[-1], args[1].dim())))
+    try:
+        text, images = PROMPTS[0]
+        out = llm.generate([_prompt(text, images), "The capital of France is"], _greedy(4),
+                           use_tqdm=False)[0]
+    finally:
+        hook.remove()
+    assert seen[0] == (len(out.prompt_token_ids) + len(llm.tokenizer.encode(
+        "The capital of France is")), 2)
+    assert seen[1:] and all(rows == 1 for _, rows in seen[1:])
