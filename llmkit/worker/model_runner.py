@@ -16,8 +16,8 @@ import torch
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
 from llmkit.lora.manager import LoRAManager
-from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
+from llmkit.models.interfaces import supports_mrope
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
