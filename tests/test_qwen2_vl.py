@@ -103,7 +103,9 @@ def test_greedy_matches_hf(model_dirs, hf_reference, variant, setup):
 
 
 def test_image_tokens_follow_the_image_size(model_dirs):
-    llm = LLM(str(model_dirs["qwen2_vl"]), dtype="float32")
+    # An encoder cache of 12 tokens: an image of 16 is refused before the engine sees it.
+    llm = LLM(str(model_dirs["qwen2_vl"]), dtype="float32",
+              scheduler={"encoder_cache_size": 12})
     mm = llm._inputs.mm_processor
     sizes = {(40, 52): 12, (64, 30): 10, (120, 90): 12, (30, 30): 4, (14, 14): 4}
     pad = llm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
@@ -113,6 +115,14 @@ def test_image_tokens_follow_the_image_size(model_dirs):
         out = llm.generate(_prompt(f"a {IMAGE}", [image]), SamplingParams(max_tokens=1),
                            use_tqdm=False)[0]
         assert out.prompt_token_ids.count(pad) == n
+    big = make_image(0, (56, 56))
+    assert mm.num_tokens(big) == 16
+    with pytest.raises(ValueError, match="encoder_cache_size"):
+        llm.generate(_prompt(f"a {IMAGE}", [big]), use_tqdm=False)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate(_prompt("no image here", [make_image(0)]), use_tqdm=False)
+    assert llm.generate(_prompt(f"a {IMAGE}", [make_image(0)]), SamplingParams(max_tokens=1),
+                        use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_mrope_positions_match_hf_rope_index(model_dirs):
@@ -242,3 +252,22 @@ def test_server_chat_with_data_url_images_matches_hf(model_dirs, hf_reference, t
     # The images' tokens are prompt tokens.
     assert resp.usage.prompt_tokens == len(ref_prompt)
     assert tokenized["tokens"] == ref_prompt and tokenized["count"] == len(ref_prompt)
+
+
+def test_decode_steps_take_one_position_row(model_dirs):
+    """Past its prompt a request's 3 M-RoPE rows are equal (``index + delta``): decode steps
+    hand the model one row, as for text models, which is what step graphs capture."""
+    llm = LLM(str(model_dirs["qwen2_vl"]), dtype="float32")
+    seen: list[tuple[int, int]] = []  # (tokens, position rows) per forward
+    model = llm.engine.executor.runner.model
+    hook = model.register_forward_pre_hook(
+        lambda _, args: seen.append((args[1].shape[-1], args[1].dim())))
+    try:
+        text, images = PROMPTS[0]
+        out = llm.generate([_prompt(text, images), "The capital of France is"], _greedy(4),
+                           use_tqdm=False)[0]
+    finally:
+        hook.remove()
+    assert seen[0] == (len(out.prompt_token_ids) + len(llm.tokenizer.encode(
+        "The capital of France is")), 2)
+    assert seen[1:] and all(rows == 1 for _, rows in seen[1:])

@@ -20,8 +20,8 @@ from llmkit.config.errors import ConfigError
 from llmkit.kernels.kv_quant import cache_row_width
 from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
 from llmkit.lora.manager import LoRAManager
-from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
+from llmkit.models.interfaces import supports_mrope
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
