@@ -1,0 +1,143 @@
+"""Data parallel (issue 22 item 4): the router's rule (load, prefix affinity, fallback), the
+stats sum, the placement of engine cores on the machine and the start-up config errors (all
+in this process).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from llmkit.config.errors import ConfigError
+from llmkit.config.schema import EngineConfig
+from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
+                                        core_config, plan_placements)
+from llmkit.engine.dp_router import DPRouter, prefix_keys
+from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.scheduler.base import SchedulerStats, SpecDecodeStats
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# -- the router's rule -----------------------------------------------------------------------
+def test_router_balances_by_reported_load_and_requests_sent_since():
+    r = DPRouter(2)
+    # Nothing reported yet: each request routed counts as waiting on its core.
+    assert [r.route([f"r{i}"]) for i in range(4)] == [0, 1, 0, 1]
+    r.report(0, num_waiting=0, num_running=5)
+    r.report(1, num_waiting=0, num_running=1)
+    assert r.route(["a"]) == 1
+    # A waiting request weighs 4 running ones (vLLM's score): 4*1 + 0 > 0 + 3.
+    r.report(0, num_waiting=1, num_running=0)
+    r.report(1, num_waiting=0, num_running=3)
+    assert r.route(["b"]) == 1
+    assert r.owner("b") == 1 and r.owner("r0") == 0
+    r.finished(["b"])
+    assert r.owner("b") is None
+
+
+def test_router_keeps_a_prefix_on_its_core_unless_it_is_much_busier():
+    r = DPRouter(2, block_size=4, affinity_slack=2, affinity_ratio=0.5)
+    shared = list(range(100, 108))  # two full blocks
+    keys = prefix_keys(shared + [1, 2], 4, 4)
+    assert len(keys) == 2
+    assert r.route(["p1"], keys) == 0  # first seen: the least-loaded core, which now owns it
+    r.report(0, 0, 2)  # core 0 a little busier (within the slack of 2)
+    r.report(1, 0, 0)
+    assert r.route(["p2"], keys) == 0
+    assert r.route(["other"], prefix_keys([7] * 8, 4, 4)) == 1  # a new prefix: least loaded
+    r.report(0, 0, 9)  # now much busier: 9 > 0 + max(2, 0.5 * 0)
+    r.report(1, 0, 0)
+    assert r.route(["p3"], keys) == 1
+    assert (r.num_affinity_hits, r.num_affinity_fallbacks) == (1, 1)
+    r.report(0, 0, 0)
+    r.report(1, 0, 1)
+    assert r.route(["p4"], keys) == 1  # the prefix moved with the fallback
+    # The ratio: 16 vs 10 is within 0.5 * 10 + ... no: 6 > max(2, 5) -> fallback; 14 vs 10 stays.
+    r.report(1, 0, 14)
+    r.report(0, 0, 10)
+    assert r.route(["p5"], keys) == 1
+    r.report(1, 0, 16)
+    r.report(0, 0, 10)
+    assert r.route(["p6"], keys) == 0
+
+
+def test_router_prefers_the_longest_remembered_prefix_and_skips_dead_cores():
+    r = DPRouter(3, block_size=2)
+    a = prefix_keys([1, 2, 3, 4, 5, 6], 2, 4)
+    r.assign(["y"], 1, a[:2])  # core 1 served the first two blocks
+    r.assign(["x"], 2, a[:1])  # then core 2 the first one (it now owns that key)
+    assert r.choose(a) == 1
+    assert r.mark_dead(1) == ["y"]
+    assert r.choose(a) == 2  # the next-longest prefix's core
+    r.mark_dead(2)
+    assert r.choose(a) == 0
+    r.mark_dead(0)
+    with pytest.raises(RuntimeError, match="no engine core is alive"):
+        r.choose(a)
+
+
+def test_prefix_keys_cover_full_blocks_and_separate_adapters():
+    assert prefix_keys([1, 2, 3], 4, 4) == []  # shorter than a block: no affinity
+    k = prefix_keys(list(range(10)), 4, 4)
+    assert len(k) == 2 and k == prefix_keys(list(range(8)) + [99, 98], 4, 4)
+    assert prefix_keys(list(range(10)), 4, 1) == k[:1]
+    assert prefix_keys(list(range(8)), 4, 4, root=(1, None, ())) != k  # another LoRA adapter
+    # chained: the second key depends on the first block too
+    assert prefix_keys([9, 9, 9, 9, 4, 5, 6, 7], 4, 4)[1] != k[1]
+
+
+def test_stats_sum_over_the_cores():
+    a = SchedulerStats(2, 1, 0.5, 3, 100, 40, spec_decode=SpecDecodeStats(1, 4, 2, [1, 1]),
+                       running_lora_adapters={"x": 1})
+    b = SchedulerStats(1, 0, 0.25, 1, 50, 10, spec_decode=SpecDecodeStats(2, 4, 3, [2, 1, 0]),
+                       running_lora_adapters={"x": 2, "y": 1})
+    s = combine_scheduler_stats([a, b], [100, 300])
+    assert (s.num_running, s.num_waiting, s.num_preemptions_total) == (3, 1, 4)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (150, 50)
+    assert s.kv_usage == pytest.approx((0.5 * 100 + 0.25 * 300) / 400)
+    assert s.spec_decode.accepted_per_position == [3, 2, 0]
+    assert s.running_lora_adapters == {"x": 3, "y": 1}
+    assert combine_scheduler_stats([None, None], [1, 1]) is None
+    assert combine_scheduler_stats([a, None], [100, 100]).kv_usage == pytest.approx(0.25)
+
+
+# -- placement and start-up errors -------------------------------------------------------------
+def _config(**sections) -> EngineConfig:
+    return EngineConfig.model_validate({"model": {"path": "/nowhere"}, "platform": {"name": "cpu"},
+                                        **sections})
+
+
+def test_each_engine_core_gets_its_own_cpus(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    two = plan_placements(_config(parallel={"data_parallel_size": 2}))
+    assert two == [CorePlacement(0, (4, 5), 2), CorePlacement(1, (6, 7), 2)]
+    # TP inside each core: its workers split the core's slice (they inherit the binding).
+    tp = plan_placements(_config(parallel={"data_parallel_size": 2, "tensor_parallel_size": 2}))
+    assert [p.cpus for p in tp] == [(4, 5), (6, 7)]
+    # More engine cores than CPUs: nothing bound, one thread each.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    three = plan_placements(_config(parallel={"data_parallel_size": 3}))
+    assert [(p.cpus, p.num_threads) for p in three] == [(None, 1)] * 3
+    cfg = core_config(_config(parallel={"data_parallel_size": 2},
+                              observability={"trace_file": "/tmp/t.json"}), two[1])
+    assert cfg.parallel.data_parallel_size == 1 and cfg.platform.num_threads == 2
+    assert cfg.observability.trace_file == "/tmp/t.engine1.json"
+
+
+def test_sizes_that_do_not_fit_and_unsupported_combinations_are_config_errors(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: .*at most 2"):
+        plan_placements(_config(parallel={"data_parallel_size": 3, "tensor_parallel_size": 2}))
+    dp2 = {"parallel": {"data_parallel_size": 2}}
+    for section, key in [({"server": {"restart_engine": True}}, "server.restart_engine"),
+                         ({"kv_transfer": {"name": "shared_memory"}}, "kv_transfer.name"),
+                         ({"kv_offload": {"disk_path": "/tmp/x"}}, "kv_offload.disk_path"),
+                         ({"executor": {"name": "ray"}}, "executor.name")]:
+        with pytest.raises(ConfigError, match=re.escape(key) + ".*data_parallel_size > 1"):
+            check_data_parallel_config(_config(**dp2, **section))
+    check_data_parallel_config(_config(server={"restart_engine": True}))  # DP=1: fine
