@@ -1,14 +1,24 @@
 """Data parallel (issue 22 item 4): the router's rule (load, prefix affinity, fallback), the
 stats sum, the placement of engine cores on the machine and the start-up config errors (all
-in this process).
+in this process); then DP=2 behind ``llmkit serve`` with concurrent
+requests, whose greedy tokens equal the single-core engine's, and a killed engine core that
+fails its own requests and turns ``/health`` to 503. Tiny float32 models, one thread per core.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import signal
+import time
 
+import httpx
+import openai
 import pytest
 
+from process_helpers import pid_alive, wait_for
+
+from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
@@ -16,6 +26,10 @@ from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_confi
 from llmkit.engine.dp_router import DPRouter, prefix_keys
 from llmkit.engine.dp_stats import combine_scheduler_stats
 from llmkit.scheduler.base import SchedulerStats, SpecDecodeStats
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three",
+           "Once upon a time there", "The answer is", "A B C D E F G"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
@@ -141,3 +155,111 @@ def test_sizes_that_do_not_fit_and_unsupported_combinations_are_config_errors(mo
         with pytest.raises(ConfigError, match=re.escape(key) + ".*data_parallel_size > 1"):
             check_data_parallel_config(_config(**dp2, **section))
     check_data_parallel_config(_config(server={"restart_engine": True}))  # DP=1: fine
+
+
+def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
+    from llmkit.config.compose import build_config
+    from llmkit.engine.core import EngineCore
+
+    cfg = build_config(str(tiny_model_dir("llama")), dtype="float32",
+                       groups={"parallel": {"data_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: .*1 for one"):
+        EngineCore(cfg)
+
+
+# -- DP=2 behind llmkit serve ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_dir, tmp_path_factory):
+    from test_server import ServerProcess
+
+    model_dir = tiny_model_dir("llama")
+    server = ServerProcess(model_dir, "parallel.data_parallel_size=2",
+                           "kv_cache.num_blocks=256", "server.engine_events_per_s=0",
+                           log_path=tmp_path_factory.mktemp("dp-server") / "server.log",
+                           env={"OMP_NUM_THREADS": "1"})
+    pids: list[int] = []
+    try:
+        offline = LLM(str(model_dir), dtype="float32", kv_cache={"num_blocks": 256},
+                      platform={"num_threads": 1})
+        try:
+            want = {p: o.outputs[0].text
+                    for p, o in zip(PROMPTS, offline.generate(PROMPTS, GREEDY, use_tqdm=False))}
+        finally:
+            offline.shutdown()
+        server.wait_ready()
+        m = re.search(r"engine core process pids ([\d,]+)", server.log())
+        assert m, server.log()[-3000:]
+        pids = [int(p) for p in m.group(1).split(",")]
+        yield server, want, pids
+    finally:
+        server.stop()
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_server_data_parallel_2_concurrent_requests_match_the_single_core(dp_server):
+    """Greedy texts (8 tokens each) equal the offline single-core engine's, as
+    test_server.py compares the server with the offline engine."""
+    server, want, pids = dp_server
+    assert len(pids) == 2
+    client = server.async_client()
+
+    async def one(prompt: str) -> str:
+        r = await client.completions.create(model=client_model, prompt=prompt, max_tokens=8,
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 8
+        return r.choices[0].text
+
+    client_model = server.client().models.list().data[0].id
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    got = asyncio.run(all_of_them())
+    assert dict(zip(PROMPTS, got)) == want
+    metrics = server.metrics()
+    for i in (0, 1):
+        assert metrics[f'llmkit:engine_core_up{{engine="{i}",model_name="{client_model}"}}'] == 1
+    assert metrics["llmkit:engine_up"] == 1
+    assert metrics["llmkit:prefix_cache_queries_total"] > 0
+
+
+def test_server_a_killed_engine_core_fails_its_requests_and_health_turns_503(dp_server):
+    server, _, pids = dp_server
+    client = server.client()
+    model = client.models.list().data[0].id
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 100,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    # Core 0 frozen: the first stream (two idle cores: core 0) stays in flight there for sure;
+    # the second goes to core 1 (core 0 now has a request) and runs.
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        with httpx.stream("POST", server.url("/v1/completions"), json=body,
+                          timeout=60) as first:
+            assert first.status_code == 200
+            with httpx.stream("POST", server.url("/v1/completions"),
+                              json={**body, "max_tokens": 200}, timeout=60) as second:
+                second_lines = second.iter_lines()
+                assert next(line for line in second_lines if line.startswith("data:"))
+                os.kill(pids[0], signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = "\n".join(first.iter_lines())  # an error event, not a hang
+                assert time.monotonic() - t0 < 30
+                assert "engine core 0 of 2" in rest and "died" in rest, rest[-500:]
+                rest2 = "\n".join(second_lines)  # core 1's request finishes normally
+                assert '"finish_reason": "length"' in rest2 and "died" not in rest2, \
+                    rest2[-500:]
+    finally:
+        if pid_alive(pids[0]):
+            os.kill(pids[0], signal.SIGKILL)
+    assert wait_for(lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, 10)
+    health = httpx.get(server.url("/health"), timeout=5).json()["error"]
+    assert health["code"] == "engine_dead" and "engine core 0" in health["message"]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 500 and "engine core 0" in str(e.value)
+    metrics = server.metrics()
+    assert metrics[f'llmkit:engine_core_up{{engine="0",model_name="{model}"}}'] == 0
+    assert metrics[f'llmkit:engine_core_up{{engine="1",model_name="{model}"}}'] == 1
+    assert metrics["llmkit:engine_up"] == 0
