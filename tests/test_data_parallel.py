@@ -1,6 +1,6 @@
 """Data parallel (issue 22 item 4): the router's rule (load, prefix affinity, fallback), the
 stats sum, the placement of engine cores on the machine and the start-up config errors (all
-in this process); then DP=2 behind ``llmkit serve`` with concurrent
+in this process); then DP=2 through ``LLM`` and through ``llmkit serve`` with concurrent
 requests, whose greedy tokens equal the single-core engine's, and a killed engine core that
 fails its own requests and turns ``/health`` to 503. Tiny float32 models, one thread per core.
 """
@@ -21,6 +21,7 @@ from process_helpers import pid_alive, wait_for
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
+from llmkit.engine.core_client import EngineDeadError
 from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
 from llmkit.engine.dp_router import DPRouter, prefix_keys
@@ -165,6 +166,52 @@ def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
                        groups={"parallel": {"data_parallel_size": 2}})
     with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: .*1 for one"):
         EngineCore(cfg)
+
+
+# -- DP=2 through LLM --------------------------------------------------------------------------
+def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6, n=2, ignore_eos=True)
+    single = LLM(path, dtype="float32", kv_cache={"block_size": 4})
+    try:
+        want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        want_n = [[c.token_ids for c in o.outputs]
+                  for o in single.generate(PROMPTS[:2], seeded, use_tqdm=False)]
+    finally:
+        single.shutdown()
+    llm = LLM(path, dtype="float32", parallel={"data_parallel_size": 2},
+              kv_cache={"block_size": 4})
+    try:
+        engine = llm.engine
+        assert type(engine).__name__ == "DataParallelEngine" and engine.num_cores == 2
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == want
+        per_core = engine.client.per_core_stats
+        assert all(s is not None and s.prefix_cache_queries > 0 for s in per_core), per_core
+        total = engine.stats()
+        assert total.prefix_cache_queries == sum(s.prefix_cache_queries for s in per_core)
+        assert total.num_running == 0 and total.num_waiting == 0
+        # n=2: both samples on one core, the same samples as the single core's.
+        got_n = [[c.token_ids for c in o.outputs]
+                 for o in llm.generate(PROMPTS[:2], seeded, use_tqdm=False)]
+        assert got_n == want_n
+        # Prefix affinity end to end: a prompt sharing two full blocks with an earlier one
+        # goes to that core and hits its prefix cache.
+        router = engine.client.router
+        long = "The quick brown fox jumps over the lazy dog and runs far away"
+        llm.generate([long], GREEDY, use_tqdm=False)
+        hits_before = engine.stats().prefix_cache_hits
+        affinity_before = router.num_affinity_hits
+        llm.generate([long + " again"], GREEDY, use_tqdm=False)
+        assert router.num_affinity_hits == affinity_before + 1
+        assert engine.stats().prefix_cache_hits > hits_before
+        # A killed core: the next request fails at once, naming it (no hang).
+        os.kill(engine.client.cores[1].proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: engine.client.is_dead, 10)
+        with pytest.raises(EngineDeadError, match="engine core 1 of 2"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
 
 
 # -- DP=2 behind llmkit serve ------------------------------------------------------------------
