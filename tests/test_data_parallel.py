@@ -18,7 +18,7 @@ import pytest
 
 from process_helpers import pid_alive, wait_for
 
-from llmkit import LLM, SamplingParams
+from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import EngineDeadError
@@ -26,11 +26,13 @@ from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_confi
                                         core_config, plan_placements)
 from llmkit.engine.dp_router import DPRouter, prefix_keys
 from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.sampling.params import StructuredOutputsParams
 from llmkit.scheduler.base import SchedulerStats, SpecDecodeStats
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three",
            "Once upon a time there", "The answer is", "A B C D E F G"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CHOICES = ["yes", "no", "maybe"]
 
 
 @pytest.fixture(autouse=True)
@@ -169,18 +171,28 @@ def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
 
 
 # -- DP=2 through LLM --------------------------------------------------------------------------
-def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir):
-    path = str(tiny_model_dir("llama"))
+def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir, tmp_path):
+    from lora_adapters import build_adapter
+
+    model_dir = tiny_model_dir("llama")
+    path = str(model_dir)
+    adapter = LoRARequest("a", 1, str(build_adapter(model_dir, tmp_path / "a", r=8,
+                                                    lora_alpha=16, seed=1)))
+    loras = [None, adapter] * (len(PROMPTS) // 2)
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6, n=2, ignore_eos=True)
-    single = LLM(path, dtype="float32", kv_cache={"block_size": 4})
+    same = dict(dtype="float32", kv_cache={"block_size": 4},
+                lora={"enabled": True, "max_loras": 2, "max_lora_rank": 8})
+    single = LLM(path, **same)
     try:
         want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
         want_n = [[c.token_ids for c in o.outputs]
                   for o in single.generate(PROMPTS[:2], seeded, use_tqdm=False)]
+        want_lora = [o.outputs[0].token_ids for o in single.generate(
+            PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)]
     finally:
         single.shutdown()
-    llm = LLM(path, dtype="float32", parallel={"data_parallel_size": 2},
-              kv_cache={"block_size": 4})
+    assert want_lora != want  # the adapter changes the tokens: its test below means something
+    llm = LLM(path, parallel={"data_parallel_size": 2}, **same)
     try:
         engine = llm.engine
         assert type(engine).__name__ == "DataParallelEngine" and engine.num_cores == 2
@@ -195,6 +207,16 @@ def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir):
         got_n = [[c.token_ids for c in o.outputs]
                  for o in llm.generate(PROMPTS[:2], seeded, use_tqdm=False)]
         assert got_n == want_n
+        # LoRA: every core loads the adapter; each request runs with its own.
+        got_lora = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)]
+        assert got_lora == want_lora
+        assert [lr.lora_name for lr in llm.list_loras()] == ["a"]
+        # An abort (leaving a stream) reaches the owning core, which frees the request.
+        for _ in llm.stream(PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True)):
+            break
+        assert not engine.has_unfinished_requests()
+        assert wait_for(lambda: engine.stats().num_running + engine.stats().num_waiting == 0, 10)
         # Prefix affinity end to end: a prompt sharing two full blocks with an earlier one
         # goes to that core and hits its prefix cache.
         router = engine.client.router
@@ -231,6 +253,10 @@ def dp_server(tiny_model_dir, tmp_path_factory):
         try:
             want = {p: o.outputs[0].text
                     for p, o in zip(PROMPTS, offline.generate(PROMPTS, GREEDY, use_tqdm=False))}
+            choice = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=
+                                    StructuredOutputsParams(choice=CHOICES))
+            want["choice"] = offline.generate([PROMPTS[0]], choice,
+                                              use_tqdm=False)[0].outputs[0].text
         finally:
             offline.shutdown()
         server.wait_ready()
@@ -260,11 +286,19 @@ def test_server_data_parallel_2_concurrent_requests_match_the_single_core(dp_ser
 
     client_model = server.client().models.list().data[0].id
 
+    async def constrained() -> str:  # structured output: compiled on the owning core
+        r = await client.completions.create(model=client_model, prompt=PROMPTS[0],
+                                            max_tokens=8, temperature=0.0,
+                                            extra_body={"structured_outputs":
+                                                        {"choice": CHOICES}})
+        return r.choices[0].text
+
     async def all_of_them():
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
+        return await asyncio.gather(*(one(p) for p in PROMPTS), constrained())
 
     got = asyncio.run(all_of_them())
-    assert dict(zip(PROMPTS, got)) == want
+    assert dict(zip([*PROMPTS, "choice"], got)) == want
+    assert want["choice"] in CHOICES
     metrics = server.metrics()
     for i in (0, 1):
         assert metrics[f'llmkit:engine_core_up{{engine="{i}",model_name="{client_model}"}}'] == 1

@@ -146,6 +146,8 @@ class DataParallelEngine:
 
     # -- LoRA adapters (every core loads them) ----------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
+        if self._loras.get(lora_request.lora_int_id) == lora_request:
+            return False  # every core has it (LLM names the adapter with each request)
         added = bool(self.client.call_utility("add_lora", lora_request.lora_name,
                                               lora_request.lora_int_id,
                                               lora_request.lora_path).result())
