@@ -151,13 +151,12 @@ def test_sizes_that_do_not_fit_and_unsupported_combinations_are_config_errors(mo
     with pytest.raises(ConfigError, match=r"parallel\.data_parallel_size: .*at most 2"):
         plan_placements(_config(parallel={"data_parallel_size": 3, "tensor_parallel_size": 2}))
     dp2 = {"parallel": {"data_parallel_size": 2}}
-    for section, key in [({"server": {"restart_engine": True}}, "server.restart_engine"),
-                         ({"kv_transfer": {"name": "shared_memory"}}, "kv_transfer.name"),
+    for section, key in [({"kv_transfer": {"name": "shared_memory"}}, "kv_transfer.name"),
                          ({"kv_offload": {"disk_path": "/tmp/x"}}, "kv_offload.disk_path"),
                          ({"executor": {"name": "ray"}}, "executor.name")]:
         with pytest.raises(ConfigError, match=re.escape(key) + ".*data_parallel_size > 1"):
             check_data_parallel_config(_config(**dp2, **section))
-    check_data_parallel_config(_config(server={"restart_engine": True}))  # DP=1: fine
+    check_data_parallel_config(_config(kv_transfer={"name": "shared_memory"}))  # DP=1: fine
 
 
 def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
@@ -244,6 +243,7 @@ def dp_server(tiny_model_dir, tmp_path_factory):
     model_dir = tiny_model_dir("llama")
     server = ServerProcess(model_dir, "parallel.data_parallel_size=2",
                            "kv_cache.num_blocks=256", "server.engine_events_per_s=0",
+                           "server.restart_engine=true",
                            log_path=tmp_path_factory.mktemp("dp-server") / "server.log",
                            env={"OMP_NUM_THREADS": "1"})
     pids: list[int] = []
@@ -306,8 +306,8 @@ def test_server_data_parallel_2_concurrent_requests_match_the_single_core(dp_ser
     assert metrics["llmkit:prefix_cache_queries_total"] > 0
 
 
-def test_server_a_killed_engine_core_fails_its_requests_and_health_turns_503(dp_server):
-    server, _, pids = dp_server
+def test_server_a_killed_engine_core_fails_its_requests_503_then_restarts(dp_server):
+    server, want, pids = dp_server
     client = server.client()
     model = client.models.list().data[0].id
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 100,
@@ -334,13 +334,23 @@ def test_server_a_killed_engine_core_fails_its_requests_and_health_turns_503(dp_
     finally:
         if pid_alive(pids[0]):
             os.kill(pids[0], signal.SIGKILL)
-    assert wait_for(lambda: httpx.get(server.url("/health"), timeout=5).status_code == 503, 10)
-    health = httpx.get(server.url("/health"), timeout=5).json()["error"]
-    assert health["code"] == "engine_dead" and "engine core 0" in health["message"]
+    # Down (503) until server.restart_engine has a new process in core 0's place.
+    health = httpx.get(server.url("/health"), timeout=5)
+    assert health.status_code == 503, health.text
+    assert health.json()["error"]["code"] in ("engine_dead", "engine_restarting")
+    assert "engine core 0" in health.json()["error"]["message"]
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model=model, prompt="Hi", max_tokens=2)
     assert e.value.status_code == 500 and "engine core 0" in str(e.value)
+    assert wait_for(lambda: httpx.get(server.url("/health"), timeout=5).status_code == 200,
+                    240, interval=0.5), server.log()[-3000:]
+    assert "engine core 0 restarted" in server.log()
     metrics = server.metrics()
-    assert metrics[f'llmkit:engine_core_up{{engine="0",model_name="{model}"}}'] == 0
-    assert metrics[f'llmkit:engine_core_up{{engine="1",model_name="{model}"}}'] == 1
-    assert metrics["llmkit:engine_up"] == 0
+    for i in (0, 1):
+        assert metrics[f'llmkit:engine_core_up{{engine="{i}",model_name="{model}"}}'] == 1
+    assert metrics["llmkit:engine_up"] == 1
+    # Both cores serve again, with the same tokens.
+    r = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0.0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+         for p in PROMPTS[:2]]
+    assert r == [want[p] for p in PROMPTS[:2]]

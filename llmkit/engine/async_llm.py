@@ -33,7 +33,8 @@ routes the engine's outputs to each request's ``RequestStream`` (``request_strea
 Data parallel (``parallel.data_parallel_size = N``): ``engine_core`` is a ``DPClient`` of N
 engine core processes; each request (all its ``n`` samples) goes to the core its router picks
 and stays there (``dp_client.py``, ``dp_router.py``); the stats are summed over the cores. A
-core that dies fails only its own requests in flight; the engine then counts as dead (503).
+core that dies fails only its own requests in flight; the engine then counts as dead (503)
+until ``restart_engine_core`` has replaced the dead core(s).
 
 Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
 (``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
@@ -125,7 +126,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.engine_core = engine_core
-        self._starting: MPClient | None = None  # a replacement engine core, while it loads
+        # a replacement engine core while it loads (data parallel: the client restarting its
+        # dead cores)
+        self._starting: MPClient | DPClient | None = None
         self.num_engine_restarts = 0
         self.step_feed = EngineStepFeed()
         try:
@@ -415,11 +418,16 @@ class AsyncLLM:
             raise EngineDeadError("the engine is shutting down")
         if not old.is_dead:
             raise RuntimeError("the engine core is alive; nothing to restart")
-        if isinstance(old, DPClient):
-            raise RuntimeError("restarting one of several data-parallel engine cores is not "
-                               "implemented")
         if self._starting is not None:
             raise RuntimeError("a restart is already under way")
+        if isinstance(old, DPClient):  # data parallel: new processes for the dead cores only
+            self._starting = old
+            try:
+                await asyncio.to_thread(old.restart_dead_cores, startup_timeout)
+            finally:
+                self._starting = None
+            self.num_engine_restarts += 1
+            return
         new = MPClient(old.config, wait=False)
         self._starting = new
         try:

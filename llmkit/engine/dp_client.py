@@ -16,7 +16,8 @@ N cores as they drive one:
   and snapshots are engine core 0's;
 - a core that dies fails the requests it owned (``on_requests_lost``, else ``on_death``) with an
   ``EngineDeadError`` naming it, and makes the client dead (``/health`` 503, new requests
-  refused); requests on the other cores finish.
+  refused); requests on the other cores finish. ``restart_dead_cores`` starts new processes
+  in the dead ones' places (``server.restart_engine``).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class DPClient:
         self.num_blocks: list[int] = [1] * n  # each core's KV pool (known once ready)
         self.ready: EngineReady | None = None
         self.cores: list[MPClient] = []
+        self._replacing: list[MPClient] = []  # new processes of dead cores, while they load
         try:
             for p in self.placements:
                 logger.info("data parallel: engine core %d of %d: %s", p.index, n, p.describe())
@@ -84,9 +86,12 @@ class DPClient:
         self._on_message, self._on_death = on_message, on_death
         self._on_summary, self._on_lost = on_summary, on_requests_lost
         for i, core in enumerate(self.cores):
-            core.set_handlers(on_message=lambda msg, i=i: self._core_message(i, msg),
-                              on_death=lambda err, i=i: self._core_death(i, err),
-                              on_summary=self._on_summary if i == 0 else None)
+            self._bind(i, core)
+
+    def _bind(self, index: int, core: MPClient) -> None:
+        core.set_handlers(on_message=lambda msg: self._core_message(index, msg),
+                          on_death=lambda err: self._core_death(index, err),
+                          on_summary=self._on_summary if index == 0 else None)
 
     def wait_ready(self, timeout: float = 900.0) -> EngineReady:
         if self.ready is not None:
@@ -226,6 +231,38 @@ class DPClient:
             raise self._dead
         self.cores[0].request_snapshot(query_id, check_kv)
 
+    # -- restart (server.restart_engine) -------------------------------------------------
+    def restart_dead_cores(self, timeout: float = 900.0) -> int:
+        """Start a new process for every dead engine core (same config, same placement),
+        wait until it is ready and put it in the dead one's place; returns how many.
+        Blocking. Raises ``EngineStartupError`` if one fails to start (it stays dead)."""
+        dead = [i for i, c in enumerate(self.cores) if c.is_dead]
+        for i in dead:
+            p = self.placements[i]
+            new = MPClient(core_config(self.config, p), wait=False, placement=p)
+            self._replacing.append(new)
+            try:
+                self._bind(i, new)
+                new.wait_ready(timeout)
+            finally:
+                self._replacing.remove(new)
+            if self._closed:  # shut down while it loaded
+                new.shutdown(2.0)
+                raise EngineDeadError("the engine is shutting down")
+            with self._lock:
+                old, self.cores[i] = self.cores[i], new
+                self.router.revive(i)
+                self.per_core_stats[i] = None
+                self.num_blocks[i] = new.ready.num_blocks
+                self.pids[i] = new.pid
+                if i == 0:
+                    self.ready, self.pid = new.ready, new.pid
+                if not any(c.is_dead for c in self.cores):
+                    self._dead = None
+            logger.info("data parallel: engine core %d restarted (pid %s)", i, new.pid)
+            old.shutdown(1.0)
+        return len(dead)
+
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every engine core (ask them all, then wait). Idempotent."""
@@ -233,7 +270,7 @@ class DPClient:
             return
         self._closed = True
         threads = [threading.Thread(target=c.shutdown, args=(timeout,), daemon=True)
-                   for c in self.cores]
+                   for c in [*self.cores, *self._replacing]]
         for t in threads:
             t.start()
         for t in threads:

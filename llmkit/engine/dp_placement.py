@@ -52,9 +52,6 @@ def check_data_parallel_config(config: EngineConfig) -> None:
     if dp == 1:
         return
     why = "with parallel.data_parallel_size > 1"
-    if config.server.restart_engine:
-        raise ConfigError("server.restart_engine", True, f"false {why} (restarting one of "
-                          "several engine cores is not implemented)")
     if config.kv_transfer.name != "none":
         raise ConfigError("kv_transfer.name", config.kv_transfer.name, f"none {why} (the "
                           "engine cores would expose their KV under one engine id)")

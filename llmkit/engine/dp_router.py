@@ -153,6 +153,10 @@ class DPRouter:
         load.reported_running = num_running
         load.unreported = 0
 
+    def revive(self, core: int) -> None:
+        """A new process serves as ``core``: idle, alive, owning nothing yet."""
+        self.cores[core] = CoreLoad()
+
     def mark_dead(self, core: int) -> list[str]:
         """The core is gone: it is never chosen again; returns the requests it owned."""
         self.cores[core].alive = False
