@@ -30,6 +30,12 @@ token counts, finish reason; and the engine's stats snapshot after each step.
 The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
 routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
 
+Data parallel (``parallel.data_parallel_size = N``): ``engine_core`` is a ``DPClient`` of N
+engine core processes; each request (all its ``n`` samples) goes to the core its router picks
+and stays there (``dp_client.py``, ``dp_router.py``); the stats are summed over the cores. A
+core that dies fails only its own requests in flight; the engine then counts as dead (503)
+until ``restart_engine_core`` has replaced the dead core(s).
+
 Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
 (``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
 with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
@@ -48,6 +54,7 @@ from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
+from llmkit.engine.dp_client import DPClient, start_engine_cores
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -63,7 +70,8 @@ from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
-           "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core"]
+           "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core",
+           "start_engine_cores"]
 
 Message = Mapping[str, Any]
 
@@ -95,21 +103,22 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, stat_logger: StatLogger | None = None,
-                    engine_core: MPClient | None = None) -> "AsyncLLM":
-        """``engine_core``: an engine process already started with ``start_engine_core``
-        (so that it loads the model while this process imports and loads the tokenizer)."""
+                    engine_core: MPClient | DPClient | None = None) -> "AsyncLLM":
+        """``engine_core``: the engine process(es) already started with
+        ``start_engine_cores`` (so that they load the model while this process imports and
+        loads the tokenizer)."""
         llm = cls.__new__(cls)
         llm._init_from_config(config, stat_logger, engine_core)
         return llm
 
     def _init_from_config(self, config: EngineConfig, stat_logger: StatLogger | None,
-                          engine_core: MPClient | None = None) -> None:
+                          engine_core: MPClient | DPClient | None = None) -> None:
         from llmkit.models.loader import resolve_model_source
 
         # The engine process starts first and loads the model while this process loads the
         # tokenizer.
         if engine_core is None:
-            engine_core = start_engine_core(config)
+            engine_core = start_engine_cores(config)
         engine_config = engine_core.config
         self.config = config
         self.max_waiting_requests = config.server.max_waiting_requests
@@ -117,7 +126,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._shutdown = False
         self.engine_core = engine_core
-        self._starting: MPClient | None = None  # a replacement engine core, while it loads
+        # a replacement engine core while it loads (data parallel: the client restarting its
+        # dead cores)
+        self._starting: MPClient | DPClient | None = None
         self.num_engine_restarts = 0
         self.step_feed = EngineStepFeed()
         try:
@@ -135,7 +146,8 @@ class AsyncLLM:
             # nothing before its first request, so nothing is missed meanwhile).
             engine_core.set_handlers(on_message=self._on_message_threadsafe,
                                      on_death=self._on_death_threadsafe,
-                                     on_summary=self._on_summary_threadsafe)
+                                     on_summary=self._on_summary_threadsafe,
+                                     on_requests_lost=self._on_lost_threadsafe)
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown(timeout=2.0)
@@ -250,18 +262,19 @@ class AsyncLLM:
         try:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
-            messages = [self.engine_core.encode(EngineCoreRequest(
+            encoded = self.engine_core.encode_requests([EngineCoreRequest(
                 cid, ids, encode_sampling_params(cp), priority=priority, cache_salt=cache_salt,
-                lora_request=lora_request, mm_features=mm_features))
-                for cid, cp in children]
+                lora_request=lora_request, mm_features=mm_features)
+                for cid, cp in children])
         except Exception:
             self._tracker.drop_processor_state([cid for cid, _ in children])
             raise
         stream = RequestStream(self._tracker, request_id, [cid for cid, _ in children])
         self._tracker.open(stream)
-        for (cid, _), data in zip(children, messages):
+        for cid, _ in children:
             self._tracker.track(cid, stream, len(ids))
-            self.engine_core.send_encoded(data)
+        # All n samples go to one engine core (data parallel: the one the router picks).
+        self.engine_core.send_requests(encoded)
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -356,6 +369,17 @@ class AsyncLLM:
         except RuntimeError:
             pass
 
+    def _on_lost_threadsafe(self, request_ids: list[str], err: EngineDeadError) -> None:
+        """One of several engine cores died with these engine requests (reader thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._tracker.fail_requests, request_ids, err)
+            loop.call_soon_threadsafe(self.step_feed.fail, err)  # the engine counts as dead
+        except RuntimeError:
+            pass
+
     def _on_summary_threadsafe(self, summary: EngineStepSummary) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
@@ -396,6 +420,14 @@ class AsyncLLM:
             raise RuntimeError("the engine core is alive; nothing to restart")
         if self._starting is not None:
             raise RuntimeError("a restart is already under way")
+        if isinstance(old, DPClient):  # data parallel: new processes for the dead cores only
+            self._starting = old
+            try:
+                await asyncio.to_thread(old.restart_dead_cores, startup_timeout)
+            finally:
+                self._starting = None
+            self.num_engine_restarts += 1
+            return
         new = MPClient(old.config, wait=False)
         self._starting = new
         try:

@@ -54,6 +54,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, executor: Executor | None = None,
                  clock: Callable[[], float] = time.monotonic, **executor_kwargs) -> None:
         validate_components(config)
+        if config.parallel.data_parallel_size > 1:
+            raise ConfigError("parallel.data_parallel_size", config.parallel.data_parallel_size,
+                              "1 for one EngineCore (several engine cores run behind LLM, "
+                              "AsyncLLM and llmkit serve: llmkit.engine.dp_client)")
         self.config = config
         self.platform = resolve_platform(config.platform)
         self.platform.apply_runtime_settings()

@@ -23,7 +23,8 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import msgspec
 import zmq
@@ -36,6 +37,9 @@ from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreO
 from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
 from llmkit.facts import ModelFacts
 
+if TYPE_CHECKING:
+    from llmkit.engine.dp_placement import CorePlacement
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +49,16 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine core process failed before it was ready (bad config, model, memory)."""
+
+
+@dataclass(slots=True)
+class EncodedRequests:
+    """The engine requests of one user request (its ``n`` samples), encoded for the core;
+    ``prefix_keys``: what a data-parallel router keeps together (empty for one core)."""
+
+    request_ids: list[str]
+    payloads: list[bytes]
+    prefix_keys: list[int] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- in process
@@ -101,8 +115,9 @@ class MPClient:
                  on_message: Callable[[EngineCoreOutputs], None] | None = None,
                  on_death: Callable[[EngineDeadError], None] | None = None,
                  startup_timeout: float = 900.0, log_level: int | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, placement: "CorePlacement | None" = None) -> None:
         self.config = config
+        self.placement = placement
         self._on_message = on_message
         self._on_death = on_death
         self._on_summary: Callable[[EngineStepSummary], None] | None = None
@@ -131,11 +146,18 @@ class MPClient:
         if log_level is None:
             log_level = logging.getLogger("llmkit").getEffectiveLevel()
         spawn = multiprocessing.get_context("spawn")
+        where: dict[str, Any] = {}
+        if placement is not None:  # one of several data-parallel engine cores
+            where = dict(engine_index=placement.index,
+                         cpus=list(placement.cpus) if placement.cpus else None,
+                         env={} if placement.cuda_visible_devices is None else
+                         {"CUDA_VISIBLE_DEVICES": placement.cuda_visible_devices})
         self.proc = spawn.Process(
-            target=run_engine_core, name="llmkit-engine-core",
+            target=run_engine_core, name="llmkit-engine-core" + (
+                f"-{placement.index}" if placement is not None else ""),
             kwargs=dict(config=config.model_dump(mode="json", by_alias=True),
                         input_address=input_address, output_address=output_address,
-                        parent_pid=os.getpid(), log_level=log_level))
+                        parent_pid=os.getpid(), log_level=log_level, **where))
         # Whatever happens to the owner, the engine process goes with it at interpreter exit
         # (before multiprocessing's own atexit hook, which would wait for it forever).
         atexit.register(self.shutdown)
@@ -147,8 +169,12 @@ class MPClient:
 
     def set_handlers(self, on_message: Callable[[EngineCoreOutputs], None] | None,
                      on_death: Callable[[EngineDeadError], None] | None,
-                     on_summary: Callable[[EngineStepSummary], None] | None = None) -> None:
-        """Set the callbacks (before ``wait_ready``, which starts the reader thread)."""
+                     on_summary: Callable[[EngineStepSummary], None] | None = None,
+                     on_requests_lost: Callable[[list[str], EngineDeadError], None] | None
+                     = None) -> None:
+        """Set the callbacks (before ``wait_ready``, which starts the reader thread).
+        ``on_requests_lost`` is for several engine cores (``DPClient``); one core's death is
+        the engine's (``on_death``)."""
         self._on_message = on_message
         self._on_death = on_death
         self._on_summary = on_summary
@@ -303,6 +329,16 @@ class MPClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.send_encoded(self.encode(request))
 
+    def encode_requests(self, requests: list[EngineCoreRequest]) -> EncodedRequests:
+        """Encode one user request's engine requests (raises for values that cannot cross,
+        before anything is sent)."""
+        return EncodedRequests([r.request_id for r in requests],
+                               [self._encoder.encode(r) for r in requests])
+
+    def send_requests(self, encoded: EncodedRequests) -> None:
+        for data in encoded.payloads:
+            self.send_encoded(data)
+
     def call_utility(self, method: str, *args) -> concurrent.futures.Future:
         """Run ``UTILITY_METHODS[method](core, *args)`` in the engine process; the future
         holds its result, or the error it raised (``ValueError`` for bad input, with the
@@ -384,14 +420,18 @@ class MPClient:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def start_engine_core(config: EngineConfig) -> MPClient:
-    """Start the engine process for ``config`` without waiting for it to be ready (call
-    ``wait_ready``, or hand it to ``AsyncLLM.from_config(..., engine_core=...)``). The engine
-    gets the resolved model path: a preset is fetched once, here."""
+def with_resolved_model(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``model.path`` naming the model's files (a preset is fetched here)."""
     path = config.model.path
     if path is None:
         from llmkit.models.default_model import resolve_default_model
         path = str(resolve_default_model(config.model))
-    engine_config = config.model_copy(
-        update={"model": config.model.model_copy(update={"path": path})})
-    return MPClient(engine_config, wait=False)
+    return config.model_copy(update={"model": config.model.model_copy(update={"path": path})})
+
+
+def start_engine_core(config: EngineConfig) -> MPClient:
+    """Start the engine process for ``config`` without waiting for it to be ready (call
+    ``wait_ready``, or hand it to ``AsyncLLM.from_config(..., engine_core=...)``). The engine
+    gets the resolved model path: a preset is fetched once, here. (Several data-parallel
+    engine cores: ``llmkit.engine.dp_client.start_engine_cores``.)"""
+    return MPClient(with_resolved_model(config), wait=False)

@@ -359,25 +359,36 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def run_engine_core(config: dict, input_address: str, output_address: str,
-                    parent_pid: int | None = None, log_level: int = logging.INFO) -> None:
+                    parent_pid: int | None = None, log_level: int = logging.INFO, *,
+                    engine_index: int | None = None, cpus: list[int] | None = None,
+                    env: dict[str, str] | None = None) -> None:
     """Entry point of the engine-core process (``multiprocessing`` spawn target).
 
     ``config`` is ``EngineConfig.model_dump(mode="json", by_alias=True)``, re-validated here;
-    ``model.path`` already names the resolved model (the API process fetched it)."""
+    ``model.path`` already names the resolved model (the API process fetched it). One of
+    several data-parallel engine cores gets its ``engine_index``, the ``cpus`` it is bound to
+    and its environment (``CUDA_VISIBLE_DEVICES``), all applied before torch loads."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if env:
+        os.environ.update(env)
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # the executor's workers inherit it
     # Before torch loads (EngineCore below imports it): this process computes, and its
     # OpenMP threads must not spin against whatever else runs on the cores.
     from llmkit.config.openmp_env import apply_engine_openmp_env
     omp_env = apply_engine_openmp_env(config.get("platform", {}).get("name", "auto"))
     logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format=f"%(levelname)s %(asctime)s [engine-core pid={os.getpid()}] "
-                               "%(name)s: %(message)s")
+                        format=f"%(levelname)s %(asctime)s [engine-core"
+                               f"{'' if engine_index is None else engine_index} "
+                               f"pid={os.getpid()}] %(name)s: %(message)s")
     proc = None
     exit_code = 0
     logger.info("engine core process started (parent pid %s)%s", parent_pid,
                 f"; OpenMP: {' '.join(f'{k}={v}' for k, v in omp_env.items())}" if omp_env
                 else "")
+    if cpus:
+        logger.info("engine core %s bound to CPUs %s", engine_index, ",".join(map(str, cpus)))
     try:
         from llmkit.config.schema import EngineConfig
 

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """An engine in this process for batch generation.
+    """An engine in this process for batch generation (with
+    ``parallel.data_parallel_size > 1``: that many engine core processes behind a router,
+    ``llm.engine`` a ``DataParallelEngine`` with the same interface).
 
     ``LLM(model, dtype=..., overrides=[...], scheduler={...}, attention="torch", ...)``: ``model``
     is a preset name or a path (HF folder or .gguf); each keyword names a config group, a
@@ -57,7 +59,12 @@ class LLM:
         self.model_source = source
         self.default_sampling_fields = default_sampling_fields(config.model, source.path)
         logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
-        self.engine = EngineCore(config, model_source=source)
+        if config.parallel.data_parallel_size > 1:
+            # N engine core processes behind a router (dp_engine.py): same interface.
+            from llmkit.engine.dp_engine import DataParallelEngine
+            self.engine: EngineCore | DataParallelEngine = DataParallelEngine(config)
+        else:
+            self.engine = EngineCore(config, model_source=source)
         self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
                                              config)
         self._processor = OutputProcessor(self.tokenizer)
@@ -89,11 +96,17 @@ class LLM:
             lora_id = lora_request.lora_int_id
         rid = str(next(self._ids))
         engine = self.engine
-        for child_id, child_params in self._processor.add_request(rid, p.text, p.token_ids,
-                                                                  p.params, kind):
-            engine.add_request(p.to_request(child_id, child_params,
-                                            eos_token_id=engine.model_facts.eos_token_id,
-                                            arrival_time=engine.clock(), lora_id=lora_id))
+        children = [p.to_request(child_id, child_params,
+                                 eos_token_id=engine.model_facts.eos_token_id,
+                                 arrival_time=engine.clock(), lora_id=lora_id)
+                    for child_id, child_params in self._processor.add_request(
+                        rid, p.text, p.token_ids, p.params, kind)]
+        add_group = getattr(engine, "add_requests", None)
+        if add_group is not None:  # data parallel: the n samples go to one engine core
+            add_group(children)
+        else:
+            for child in children:
+                engine.add_request(child)
         return rid
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -161,6 +161,27 @@ class RequestTracker:
         if self.streams.get(stream.request_id) is stream:
             del self.streams[stream.request_id]
 
+    def fail_requests(self, request_ids: list[str], err: BaseException) -> None:
+        """End the streams of these engine requests with ``err`` (their data-parallel engine
+        core died); a stream's other samples, if any, are aborted."""
+        streams = {id(t.stream): t.stream for rid in request_ids
+                   if (t := self.tracked.get(rid)) is not None}
+        now = time.monotonic()
+        lost = [rid for s in streams.values() for rid in s.child_ids if rid in self.tracked]
+        for rid in lost:
+            self._finish(self.tracked[rid], "error", now, None)
+        if lost:
+            self.drop_processor_state(lost)
+        for stream in streams.values():
+            self._forget_stream(stream)
+            stream._put(err)
+        others = [rid for rid in lost if rid not in set(request_ids)]
+        if others:
+            try:
+                self.engine_core.abort_requests(others)
+            except Exception:  # noqa: BLE001
+                logger.debug("abort of %s not sent", others, exc_info=True)
+
     def fail_all(self, err: BaseException) -> None:
         """End every stream in flight with ``err`` (the engine died or is shutting down)."""
         tracked = list(self.tracked.values())

@@ -31,7 +31,13 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
   images looked up in the encoder cache / found there (not encoded again);
   ``llmkit:encoder_runs_total`` (counter): images encoded; ``llmkit:encoder_cache_tokens``
   (gauge): image tokens whose encoder outputs are cached (of ``scheduler.encoder_cache_size``).
-- ``llmkit:engine_up`` (gauge): 1 while the engine core process is alive.
+- ``llmkit:engine_up`` (gauge): 1 while the engine core process is alive (with data
+  parallel: while every engine core is).
+- Data parallel (``parallel.data_parallel_size`` > 1): the series above are sums over the
+  engine cores (``kv_cache_usage_perc``: of all their blocks); each core's own are
+  ``llmkit:engine_core_up``, ``llmkit:engine_core_num_requests_running``,
+  ``llmkit:engine_core_num_requests_waiting`` and ``llmkit:engine_core_kv_cache_usage_perc``
+  (gauges) with the label ``engine`` (its index, 0-based).
 - With LoRA (``lora.enabled``): ``llmkit:lora_requests_info`` (gauge, vLLM's): labels
   ``max_lora`` (slots), ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated
   names of the adapters with requests running / waiting), value the time of the snapshot
@@ -155,6 +161,35 @@ class _EngineStatsCollector:
             yield hits
         if m.max_loras is not None:
             yield from self._lora(s)
+        cores = m.engine_cores()
+        if cores:
+            yield from self._per_engine(cores)
+
+    def _per_engine(self, cores):
+        """Data parallel: each engine core's own gauges, labelled by its index (vLLM's
+        ``engine`` label); the series above are the sums over the cores."""
+        m = self.metrics
+        families = {
+            "up": GaugeMetricFamily("llmkit:engine_core_up",
+                                    "1 while this data-parallel engine core is alive.",
+                                    labels=["model_name", "engine"]),
+            "running": GaugeMetricFamily("llmkit:engine_core_num_requests_running",
+                                         "Requests in this engine core's running list.",
+                                         labels=["model_name", "engine"]),
+            "waiting": GaugeMetricFamily("llmkit:engine_core_num_requests_waiting",
+                                         "Requests in this engine core's waiting queue.",
+                                         labels=["model_name", "engine"]),
+            "kv": GaugeMetricFamily("llmkit:engine_core_kv_cache_usage_perc",
+                                    "Fraction (0..1) of this engine core's KV blocks in use.",
+                                    labels=["model_name", "engine"]),
+        }
+        for i, (alive, st) in enumerate(cores):
+            labels = [m.model_name, str(i)]
+            families["up"].add_metric(labels, 1.0 if alive else 0.0)
+            families["running"].add_metric(labels, st.num_running if st else 0)
+            families["waiting"].add_metric(labels, st.num_waiting if st else 0)
+            families["kv"].add_metric(labels, st.kv_usage if st else 0.0)
+        yield from families.values()
 
     def _lora(self, s: SchedulerStats | None):
         m = self.metrics
@@ -181,8 +216,12 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, *, registry: CollectorRegistry | None = None,
                  engine_alive: Callable[[], bool] = lambda: True,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None,
+                 engine_cores: Callable[[], list[tuple[bool, SchedulerStats | None]]]
+                 = lambda: []) -> None:
         self.model_name = model_name
+        # Data parallel: each engine core's (alive, latest stats); empty with one core.
+        self.engine_cores = engine_cores
         self.max_loras = max_loras  # None: LoRA is off (no lora series)
         self.stats_time: float | None = None
         self.registry = registry if registry is not None else CollectorRegistry()

@@ -52,6 +52,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_core_states(engine) -> list:
+    """Each data-parallel engine core's (alive, latest stats), for ``/metrics``'s per-engine
+    series; empty with one engine core."""
+    cores = getattr(getattr(engine, "engine_core", None), "cores", None)
+    if not cores:
+        return []
+    stats = engine.engine_core.per_core_stats
+    return [(not c.is_dead, stats[i]) for i, c in enumerate(cores)]
+
+
 def _server_class():
     import uvicorn
 
@@ -88,10 +98,10 @@ def run_server(config: EngineConfig) -> int:
     port = sock.getsockname()[1]
     # Start the engine process first: it imports torch and loads the model while this
     # process imports the web stack and loads the tokenizer.
-    from llmkit.engine.core_client import start_engine_core
+    from llmkit.engine.dp_client import start_engine_cores
 
     try:
-        engine_core = start_engine_core(config)
+        engine_core = start_engine_cores(config)
     except BaseException:
         sock.close()
         raise
@@ -112,7 +122,8 @@ def run_server(config: EngineConfig) -> int:
         holder: dict = {}
         metrics = ServerMetrics(model_name, engine_alive=lambda: bool(
             holder.get("engine") and holder["engine"].is_running),
-            max_loras=config.lora.max_loras if config.lora.enabled else None)
+            max_loras=config.lora.max_loras if config.lora.enabled else None,
+            engine_cores=lambda: engine_core_states(holder.get("engine")))
         engine = AsyncLLM.from_config(config, stat_logger=metrics, engine_core=engine_core)
         holder["engine"] = engine
     except BaseException:
@@ -122,8 +133,10 @@ def run_server(config: EngineConfig) -> int:
     try:
         app = build_app(engine, config, metrics=metrics, api_key=resolve_api_key(config),
                         engine_stop_timeout=5.0)
-        logger.info("engine core process pid=%s; serving %s on http://%s:%d (docs at /docs)",
-                    engine.engine_core.pid, model_name, srv.host, port)
+        pids = getattr(engine.engine_core, "pids", None) or [engine.engine_core.pid]
+        logger.info("engine core process pid%s; serving %s on http://%s:%d (docs at /docs)",
+                    ("s " if len(pids) > 1 else "=") + ",".join(map(str, pids)), model_name,
+                    srv.host, port)
         uv_config = uvicorn.Config(app, host=srv.host, port=port, log_level="info",
                                    timeout_graceful_shutdown=srv.shutdown_timeout,
                                    lifespan="on")

@@ -61,9 +61,6 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     is not supported yet."""
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    if par.data_parallel_size > 1:
-        raise ConfigError("parallel.data_parallel_size", par.data_parallel_size,
-                          "1 (data parallel is not implemented yet)")
     moe = moe_shape(hf_config)
     if par.enable_expert_parallel and moe is None:
         raise ConfigError("parallel.enable_expert_parallel", True,
