@@ -152,8 +152,13 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         rope = self.rotary_emb.lookup(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        hook = attn_metadata.kv_layer_hook
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if hook is not None:  # a KV connector: layer i's loads land before it runs
+                hook.wait_for_layer_load(i)
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+            if hook is not None:
+                hook.save_kv_layer(i, kv_cache)
         x, _ = self.norm(x, residual)
         return x
 
@@ -164,6 +169,7 @@ class LlamaForCausalLM(CausalLM):
 
     packed_modules_mapping = {fused: [part for f, part, _ in STACKED_PARAMS if f == fused]
                               for fused, _, _ in STACKED_PARAMS}
+    supports_kv_layer_hook = True
 
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         super().__init__(hf_config, ctx)
