@@ -55,6 +55,8 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     loaded_bytes: int = 0
     saved_bytes: int = 0
     load_s: float = 0.0
+    # offload tiers: the bytes a block stored this step takes in its tier (compressed)
+    stored_nbytes: dict[bytes, int] = {}
 
     @property
     def is_empty(self) -> bool:

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from llmkit.ops.base import ModelOps
+
+
+class KVLayerHook(Protocol):
+    """Per-layer KV transfer calls a model makes inside its layer loop (vLLM's
+    ``wait_for_layer_load`` / ``save_kv_layer``): a KV connector's worker side. Layer ``i``'s
+    loaded KV is waited for just before layer ``i`` runs, and its KV handed over for saving
+    just after, so that the next layers' transfers proceed while this one computes."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -32,6 +44,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # The step's KV connector hook (set by the model runner on the built metadata; None when
+    # no connector runs or the step's transfers were waited for before the forward).
+    kv_layer_hook: KVLayerHook | None = None
 
 
 class AttentionBackend(ABC):

@@ -172,6 +172,9 @@ class KVOffloadConfig(_Strict):
     instead of being recomputed. Off while ``host_gib`` is 0 and ``disk_path`` is null."""
 
     host_gib: float = Field(default=0.0, ge=0)
+    # lossless encoding of host-tier blocks (byte shuffle, then zlib or zstd: more blocks in
+    # host_gib for CPU time on each store and load); zstd needs the zstandard package
+    host_compression: Literal["none", "zlib", "zstd"] = "none"
     disk_path: str | None = None
     disk_gib: float = Field(default=4.0, gt=0)
 

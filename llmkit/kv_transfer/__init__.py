@@ -33,6 +33,18 @@ def kv_connector_class(config: EngineConfig) -> Callable[..., KVConnectorBase] |
                           ko.host_gib or ko.disk_path, "", message=(
                               "the offload tiers are keyed by block hashes, so they need "
                               "kv_cache.enable_prefix_caching=true; it is false"))
+    if ko.host_compression != "none":
+        if not ko.host_gib:
+            raise ConfigError("kv_offload.host_compression", ko.host_compression, "none",
+                              message="host_compression encodes the host tier's blocks; "
+                              "kv_offload.host_gib is 0 (no host tier)")
+        if ko.host_compression == "zstd":
+            try:
+                import zstandard  # noqa: F401
+            except ImportError:
+                raise ConfigError("kv_offload.host_compression", "zstd", "none, zlib",
+                                  message="zstd needs the zstandard package (pip install "
+                                  "zstandard), or use host_compression=zlib") from None
     executor = config.executor.name
     if executor == "auto" and config.parallel.world_size == 1:
         executor = "uniproc"

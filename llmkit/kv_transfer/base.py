@@ -168,6 +168,12 @@ class KVConnectorBase(ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker side's report for a step (counters, finished transfers)."""
         self.stats.add_output(output)
+        self.on_connector_output(output)
+
+    def on_connector_output(self, output: KVConnectorOutput) -> None:
+        """What the scheduler side learns from the worker's report besides the counters
+        (finished or failed loads, stored sizes); a ``MultiConnector`` hands it to each
+        part."""
 
     def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
         """``(block_id, block_hash)`` of cached blocks the pool is about to reuse: their

@@ -81,7 +81,11 @@ class MultiConnector(KVConnectorBase):
         return delay, params
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Counters once, here; each part also sees the output (its finished loads and stored
+        sizes), with its own counters left alone."""
         self._own.add_output(output)
+        for c in self.connectors:
+            c.on_connector_output(output)
 
     def on_blocks_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
         for c in self.connectors:
@@ -142,4 +146,6 @@ class MultiConnector(KVConnectorBase):
             out.loaded_bytes += p.loaded_bytes
             out.saved_bytes += p.saved_bytes
             out.load_s += p.load_s
+            if p.stored_nbytes:
+                out.stored_nbytes = {**out.stored_nbytes, **p.stored_nbytes}
         return out

@@ -68,6 +68,10 @@ class CausalLM(nn.Module, ABC):
     #: name), e.g. ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``: LoRA adapters name the
     #: checkpoint's modules.
     packed_modules_mapping: dict[str, list[str]] = {}
+    #: Whether ``forward`` calls ``attn_metadata.kv_layer_hook`` around each layer (KV
+    #: connectors then overlap their transfers with the layers); if not, the runner waits for
+    #: every layer's loads before the forward and hands every layer over after it.
+    supports_kv_layer_hook: bool = False
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()

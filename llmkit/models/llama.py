@@ -200,9 +200,16 @@ class LlamaModel(nn.Module):
         else:  # the previous stage's (received into fresh buffers this forward owns)
             x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         rope = self.rotary_emb.lookup(positions)
-        # kv_caches holds this stage's layers only, in order
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
+        hook = attn_metadata.kv_layer_hook
+        # kv_caches holds this stage's layers only, in order (KV connectors run without
+        # pipeline stages, so a hook's layer index is the model's)
+        for i, (layer, kv_cache) in enumerate(
+                zip(self.layers[self.start_layer:self.end_layer], kv_caches)):
+            if hook is not None:  # a KV connector: layer i's loads land before it runs
+                hook.wait_for_layer_load(i)
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+            if hook is not None:
+                hook.save_kv_layer(i, kv_cache)
         if not self.is_last_stage:
             return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
@@ -217,6 +224,7 @@ class LlamaForCausalLM(CausalLM):
     supports_pp = True
     packed_modules_mapping = {fused: [part for f, part, _ in STACKED_PARAMS if f == fused]
                               for fused, _, _ in STACKED_PARAMS}
+    supports_kv_layer_hook = True
 
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         super().__init__(hf_config, ctx)

@@ -67,6 +67,7 @@ def llava_num_image_tokens(hf_config) -> int:
 
 
 class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
+    supports_kv_layer_hook = True  # its language model's layer loop calls it
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
         feature_layer = hf_config.vision_feature_layer

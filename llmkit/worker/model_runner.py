@@ -363,8 +363,12 @@ class ModelRunner:
         self._update_states(so)
         conn = self.kv_connector
         if conn is not None:
-            self._load_kv(conn, so)
+            conn.bind_connector_metadata(so.kv_connector_metadata)
+            conn.start_load_kv()
         if so.total_num_scheduled_tokens == 0:
+            if conn is not None:  # no forward: this step's transfers end here
+                self._wait_for_all_layers(conn)
+                conn.wait_for_save()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=(
                 conn.get_finished(so.finished_req_ids) if conn is not None else None))
         inputs = self.prepare_inputs(so)
@@ -391,10 +395,6 @@ class ModelRunner:
         if isinstance(hidden, IntermediateTensors):
             return hidden  # a pipeline stage before the last: nothing samples here
         if conn is not None:
-            # The forward is one call (no per-layer hook yet): each layer is handed over once
-            # it is complete, i.e. after the forward.
-            for layer, kv in enumerate(self.kv_caches):
-                conn.save_kv_layer(layer, kv)
             conn.wait_for_save()
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
@@ -430,14 +430,13 @@ class ModelRunner:
                                  else None),
         )
 
-    def _load_kv(self, conn: KVConnectorBase, so: SchedulerOutput) -> None:
-        """This step's loads into the pool, before the forward reads it. The forward is one
-        call, so every layer is waited for before it starts (layer-by-layer overlap needs a
-        hook in the model's layer loop)."""
-        conn.bind_connector_metadata(so.kv_connector_metadata)
-        conn.start_load_kv()
+    def _wait_for_all_layers(self, conn: KVConnectorBase) -> None:
         for layer in range(len(self.kv_caches)):
             conn.wait_for_layer_load(layer)
+
+    def _save_all_layers(self, conn: KVConnectorBase) -> None:
+        for layer, kv in enumerate(self.kv_caches):
+            conn.save_kv_layer(layer, kv)
 
     def _draft_probs(self, layout: LogitsLayout, vocab_size: int) -> torch.Tensor | None:
         """q per logits row when the proposer drew its drafts from a distribution (one-hot rows
@@ -508,38 +507,67 @@ class ModelRunner:
                  intermediate_tensors: IntermediateTensors | None = None
                  ) -> torch.Tensor | IntermediateTensors:
         """The model's hidden states: through a step graph for a decode-only step it covers,
-        else eagerly."""
-        md = inputs.attn_metadata
+        else eagerly. A KV connector's per-layer calls run inside an eager forward (the model
+        calls them around each layer); around a step graph, or a model without the hook,
+        every layer's loads land before the forward and every layer is handed over after."""
+        graph = (inputs_embeds is None and intermediate_tensors is None
+                 and self._graph_step(inputs))
+        conn = self.kv_connector
+        hooked = conn is not None and not graph and self.model.supports_kv_layer_hook
+        if conn is None or hooked:
+            return self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, hooked)
+        self._wait_for_all_layers(conn)
+        hidden = self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, False)
+        self._save_all_layers(conn)
+        return hidden
+
+    def _graph_step(self, inputs: StepInputs) -> bool:
+        """Whether a step graph computes this step: a decode-only step it covers, or
+        decoding rows verifying drafts (with one position row: M-RoPE prompts run eagerly)."""
         graphs = self.step_graphs
+        md = inputs.attn_metadata
+        if graphs is None or not graphs.covers(md.num_actual_tokens) or not (
+                self.lora_manager is None or self.lora_manager.step_graphs_allowed):
+            return False
+        if inputs.rope_positions is not None and inputs.rope_positions.dim() > 1:
+            return False
+        if md.num_actual_tokens == md.num_reqs:
+            return True
+        layout = inputs.logits
+        return len(layout.rows) == len(inputs.rows) and bool(
+            (layout.num_logits == inputs.num_scheduled).all())
+
+    def _forward_once(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None,
+                      intermediate_tensors: IntermediateTensors | None, graph: bool,
+                      hooked: bool) -> torch.Tensor | IntermediateTensors:
+        md = inputs.attn_metadata
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
         rope = positions if inputs.rope_positions is None else \
             inputs.rope_positions.to(self.device)
-        if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)
-            return self.model(None, rope, self.kv_caches,
-                              self.attn_backend.build_metadata(md),
-                              intermediate_tensors=intermediate_tensors)
-        if inputs_embeds is not None or rope.dim() > 1:
-            return self.model(None if inputs_embeds is not None else ids, rope, self.kv_caches,
-                              self.attn_backend.build_metadata(md), inputs_embeds)
-        if (graphs is not None and graphs.covers(md.num_actual_tokens)
-                and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
+        if graph:
             rows = inputs.rows
             if md.num_actual_tokens == md.num_reqs:
-                return graphs.run(ids, rope, md.slot_mapping.to(self.device),
-                                  torch.from_numpy(self.batch.block_table[rows]).to(self.device),
-                                  md.seq_lens.to(self.device))
-            layout = inputs.logits
-            if len(layout.rows) == len(rows) and bool((layout.num_logits
-                                                       == inputs.num_scheduled).all()):
-                # Decoding rows verifying drafts: each token is a decode row over its context
-                # up to itself (every K/V is written before attention), so the decode graph
-                # computes the step with one block-table row and length per token.
-                per_token = np.repeat(rows, inputs.num_scheduled)
-                return graphs.run(
+                return self.step_graphs.run(
                     ids, rope, md.slot_mapping.to(self.device),
-                    torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
-                    (positions + 1).to(torch.int32))
-        return self.model(ids, rope, self.kv_caches, self.attn_backend.build_metadata(md))
+                    torch.from_numpy(self.batch.block_table[rows]).to(self.device),
+                    md.seq_lens.to(self.device))
+            # Decoding rows verifying drafts: each token is a decode row over its context up
+            # to itself (every K/V is written before attention), so the decode graph computes
+            # the step with one block-table row and length per token.
+            per_token = np.repeat(rows, inputs.num_scheduled)
+            return self.step_graphs.run(
+                ids, rope, md.slot_mapping.to(self.device),
+                torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
+                (positions + 1).to(torch.int32))
+        built = self.attn_backend.build_metadata(md)
+        if hooked:
+            built.kv_layer_hook = self.kv_connector
+        if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)
+            return self.model(None, rope, self.kv_caches, built,
+                              intermediate_tensors=intermediate_tensors)
+        if inputs_embeds is not None:
+            return self.model(None, rope, self.kv_caches, built, inputs_embeds)
+        return self.model(ids, rope, self.kv_caches, built)
 
     @staticmethod
     def _bitmask_rows(so: SchedulerOutput) -> dict[str, int]:

@@ -1,0 +1,164 @@
+"""The offload tiers under trouble (issue 24): a disk-tier file that vanished, was truncated or
+rotted between lookup and load is a miss (the request recomputes, with the same tokens, and
+``failed_loads`` counts it), never a crash or garbage; a disk that does not keep up never
+stalls steps (writes are write-behind); the host tier's lossless compression round-trips and
+still hits."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from llmkit import LLM, SamplingParams
+from llmkit.config.errors import ConfigError
+from llmkit.kv_transfer.compression import BlockCodec
+
+BLOCK = 4
+SMALL_POOL = 12  # blocks: one 30-token prompt (8 blocks) fits, two do not
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    rng = random.Random(0)
+    return ([rng.randrange(5, 600) for _ in range(30)],
+            [rng.randrange(5, 600) for _ in range(30)])
+
+
+def _llm(model_dir, num_blocks: int = SMALL_POOL, **offload) -> LLM:
+    groups = {"kv_offload": offload} if offload else {}
+    return LLM(str(model_dir), dtype="float32", attention="torch",
+               kv_cache={"num_blocks": num_blocks, "block_size": BLOCK}, **groups)
+
+
+def _gen(llm: LLM, prompt: list[int]) -> list[int]:
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    kv = llm.engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks, "blocks still held after every request ended"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    a, b = _prompts()
+    llm = _llm(model, num_blocks=64)
+    out = {"a": _gen(llm, a), "b": _gen(llm, b)}
+    llm.shutdown()
+    return out
+
+
+def _damage(path, how: str) -> None:
+    if how == "vanish":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[:-7])
+    else:  # one payload byte flipped: header and size still right, the checksum is not
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0x40
+        path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["vanish", "truncate", "corrupt"])
+def test_a_damaged_disk_file_is_a_miss_and_recomputes(model, reference, tmp_path, how):
+    a, b = _prompts()
+    llm = _llm(model, disk_path=str(tmp_path / "kv"))
+    conn = llm.engine.kv_connector
+    worker = llm.engine.executor.runner.kv_connector
+    _gen(llm, a)
+    assert _gen(llm, b) == reference["b"]  # a's blocks go to disk
+    worker.disk.flush()
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    assert files and conn.num_blocks("disk") == len(files)
+    for f in files:  # every file: whichever a's lookup reaches first is damaged
+        _damage(f, how)
+    assert _gen(llm, a) == reference["a"]  # recomputed, not crashed, not garbage
+    stats = conn.stats
+    assert stats.failed_loads == 1 and "disk" not in stats.hits_per_tier
+    assert llm.engine.stats().kv_connector.failed_loads == 1
+    _assert_no_leak(llm)
+    # The failed blocks are forgotten: a's next miss does not try them again.
+    assert _gen(llm, b) == reference["b"]
+    assert llm.engine.kv_connector.stats.failed_loads == 1
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_a_slow_disk_does_not_stall_steps(model, reference, tmp_path):
+    """Every disk write is held back until the end: the engine still serves (evicting to
+    disk, and loading from it: the queued blocks), and the files appear once released."""
+    a, b = _prompts()
+    llm = _llm(model, disk_path=str(tmp_path / "kv"))
+    conn = llm.engine.kv_connector
+    disk = llm.engine.executor.runner.kv_connector.disk
+    gate = threading.Event()
+    real_write = disk._write
+
+    def slow_write(*args):
+        gate.wait(timeout=60)
+        real_write(*args)
+
+    disk._write = slow_write
+    try:
+        for p, key in ((a, "a"), (b, "b"), (a, "a")):
+            assert _gen(llm, p) == reference[key]
+        assert conn.stats.hits_per_tier.get("disk", 0) > 0  # served from the write queue
+        assert not list((tmp_path / "kv").rglob("*.kv")), "a write was not held back"
+    finally:
+        gate.set()
+    disk.flush()
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == conn.num_blocks("disk") > 0
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec", ["zlib", "zstd"])
+def test_codecs_round_trip_exactly(codec, dtype):
+    if codec == "zstd":
+        pytest.importorskip("zstandard")
+    c = BlockCodec(codec)
+    x = (torch.randn(2, 2, 4, 2, 16) * 3).to(dtype)
+    enc = c.encode(x)
+    y = c.decode(enc)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))  # bit for bit
+    # small integers: their mantissas' low bytes are zeros, which the shuffle lines up
+    z = torch.randint(-8, 8, (2, 2, 4, 2, 16)).to(dtype)
+    enc = c.encode(z)
+    assert torch.equal(c.decode(enc), z)
+    assert c.nbytes(enc) < z.numel() * z.element_size() // 2
+
+
+@pytest.mark.parametrize("codec", ["zlib", "zstd"])
+def test_compressed_host_tier_hits_with_the_same_tokens(model, reference, codec):
+    if codec == "zstd":
+        pytest.importorskip("zstandard")
+    a, b = _prompts()
+    llm = _llm(model, host_gib=0.01, host_compression=codec)
+    conn = llm.engine.kv_connector
+    for p, key in ((a, "a"), (b, "b"), (a, "a")):
+        assert _gen(llm, p) == reference[key]
+    assert conn.stats.hits_per_tier.get("host", 0) > 0
+    host = conn.indexes["host"]
+    # the cap counts what the blocks take compressed
+    assert 0 < host.used_bytes < len(host) * conn.block_nbytes
+    _assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_compression_config_errors_name_the_key(model):
+    with pytest.raises(ConfigError, match="kv_offload.host_compression.*host_gib"):
+        LLM(str(model), dtype="float32", kv_offload={"disk_path": "/tmp/x",
+                                                     "host_compression": "zlib"})
+    with pytest.raises(ConfigError, match="kv_offload.host_compression"):
+        LLM(str(model), dtype="float32", kv_offload={"host_gib": 0.01,
+                                                     "host_compression": "lzma"})
