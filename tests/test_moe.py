@@ -245,6 +245,38 @@ def test_missing_expert_weight_is_reported(tiny_model_dir, tmp_path):
         LLM(str(dst), dtype="float32")
 
 
+# -- the expert split itself, every rank in one process (no collectives) ---------------------
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_expert_shards_recompose_the_whole_layer(tp_size, expert_parallel):
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.models.layers.moe import FusedMoE
+    from llmkit.ops.base import ModelOps
+
+    experts, hidden, inter = 8, 16, 12
+    g = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(2, experts, inter, hidden, generator=g)
+    down = torch.randn(experts, hidden, inter, generator=g)
+    x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, experts, generator=g)
+
+    def build(rank: int, size: int) -> FusedMoE:
+        moe = FusedMoE("experts", experts, 3, hidden, inter, renormalize=False,
+                       dtype=torch.float32, ops=ModelOps(), tp=TensorParallelGroup(rank, size),
+                       expert_parallel=expert_parallel)
+        for e in range(experts):
+            for shard, w in (("w1", gate[e]), ("w3", up[e]), ("w2", down[e])):
+                moe.load_expert_weight(e, shard, w)
+        return moe
+
+    whole = build(0, 1)(x, logits)
+    ranks = [build(r, tp_size) for r in range(tp_size)]
+    if expert_parallel:  # whole experts per rank
+        assert all(m.w13_weight.shape == (experts // tp_size, 2 * inter, hidden) for m in ranks)
+    else:  # every expert, a slice of its intermediate rows
+        assert all(m.w2_weight.shape == (experts, hidden, inter // tp_size) for m in ranks)
+    torch.testing.assert_close(sum(m(x, logits) for m in ranks), whole)
+
+
 # -- tensor and expert parallel over worker processes ----------------------------------------
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
