@@ -52,6 +52,36 @@ def test_grouped_cpu_path_matches_the_reference(t):
     torch.testing.assert_close(fused_moe_grouped(*case), fused_moe_reference(*case))
 
 
+def test_grouped_bf16_experts_widened_to_float32_for_large_groups(monkeypatch):
+    """bf16 experts with more tokens than the threshold compute in float32 (CPUs without
+    native bf16 emulate bf16 GEMMs), the smaller groups stay bf16; as close to the
+    definition either way."""
+    import llmkit.ops.moe as moe_ops
+
+    x, w13, w2, weights, ids = (t.bfloat16() if t.is_floating_point() and i < 3 else t
+                                for i, t in enumerate(_moe_case(40)))
+    calls: list[tuple[int, bool]] = []
+    real = moe_ops._expert_linear
+
+    def spy(a, w, widen):
+        calls.append((a.shape[0], widen))
+        return real(a, w, widen)
+
+    monkeypatch.setattr(moe_ops, "_expert_linear", spy)
+    want = fused_moe_reference(x, w13, w2, weights, ids).float()
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=6)
+    threshold = int(counts[counts > 0].min())  # the smallest group stays bf16, larger widen
+    assert int(counts.max()) > threshold
+    widened = fused_moe_grouped(x, w13, w2, weights, ids, widen_bf16_above=threshold)
+    assert calls and all(widen == (rows > threshold) for rows, widen in calls), calls
+    assert {widen for _, widen in calls} == {True, False}
+    assert widened.dtype == torch.bfloat16
+    torch.testing.assert_close(widened.float(), want, atol=3e-2, rtol=3e-2)
+    calls.clear()
+    fused_moe_grouped(x, w13, w2, weights, ids)  # the default: never
+    assert calls and not any(widen for _, widen in calls)
+
+
 def test_expert_parallel_parts_sum_to_the_whole():
     x, w13, w2, weights, ids = _moe_case(12)
     whole = fused_moe_reference(x, w13, w2, weights, ids)
