@@ -7,6 +7,7 @@ Program ``(seq, kv_head, split)`` loads the query rows of every query head that 
 once per query head: decode is bound by HBM bandwidth, and this is where the bytes are.
 With ``num_splits > 1`` each split writes its normalised partial output and its log-sum-exp;
 ``_decode_reduce_kernel`` merges them (``out = sum_i exp(lse_i - lse) * o_i``).
+A quantized cache (``kv_quant``) is dequantized as it is loaded: codes times each row's scale.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import torch
 import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
+from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
 
 LOG2E = 1.4426950408889634
 
 
 @jit
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
+    part_lse_ptr,
     sm_scale_log2,
     stride_qs, stride_qh,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
@@ -32,6 +35,7 @@ def _paged_decode_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,9 +69,20 @@ def _paged_decode_kernel(
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         tok = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_tok
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(kv_base + stride_c_kv + tok[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
+                    other=0)
+        if QUANT != 0:
+            # kv_quant rows: codes, then the row's float32 scale at byte HEAD_DIM
+            at = (kv_head * stride_c_head + tok + HEAD_DIM) // 4
+            k_scale = tl.load(scale_ptr + at, mask=n_ok, other=0.0)
+            v_scale = tl.load(scale_ptr + at + stride_c_kv // 4, mask=n_ok, other=0.0)
+            if QUANT == 2:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            k = k.to(tl.float32) * k_scale[:, None]
+            v = v.to(tl.float32) * v_scale[:, None]
+        v = v.to(q_ptr.dtype.element_ty)
         # Dots in the storage dtype (tensor cores for bf16/fp16), accumulated in float32.
         # scores [BLOCK_H, BLOCK_N], in the log2 domain
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
@@ -142,13 +157,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     head_dim]`` through ``block_table [num_seqs, max_blocks]``. ``num_splits > 1`` splits each
     sequence's KV range (flash-decoding) and merges the splits with a second kernel."""
     num_seqs, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert head_dim_of(kv_cache) == head_dim and num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    quant, scales = quant_args(kv_cache)
     group = num_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
     block_h = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows
@@ -166,7 +182,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     ps = (num_heads * num_splits * block_d, num_splits * block_d, block_d)
     grid = (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
-        q, kv_cache, block_table, seq_lens, out, part_out, part_lse,
+        q, kv_cache, scales, block_table, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -175,7 +191,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         *ps,
         QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -196,8 +212,9 @@ def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
     group = q.shape[1] // kv_cache.shape[3]
     for i, n in enumerate(seq_lens.tolist()):
         ids = block_table[i, :math.ceil(n / block_size)].long()
-        k = kv_cache[0, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)  # [n, H, D]
-        v = kv_cache[1, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        k = read_rows(kv_cache[0, ids].flatten(0, 1)[:n], torch.float32)
+        v = read_rows(kv_cache[1, ids].flatten(0, 1)[:n], torch.float32)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out

@@ -8,7 +8,7 @@ to the new ones. The new tokens are cut into tiles of ``BLOCK_Q`` query tokens (
 map: tile -> (request, first query offset)); program ``(tile, kv_head)`` holds the ``BLOCK_Q x
 group`` query rows that share one KV head as a ``[BLOCK_M, HEAD_DIM]`` tile and streams that
 request's K/V through its block table with an online softmax (FlashAttention-2), stopping at the
-tile's causal bound.
+tile's causal bound. A quantized cache (``kv_quant``) is dequantized as it is loaded.
 """
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ import torch
 import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
+from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
 
 LOG2E = 1.4426950408889634
 
 
 @jit
 def _unified_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, cache_ptr, scale_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     tile_seq_ptr, tile_qoff_ptr,
     sm_scale_log2,
     stride_qt, stride_qh,
@@ -35,6 +36,7 @@ def _unified_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,9 +75,20 @@ def _unified_attention_kernel(
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         tok = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_tok
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0)
         v = tl.load(kv_base + stride_c_kv + tok[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
+                    other=0)
+        if QUANT != 0:
+            # kv_quant rows: codes, then the row's float32 scale at byte HEAD_DIM
+            at = (kv_head * stride_c_head + tok + HEAD_DIM) // 4
+            k_scale = tl.load(scale_ptr + at, mask=n_ok, other=0.0)
+            v_scale = tl.load(scale_ptr + at + stride_c_kv // 4, mask=n_ok, other=0.0)
+            if QUANT == 2:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            k = k.to(tl.float32) * k_scale[:, None]
+            v = v.to(tl.float32) * v_scale[:, None]
+        v = v.to(q_ptr.dtype.element_ty)
         # [BLOCK_M, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
         causal = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -128,8 +141,8 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
     block_q)`` reuses a tile map built once per step (see :func:`unified_attention_tiles`);
     without it the map is built here from a host copy of ``query_start_loc``."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert head_dim_of(kv_cache) == head_dim and num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
@@ -152,8 +165,9 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
     block_d = next_power_of_2(head_dim)
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
+    quant, scales = quant_args(kv_cache)
     _unified_attention_kernel[(num_tiles, num_kv_heads)](
-        q, kv_cache, out, block_table, seq_lens, query_start_loc, tile_seq, tile_qoff,
+        q, kv_cache, scales, out, block_table, seq_lens, query_start_loc, tile_seq, tile_qoff,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -161,7 +175,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
         out.stride(0), out.stride(1),
         QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_m // block_q,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
     )
     return out
 
@@ -180,8 +194,9 @@ def unified_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
         if b == a:
             continue
         ids = block_table[i, :math.ceil(n / block_size)].long()
-        k = kv_cache[0, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)  # [n, H, D]
-        v = kv_cache[1, ids].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        k = read_rows(kv_cache[0, ids].flatten(0, 1)[:n], torch.float32)
+        v = read_rows(kv_cache[1, ids].flatten(0, 1)[:n], torch.float32)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
         s = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
         q_pos = torch.arange(n - (b - a), n, device=s.device)
         s = s.masked_fill(torch.arange(n, device=s.device)[None, :] > q_pos[:, None], float("-inf"))

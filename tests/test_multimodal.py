@@ -350,3 +350,26 @@ def test_prefix_hit_ending_inside_an_image(llava_dir, hf_reference):
     assert stats.num_encoder_runs == 1 and stats.hits == 1
     ref_prompt, ref_tokens = hf_reference(second_text, [image])
     assert ids == ref_prompt and list(out.outputs[0].token_ids) == ref_tokens
+
+
+def test_llava_with_a_siglip_tower_matches_hf(tmp_path):
+    """A SigLIP vision tower (patch bias, no CLS, no pre-norm; the ``full`` strategy keeps
+    every patch), one and two images per prompt, batched with text: HF's greedy tokens."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = build_llava_dir(tmp_path / "tiny-llava-siglip", tower="siglip")
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    llm = LLM(str(path), dtype="float32", scheduler={"max_num_batched_tokens": 7})
+    outs = llm.generate([_prompt(t, ims) for t, ims in prompts], _greedy(), use_tqdm=False)
+    for (text, images), out in zip(prompts, outs):
+        inputs = processor(text=[text], images=images, return_tensors="pt") if images else \
+            processor.tokenizer([text], return_tensors="pt")
+        with torch.no_grad():
+            ref = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 min_new_tokens=MAX_TOKENS)
+        n = inputs["input_ids"].shape[1]
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist(), text
+        assert list(out.outputs[0].token_ids) == ref[0, n:].tolist(), text
+    assert out.prompt_token_ids.count(model.config.image_token_id) == 2 * NUM_IMAGE_TOKENS

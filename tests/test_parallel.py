@@ -141,8 +141,7 @@ def test_a_killed_worker_fails_the_engine_within_seconds(tiny_model_dir):
      "a divisor of the model's 4 attention heads (1, 2, 4)"),
     ({"tensor_parallel_size": 64}, "auto", "parallel.tensor_parallel_size", "at most"),
     ({"tensor_parallel_size": 2}, "uniproc", "executor.name", "multiproc, ray or auto"),
-    ({"pipeline_parallel_size": 2}, "auto", "parallel.pipeline_parallel_size",
-     "not implemented yet"),
+    # pipeline parallel's own errors: tests/test_pipeline_parallel.py
 ])
 def test_parallel_config_errors_at_start_up(tiny_model_dir, parallel, executor, key, text):
     with pytest.raises(ConfigError) as err:

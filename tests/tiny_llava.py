@@ -37,9 +37,12 @@ def build_llava_tokenizer():
     return tok
 
 
-def build_llava_dir(out: Path, *, seed: int = 0) -> Path:
+def build_llava_dir(out: Path, *, seed: int = 0, tower: str = "clip") -> Path:
     """Save a tiny random LLaVA (weights scaled by 3, as ``tiny_models.build_model_dir``),
-    its tokenizer and a ``LlavaProcessor`` (CLIP image processor, 28x28 crops) into ``out``."""
+    its tokenizer and a ``LlavaProcessor`` (CLIP image processor, 28x28 crops) into ``out``.
+    ``tower="siglip"``: a SigLIP vision tower (its image processor resizes to 28x28; the
+    ``full`` feature strategy: one token per patch, ``NUM_IMAGE_TOKENS`` again)."""
+    import transformers
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
@@ -47,12 +50,16 @@ def build_llava_dir(out: Path, *, seed: int = 0) -> Path:
     text = LlamaConfig(**BASE_CONFIG, num_hidden_layers=2, tie_word_embeddings=False,
                        vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                              num_attention_heads=4, image_size=IMAGE_SIZE,
-                              patch_size=PATCH_SIZE, projection_dim=32)
+    vision_args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    strategy = "default" if tower == "clip" else "full"
+    if tower == "clip":
+        vision = CLIPVisionConfig(**vision_args, projection_dim=32)
+    else:
+        vision = transformers.SiglipVisionConfig(**vision_args)
     config = LlavaConfig(vision_config=vision, text_config=text,
                          image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
-                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         vision_feature_layer=-2, vision_feature_select_strategy=strategy,
                          projector_hidden_act="gelu")
     config.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
@@ -68,11 +75,16 @@ def build_llava_dir(out: Path, *, seed: int = 0) -> Path:
             param.mul_(3.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    if tower == "clip":
+        image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={
+            "height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    else:
+        siglip = getattr(transformers, "SiglipImageProcessorPil", None) or \
+            transformers.SiglipImageProcessor
+        image_processor = siglip(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok,
-                               patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, image_token=IMAGE_TOKEN,
-                               chat_template=LLAVA_CHAT_TEMPLATE)
+                               patch_size=PATCH_SIZE, vision_feature_select_strategy=strategy,
+                               num_additional_image_tokens=1 if tower == "clip" else 0,
+                               image_token=IMAGE_TOKEN, chat_template=LLAVA_CHAT_TEMPLATE)
     processor.save_pretrained(str(out))
     return out

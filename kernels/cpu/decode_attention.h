@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "linear.h"
 #include "vec.h"
 
@@ -237,19 +238,77 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   });
 }
 
+// A cache of another dtype than q's -- int8/fp8 codes with their row scales, or another float
+// type (kv_quant.h): a task first reads its KV head's context rows into float32 (dequantized:
+// code * scale, one rounding, as the torch reference), then runs the float32 path over them.
+// Memory traffic is the cache's bytes (1 per value for int8/fp8); the float copy stays in the
+// task's cache-resident scratch.
+template <typename T, typename I>
+void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache,
+                                 const I* table, int64_t table_stride, const int64_t* lens,
+                                 float scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
+  const int64_t width = kv_cache.size(4), es = kv_cache.element_size();
+  const KVRows f = kv_rows_of(kv_cache);
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * width * es, block = block_size * row;  // bytes
+  const char* kc = static_cast<const char*>(kv_cache.const_data_ptr());
+  const char* vc = kc + kv_cache.size(1) * block;
+  const T* qp = q.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t parts = batch * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
+  const int64_t per_part = group / parts;
+  at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per_part * dim), acc(per_part * dim), o(per_part * dim), scores;
+    std::vector<float> kf, vf;
+    std::vector<const float*> krows, vrows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
+      const int64_t h0 = kvh * group + task % parts * per_part, len = lens[b];
+      const I* blocks = table + b * table_stride;
+      for (int64_t g = 0; g < per_part; ++g) {
+        const T* src = qp + b * qs0 + (h0 + g) * qs1;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
+      }
+      kf.resize(len * dim);
+      vf.resize(len * dim);
+      krows.resize(len);
+      vrows.resize(len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t at = static_cast<int64_t>(blocks[t / block_size]) * block +
+                           (t % block_size) * row + kvh * width * es;
+        read_row(kc + at, dim, f, kf.data() + t * dim);
+        read_row(vc + at, dim, f, vf.data() + t * dim);
+        krows[t] = kf.data() + t * dim;
+        vrows[t] = vf.data() + t * dim;
+      }
+      scores.resize(per_part * len);
+      decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
+                           scores.data(), acc.data(), o.data());
+      T* dst = op + (b * heads + h0) * dim;
+      for (int64_t i = 0; i < per_part * dim; ++i) dst[i] = static_cast<T>(o[i]);
+    }
+  });
+}
+
 // q [batch, heads, head_dim] (contiguous head_dim), kv_cache [2, blocks, block_size, kv_heads,
-// head_dim] contiguous, block_table [batch, >= ceil(len / block_size)] int32/int64, seq_lens
+// head_dim] contiguous (of q's dtype, of another float dtype, or int8/uint8 rows of head_dim
+// codes + a float32 scale: kv_quant.h), block_table [batch, >= ceil(len / block_size)] int32/int64, seq_lens
 // [batch] (context length including the query token, whose K/V is already written).
 inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                          const at::Tensor& block_table,
                                          const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be "
               "[batch, heads, head_dim] with a contiguous head_dim");
+  const bool as_is = kv_cache.scalar_type() == q.scalar_type();
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-              kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0 &&
-              kv_cache.scalar_type() == q.scalar_type(),
+              kv_cache.size(4) == (as_is ? q.size(2)
+                                         : row_width(kv_rows_of(kv_cache), q.size(2))) &&
+              q.size(1) % kv_cache.size(3) == 0,
               "paged_decode_attention: kv_cache must be [2, blocks, block_size, kv_heads, "
-              "head_dim] of q's dtype, kv_heads dividing q's heads");
+              "head_dim] (head_dim + 4 for a quantized cache), kv_heads dividing q's heads");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
               block_table.stride(1) == 1 && seq_lens.numel() == q.size(0),
               "paged_decode_attention: block_table [batch, blocks] and seq_lens [batch]");
@@ -267,15 +326,24 @@ inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& 
                 "paged_decode_attention: seq_lens[", b, "] = ", lp[b],
                 " exceeds its block table");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  TORCH_CHECK(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
+              "paged_decode_attention: block_table must be int32 or int64");
+  const bool i32 = block_table.scalar_type() == at::kInt;
+  const float s = static_cast<float>(scale);
+  const int64_t ts = block_table.stride(0);
   LLMKIT_DISPATCH_FLOAT(q.scalar_type(), "paged_decode_attention", [&] {
-    if (block_table.scalar_type() == at::kInt)
-      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(),
-                                  block_table.stride(0), lp, static_cast<float>(scale), out);
-    else if (block_table.scalar_type() == at::kLong)
-      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(),
-                                  block_table.stride(0), lp, static_cast<float>(scale), out);
+    if (as_is && i32)
+      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(), ts, lp,
+                                  s, out);
+    else if (as_is)
+      paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(), ts, lp,
+                                  s, out);
+    else if (i32)
+      paged_decode_converted_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(),
+                                            ts, lp, s, out);
     else
-      TORCH_CHECK(false, "paged_decode_attention: block_table must be int32 or int64");
+      paged_decode_converted_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(),
+                                            ts, lp, s, out);
   });
   return out;
 }

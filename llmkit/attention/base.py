@@ -43,6 +43,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    #: ``kv_cache.cache_dtype`` values this backend reads: a cache of another dtype than the
+    #: model's (a narrower float, or int8/fp8 codes with row scales, ``llmkit.kernels.kv_quant``)
+    #: needs readers that convert or dequantize it; others fail at start-up.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, ops: ModelOps | None = None) -> None:
         # The platform's ops (KV write, paged decode attention); the torch reference if None.
@@ -51,7 +55,9 @@ class AttentionBackend(ABC):
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor; index 0 selects K (0) or V (1)."""
+        """Shape of one layer's cache tensor; index 0 selects K (0) or V (1). ``head_dim`` is
+        the row's width: a quantized cache's rows are ``head_dim + 4`` bytes (the runner
+        passes ``llmkit.kernels.kv_quant.cache_row_width``)."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @classmethod

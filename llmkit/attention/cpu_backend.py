@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
                                             gathered_decode_attention)
-from llmkit.ops.base import ModelOps, write_kv
+from llmkit.kernels.kv_quant import format_of, read_rows
+from llmkit.ops.base import ModelOps, paged_decode_attention_reference, write_kv
 
 logger = logging.getLogger(__name__)
 
@@ -230,20 +231,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
             write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
                      metadata.has_skipped_slots)
         d = metadata.decode
+        quantized = format_of(kv_cache) is not None
+        # Without the C++ kernels a quantized cache is read by the torch reference (gather,
+        # dequantize, SDPA) rather than the compiled kernel, which reads float rows only.
+        paged = (self.ops.paged_decode_attention if in_place else
+                 paged_decode_attention_reference if quantized else self._kernel)
         if metadata.all_decode:
-            if in_place:
-                return self.ops.paged_decode_attention(q[:n], kv_cache, d.block_table,
-                                                       d.seq_lens, scale)
-            return self._kernel(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
-        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+            return paged(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
+        num_kv_heads = kv_cache.shape[-2]
+        flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])  # rows: see kv_quant
         out = torch.empty_like(q)
-        if isinstance(d, PagedDecodePlan) and in_place:
-            out[d.token_rows] = self.ops.paged_decode_attention(
-                q[d.token_rows], kv_cache, d.block_table, d.seq_lens, scale)
-        elif isinstance(d, PagedDecodePlan):
-            out[d.token_rows] = self._kernel(q[d.token_rows], kv_cache, d.block_table,
-                                             d.seq_lens, scale)
+        if isinstance(d, PagedDecodePlan):
+            out[d.token_rows] = paged(q[d.token_rows], kv_cache, d.block_table, d.seq_lens,
+                                      scale)
         elif d is not None:
             # float32 math: the CPU SDPA kernel is ~3x slower in bf16 where bf16 is emulated,
             # and it accumulates in float32 either way
@@ -251,10 +251,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         group = q.shape[1] // num_kv_heads
         for p in metadata.prefills or ():
             qt = q[p.start:p.end].transpose(0, 1)  # [H, T, D]
-            if p.mask is None:  # a fresh prompt: its own K/V, no read of the cache
+            if p.mask is None and kv_cache.dtype == k.dtype:  # a fresh prompt: its own K/V
                 kc, vc = k[p.start:p.end], v[p.start:p.end]
             else:
-                kc, vc = flat[0].index_select(0, p.slots), flat[1].index_select(0, p.slots)
+                # A cache that rounds (quantized, or a narrower float) is read back even by a
+                # fresh prompt: every reader sees the stored values, so a prefix-cache hit or a
+                # chunked prefill changes nothing.
+                kc = read_rows(flat[0].index_select(0, p.slots), q.dtype)
+                vc = read_rows(flat[1].index_select(0, p.slots), q.dtype)
             # The CPU flash kernel takes neither grouped-query heads nor 3-d inputs (either
             # sends SDPA to its unfused math path, ~2x slower at 1k tokens): expand K/V to
             # q's heads and add a batch dimension.
@@ -269,7 +273,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Compile the decode kernel now rather than inside the first steps (sizes are
         unbacked, so one call covers every batch and context size). The C++ kernels need no
         compile."""
-        if self._in_place:
+        if self._in_place or format_of(kv_cache) is not None:
             return
         t0 = time.perf_counter()
         q = torch.zeros(2, num_heads, kv_cache.shape[-1], dtype=dtype, device=kv_cache.device)

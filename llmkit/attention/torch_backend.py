@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.kernels.kv_quant import read_rows
 from llmkit.ops.base import write_kv
 
 
@@ -59,18 +60,21 @@ def gathered_decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, d: Deco
                               scale: float) -> torch.Tensor:
     """Decode rows' attention over their context gathered from ``flat_cache [2, slots, Hkv, D]``
     into a padded ``[B, L]`` batch: ``[B, H, D]``."""
-    b, (num_kv_heads, head_dim) = d.token_rows.shape[0], flat_cache.shape[-2:]
-    keys = flat_cache[0].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
-    vals = flat_cache[1].index_select(0, d.slots).view(b, d.max_len, num_kv_heads, head_dim)
+    b, num_kv_heads, head_dim = d.token_rows.shape[0], flat_cache.shape[-2], q.shape[-1]
+    keys = read_rows(flat_cache[0].index_select(0, d.slots), q.dtype).view(
+        b, d.max_len, num_kv_heads, head_dim)
+    vals = read_rows(flat_cache[1].index_select(0, d.slots), q.dtype).view(
+        b, d.max_len, num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        q[d.token_rows].unsqueeze(2), keys.transpose(1, 2).to(q.dtype),
-        vals.transpose(1, 2).to(q.dtype), attn_mask=d.mask, scale=scale,
+        q[d.token_rows].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+        attn_mask=d.mask, scale=scale,
         enable_gqa=q.shape[1] != num_kv_heads)
     return o.squeeze(2)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    kv_cache_dtypes = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8", "int8")
 
     def build_metadata(self, m: AttentionMetadata) -> TorchAttentionMetadata:
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
@@ -115,16 +119,16 @@ class TorchAttentionBackend(AttentionBackend):
             self._move_plans(metadata, kv_cache.device)  # once per step, by the first layer
         n = metadata.num_actual_tokens
         write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n])
-        num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        num_kv_heads = kv_cache.shape[-2]
+        flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])  # rows: see kv_quant
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
         d = metadata.decode
         if d is not None:
             out[d.token_rows] = gathered_decode_attention(q, flat, d, scale)
         for p in metadata.prefills or ():
-            kc = flat[0].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
-            vc = flat[1].index_select(0, p.slots).transpose(0, 1).to(q.dtype)
+            kc = read_rows(flat[0].index_select(0, p.slots), q.dtype).transpose(0, 1)
+            vc = read_rows(flat[1].index_select(0, p.slots), q.dtype).transpose(0, 1)
             qt = q[p.start:p.end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=p.mask,
                                                is_causal=p.mask is None, scale=scale,

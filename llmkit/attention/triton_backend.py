@@ -56,6 +56,7 @@ def _num_sms(device_index: int) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    kv_cache_dtypes = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8", "int8")
 
     #: Flash-decoding: programs to aim for (None: 2x the GPU's SM count; 1 in the interpreter,
     #: i.e. no split), minimum tokens per split and most splits.

@@ -106,6 +106,11 @@ class KVCacheConfig(_Component):
     enable_prefix_caching: bool = True
     eviction_policy: Literal["lru", "lfu"] = "lru"
     pinned_prefixes: list[str | list[int]] = Field(default_factory=list)
+    # What the pool stores (vLLM's kv_cache_dtype): auto = the model's dtype; bfloat16 /
+    # float16 store K/V in that type; int8 / fp8_e4m3 (fp8 = fp8_e4m3, vLLM's alias) store
+    # one-byte codes with a float32 scale per (token, KV head) row (llmkit.kernels.kv_quant):
+    # about twice the blocks of bf16 in the same memory.
+    cache_dtype: Literal["auto", "bfloat16", "float16", "fp8_e4m3", "fp8", "int8"] = "auto"
 
     @field_validator("block_size")
     @classmethod

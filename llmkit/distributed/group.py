@@ -6,9 +6,12 @@ Passed to the model explicitly (``ModelContext.tp``): no process-wide "current g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from llmkit.distributed.pipeline import PipelineParallelGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +42,23 @@ class TensorParallelGroup:
         units replicate: with 2 KV heads over 4 ranks, ranks 0-1 hold head 0, ranks 2-3 head 1)."""
         parts = min(self.size, units)
         return parts, self.rank * parts // self.size
+
+
+def initialize_model_parallel(rank: int, tp_size: int, pp_size: int
+                              ) -> tuple[TensorParallelGroup, "PipelineParallelGroup"]:
+    """This rank's tensor-parallel group and pipeline stage (vLLM's name), after
+    ``torch.distributed.init_process_group`` over all ``tp_size * pp_size`` ranks. Ranks are
+    laid out stage-major (``rank = stage * tp_size + tp_rank``); with several stages each
+    stage's TP ranks get a group of their own (every rank creates every group, in the same
+    order, as torch.distributed requires), and the stages' sends use the world group."""
+    from llmkit.distributed.pipeline import PipelineParallelGroup
+
+    stage, tp_rank = divmod(rank, tp_size)
+    process_group = None  # one stage: the world is the TP group
+    if pp_size > 1 and tp_size > 1:
+        for s in range(pp_size):
+            g = torch.distributed.new_group(ranks=list(range(s * tp_size, (s + 1) * tp_size)))
+            if s == stage:
+                process_group = g
+    return (TensorParallelGroup(tp_rank, tp_size, process_group),
+            PipelineParallelGroup(stage, pp_size, tp_rank, tp_size))

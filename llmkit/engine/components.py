@@ -54,6 +54,33 @@ def validate_components(config: EngineConfig) -> None:
     kv_connector_class(config)  # a connector that cannot work fails here, naming the key
     _check_speculative(config)
     _check_kv_connector_combinations(config)
+    _check_kv_cache_dtype(config)
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """A cache dtype other than the model's needs an attention backend whose readers convert or
+    dequantize it (``AttentionBackend.kv_cache_dtypes``); the simulator models KV at the
+    model's dtype only."""
+    value = config.kv_cache.cache_dtype
+    if value == "auto":
+        return
+    if config.executor.name == "sim":
+        raise ConfigError("kv_cache.cache_dtype", value, "auto (executor=sim models the KV "
+                          "cache at the model's dtype)")
+    from llmkit.attention import attention_backend_class
+    from llmkit.platforms import resolve_platform
+
+    try:
+        platform = resolve_platform(config.platform)
+    except Exception:  # an unavailable platform fails with its own error when the engine starts
+        return
+    backend = attention_backend_class(config.attention, platform)
+    allowed = getattr(backend, "kv_cache_dtypes", ("auto",))
+    if value not in allowed:
+        raise ConfigError("kv_cache.cache_dtype", value, "", message=(
+            f"got {value!r}, but attention backend {backend.name!r} reads "
+            f"{', '.join(allowed)} only; use kv_cache.cache_dtype=auto or attention=cpu|torch|"
+            "triton"))
 
 
 def _check_kv_connector_combinations(config: EngineConfig) -> None:

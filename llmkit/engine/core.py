@@ -1,9 +1,19 @@
-"""EngineCore: the control-plane loop. schedule → execute → update, on token ids only."""
+"""EngineCore: the control-plane loop. schedule → execute → update, on token ids only.
+
+With an executor that keeps several steps in flight (``max_concurrent_batches`` > 1: pipeline
+parallel's stages) the loop runs a batch queue (vLLM's ``step_with_batch_queue``): while the
+queue has room it schedules another batch and sends it without waiting; when it is full (or
+nothing more can be scheduled) it waits for the oldest batch and updates from its output. The
+scheduler never puts a request in a batch while its previous one is in flight, so every
+request's tokens are what one step at a time would give.
+"""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
@@ -12,6 +22,7 @@ from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserv
                                     split_prefill_decode)
 from llmkit.engine.step_trace import StepTrace
 from llmkit.executor import BackendInfo, Executor, ModelFacts, executor_class
+from llmkit.executor.base import StepFuture
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.lora.base import LoRARequest
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
@@ -25,6 +36,18 @@ from llmkit.startup import startup_step
 from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _InFlightBatch:
+    """A batch sent to the executor whose output has not been taken yet."""
+
+    future: StepFuture
+    scheduler_output: SchedulerOutput
+    step: int
+    start_s: float
+    schedule_s: float
+    split: Any  # its BatchSplit when observers watch, else None
 
 
 class EngineCore:
@@ -76,6 +99,9 @@ class EngineCore:
             self._check_lora_support(executor, sched_cls)
             sched_kwargs.update(max_loras=config.lora.max_loras,
                                 max_lora_skips=config.lora.max_skipped_steps)
+        pp = config.parallel.pipeline_parallel_size
+        if pp > 1:
+            sched_kwargs["pipeline_parallel_size"] = pp
         if self.kv_connector is not None:
             self.kv_connector.bind_block_hasher(self.kv_cache_manager.ensure_block_hashes)
             pool = getattr(self.kv_cache_manager, "block_pool", None)
@@ -101,6 +127,9 @@ class EngineCore:
                 raise ConfigError("lora.modules", f"{name}={path}", "", message=str(e)) from None
         self._observers: list[StepObserver] = []
         self._num_steps = 0
+        # Batches in flight, oldest first (only with max_concurrent_batches > 1).
+        self._max_batches = max(1, executor.max_concurrent_batches)
+        self._batch_queue: deque[_InFlightBatch] = deque()
         # Per-step stats as a Chrome trace (observability.trace_file): an observer like any.
         trace = StepTrace.from_config(config.observability)
         if trace is not None:
@@ -290,11 +319,19 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        """Batches sent to the executor whose output has not been taken yet."""
+        return len(self._batch_queue)
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduling step; return every request's new tokens and finishes."""
+        """Run one scheduling step; return every request's new tokens and finishes. With a
+        batch queue, a step that only sent a batch returns nothing (the next takes it)."""
+        if self._max_batches > 1:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         if self._observers:
@@ -350,6 +387,42 @@ class EngineCore:
                           stats=self.scheduler.stats(), split=split)
         for observer in tuple(self._observers):
             observer.on_step(event)
+        return outputs
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        queue = self._batch_queue
+        perf = time.perf_counter
+        observed = bool(self._observers)
+        if len(queue) < self._max_batches and self.scheduler.has_unfinished_requests():
+            t0 = perf()
+            so = self.scheduler.schedule()
+            t1 = perf()
+            # The runner must hear of finished and preempted requests even in an empty batch.
+            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+                split = (split_prefill_decode(so, getattr(self.scheduler, "get_request", None))
+                         if observed else None)
+                future = self.executor.execute_model(so, non_block=True)
+                queue.append(_InFlightBatch(future, so, self._num_steps, t0, t1 - t0, split))
+                self._num_steps += 1
+                if len(queue) < self._max_batches and not so.is_empty:
+                    return []  # room for another batch: schedule it before waiting on this one
+            elif not queue:  # nothing to compute nor to wait for (outputs of refused requests)
+                return self._update(so, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        if not queue:
+            return []
+        batch = queue.popleft()
+        t2 = perf()
+        runner_output = batch.future.result()
+        t3 = perf()
+        outputs = self._update(batch.scheduler_output, runner_output)
+        if observed:
+            event = StepEvent(step=batch.step, start_s=batch.start_s,
+                              schedule_s=batch.schedule_s, execute_s=t3 - t2,
+                              update_s=perf() - t3, scheduler_output=batch.scheduler_output,
+                              runner_output=runner_output, outputs=outputs,
+                              stats=self.scheduler.stats(), split=batch.split)
+            for observer in tuple(self._observers):
+                observer.on_step(event)
         return outputs
 
     def request_states(self) -> list[RequestState]:

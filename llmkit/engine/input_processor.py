@@ -181,7 +181,7 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]], apply_template: Any,
         return load_image_url(url, max_bytes=config.multimodal.max_image_bytes,
                               allowed_domains=config.server.allowed_media_domains)
 
-    placeholder = mm_processor.image_token if mm_processor is not None else None
+    placeholder = mm_processor.placeholder if mm_processor is not None else None
     plain, images = split_image_parts(messages, placeholder, load)
     ids = apply_template(plain)
     if not images:

@@ -37,7 +37,16 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its output. An executor whose
+        ``max_concurrent_batches`` is above 1 also takes ``non_block=True`` and then returns a
+        :class:`StepFuture` at once (the step runs while the engine schedules the next)."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps may be in flight at once (vLLM's name): the pipeline's stages, so
+        that each computes a batch while the others do; 1 = one step at a time."""
+        return 1
 
     #: Whether this executor serves LoRA adapters (``add_lora`` / ``remove_lora``); the
     #: engine refuses ``lora.enabled`` at start-up otherwise.
@@ -62,3 +71,24 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Release workers and their memory."""
+
+
+class StepFuture(ABC):
+    """A step in flight (``execute_model(..., non_block=True)``). The engine takes results in
+    the order it sent the steps."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """The step's output; blocks until it is there (raises what the step raised)."""
+
+
+class DoneFuture(StepFuture):
+    """A step whose output is known already (nothing ran, or it ran synchronously)."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output

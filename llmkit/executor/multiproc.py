@@ -2,8 +2,10 @@
 MultiprocExecutor).
 
 Each step's ``SchedulerOutput`` is encoded once and written to a shared-memory ring that every
-worker reads (``llmkit.distributed.shm_broadcast``); only rank 0, the output rank, sends the
-step's result back. The executor waits on the workers' pipes *and* their process sentinels, so
+worker reads (``llmkit.distributed.shm_broadcast``); only the output rank (rank 0, or under
+pipeline parallel the first rank of the last stage) sends the step's result back. With
+``pipeline_parallel_size`` stages, up to that many steps are in flight (``non_block=True``
+returns a :class:`StepFuture`; the results come back in step order). The executor waits on the workers' pipes *and* their process sentinels, so
 a worker that dies (killed, out of memory, a failed step) fails the engine at once with its
 rank and exit code, never a hang.
 
@@ -26,7 +28,7 @@ from typing import Any
 
 from llmkit.config.schema import EngineConfig
 from llmkit.distributed.shm_broadcast import ShmRingBuffer
-from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts, StepFuture
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
 from llmkit.executor.worker_proc import (OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR, TAG_KV_READY,
@@ -70,6 +72,12 @@ class MultiprocExecutor(Executor):
         source = model_source or resolve_model_source(config.model)
         check_parallel_config(config, source.hf_config, platform)
         self.world_size = config.parallel.world_size
+        self._pp = config.parallel.pipeline_parallel_size
+        # the first rank of the last pipeline stage answers each step
+        self.output_rank = self.world_size - config.parallel.tensor_parallel_size
+        # steps sent and results taken, counted from 0 (results come back in order)
+        self._num_sent = self._num_received = 0
+        self._results: dict[int, ModelRunnerOutput] = {}
         self._failed: str | None = None
         self.workers: list[_WorkerHandle] = []
         self.ring: ShmRingBuffer | None = None
@@ -101,10 +109,11 @@ class MultiprocExecutor(Executor):
             raise
         logger.info("multiproc executor: worker pids %s",
                     " ".join(f"rank{w.rank}={w.proc.pid}" for w in self.workers))
-        first: WorkerReady = ready[0]
+        first: WorkerReady = ready[self.output_rank]
         self._facts: ModelFacts = first.model_facts
         self._backend: BackendInfo = first.backend_info
-        # Every rank holds its own KV heads for every block: a block costs the sum.
+        # Every rank holds its own KV heads of its own layers for every block: a block costs
+        # the sum.
         self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
 
     # -- the executor interface ------------------------------------------------------------
@@ -124,10 +133,26 @@ class MultiprocExecutor(Executor):
         for w in self.workers:
             self._recv(w, TAG_KV_READY)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._pp
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | StepFuture:
         self._broadcast(OP_EXECUTE + self._encoder.encode(scheduler_output))
-        data = self._recv(self.workers[0], TAG_OUTPUT)
-        return self._decoder.decode_output(memoryview(data)[1:])
+        seq = self._num_sent
+        self._num_sent += 1
+        future = _MultiprocStepFuture(self, seq)
+        return future if non_block else future.result()
+
+    def _result(self, seq: int) -> ModelRunnerOutput:
+        """Step ``seq``'s output: the output rank's replies are read in order until it is in."""
+        while self._num_received <= seq:
+            data = self._recv(self.workers[self.output_rank], TAG_OUTPUT)
+            self._results[self._num_received] = self._decoder.decode_output(
+                memoryview(data)[1:])
+            self._num_received += 1
+        return self._results.pop(seq)
 
     def shutdown(self) -> None:
         atexit.unregister(self.shutdown)
@@ -199,3 +224,14 @@ class MultiprocExecutor(Executor):
         self._failed = f"worker rank {w.rank} (pid {w.proc.pid}) failed: {why}"
         logger.error("%s", self._failed)
         raise WorkerDiedError(self._failed)
+
+
+class _MultiprocStepFuture(StepFuture):
+    __slots__ = ("_executor", "_seq")
+
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        self._executor = executor
+        self._seq = seq
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._result(self._seq)

@@ -61,9 +61,6 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     is not supported yet."""
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    if pp > 1:
-        raise ConfigError("parallel.pipeline_parallel_size", pp, "1 (pipeline parallel is not "
-                          "implemented yet)")
     if par.data_parallel_size > 1:
         raise ConfigError("parallel.data_parallel_size", par.data_parallel_size,
                           "1 (data parallel is not implemented yet)")
@@ -76,12 +73,17 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     if spec.enabled or spec.target:
         raise ConfigError("speculative.name", spec.name, "none with several workers "
                           "(speculative decoding under tensor parallel is not implemented yet)")
+    if pp > 1:
+        check_pipeline_parallel(config, hf_config)
     if distributed_backend(config, platform) == "nccl" and platform.device.type != "cuda":
         raise ConfigError("parallel.distributed_backend", "nccl", "auto or gloo on a CPU")
     world = par.world_size
     limit, why = max_ranks(platform)
     if world > limit:
-        raise ConfigError("parallel.tensor_parallel_size", tp,
+        # the key of the size that went past (PP's when both are set and TP alone fits)
+        over_pp = pp > 1 and tp <= limit
+        raise ConfigError("parallel.pipeline_parallel_size" if over_pp
+                          else "parallel.tensor_parallel_size", pp if over_pp else tp,
                           f"at most {limit} ranks in all on this machine ({why}); "
                           f"tensor_parallel_size * pipeline_parallel_size = {world}")
     heads = hf_config.num_attention_heads
@@ -93,7 +95,24 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
         raise ConfigError("parallel.tensor_parallel_size", tp,
                           f"a divisor or a multiple of the model's {kv_heads} KV heads")
     _check_mlp_split(hf_config, moe, tp, par.enable_expert_parallel)
+
+
+def check_pipeline_parallel(config: EngineConfig, hf_config) -> None:
+    """What pipeline parallel cannot serve (yet): too many stages, a model that does not
+    split into stages, and the features that need every layer in one process."""
+    from llmkit.models.registry import get_model_class
+
+    pp = config.parallel.pipeline_parallel_size
+    key = "parallel.pipeline_parallel_size"
+    cls = get_model_class(hf_config)
+    if not getattr(cls, "supports_pp", False):
+        raise ConfigError(key, pp, f"1 for {cls.__name__} (it does not split into pipeline "
+                          "stages)")
     layers = hf_config.num_hidden_layers
     if pp > layers:
-        raise ConfigError("parallel.pipeline_parallel_size", pp,
-                          f"at most the model's {layers} layers")
+        raise ConfigError(key, pp, f"at most the model's {layers} layers (one per stage)")
+    # LoRA's slots are built for every layer in one runner. (Speculative decoding is refused
+    # above for any several workers; KV connectors are refused by kv_connector_class.)
+    if config.lora.enabled:
+        raise ConfigError("lora.enabled", True, f"false with {key}={pp} (LoRA adapters are "
+                          "not served across pipeline stages)")

@@ -3,8 +3,10 @@ existing cluster (``executor.ray_address``) or a local one started here (vLLM's
 RayDistributedExecutor, without compiled graphs).
 
 Each step's ``SchedulerOutput`` is encoded once and put into Ray's object store once; every
-actor receives the same object reference (Ray's broadcast, not a pickle per worker). Rank 0's
-reply is the step's output. An actor that dies fails the step with Ray's error at once (the
+actor receives the same object reference (Ray's broadcast, not a pickle per worker). The output
+rank's reply (rank 0; the first rank of the last stage under pipeline parallel) is the step's
+output; with ``pipeline_parallel_size`` stages up to that many steps are in flight (an actor
+runs its calls in the order they were made). An actor that dies fails the step with Ray's error at once (the
 executor waits on every rank's reply, so a dead rank never leaves it waiting on rank 0).
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 from typing import Any
 
 from llmkit.config.schema import EngineConfig
-from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, Executor, ModelFacts, StepFuture
 from llmkit.executor.multiproc import WorkerDiedError, threads_per_rank
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
@@ -53,7 +55,7 @@ class RayWorker:
 
     def execute_model(self, step: bytes) -> bytes | None:
         out = self.worker.execute_model(self._decoder.decode(step))
-        return self._encoder.encode_output(out) if self.rank == 0 else None
+        return self._encoder.encode_output(out) if self.worker.is_output_rank else None
 
 
 class RayExecutor(Executor):
@@ -105,8 +107,11 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._facts: ModelFacts = ready[0].model_facts
-        self._backend: BackendInfo = ready[0].backend_info
+        out = world - config.parallel.tensor_parallel_size  # the output rank
+        self._output_rank = out
+        self._pp = config.parallel.pipeline_parallel_size
+        self._facts: ModelFacts = ready[out].model_facts
+        self._backend: BackendInfo = ready[out].backend_info
         self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
         logger.info("ray executor: %d actors (%s each), cluster %s", world, device,
                     address or "local")
@@ -125,10 +130,20 @@ class RayExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._get([a.initialize_kv_cache.remote(num_blocks) for a in self.actors])
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._pp
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | StepFuture:
+        if self._failed is not None:
+            raise WorkerDiedError(self._failed)
         step = self._ray.put(self._encoder.encode(scheduler_output))  # once, for every actor
-        results = self._get([a.execute_model.remote(step) for a in self.actors])
-        return self._decoder.decode_output(results[0])
+        future = _RayStepFuture(self, [a.execute_model.remote(step) for a in self.actors])
+        return future if non_block else future.result()
+
+    def _output(self, refs: list) -> ModelRunnerOutput:
+        return self._decoder.decode_output(self._get(refs)[self._output_rank])
 
     def _get(self, refs: list) -> list:
         """Every rank's result; the first failure (a dead actor, a raised step) raises at
@@ -166,3 +181,14 @@ class RayExecutor(Executor):
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+
+
+class _RayStepFuture(StepFuture):
+    __slots__ = ("_executor", "_refs")
+
+    def __init__(self, executor: RayExecutor, refs: list) -> None:
+        self._executor = executor
+        self._refs = refs
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._output(self._refs)

@@ -22,7 +22,8 @@ from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode import ProposerEnv, build_proposer
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
 from llmkit.worker.model_runner import ModelRunner
-from llmkit.worker.model_setup import describe_backend, linear_method_factory, resolve_dtype
+from llmkit.worker.model_setup import (describe_backend, linear_method_factory, resolve_dtype,
+                                       resolve_kv_cache_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class UniprocExecutor(Executor):
             max_model_len=source.max_model_len,
             block_size=config.kv_cache.block_size,
             num_lookahead_tokens=config.scheduler.num_lookahead_tokens,
-            kv_cache_dtype=dtype,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache.cache_dtype, dtype),
             device=platform.device,
         )
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(

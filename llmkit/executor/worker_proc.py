@@ -3,8 +3,9 @@ runs a :class:`Worker` and reads every step from the shared-memory ring.
 
 Messages on the ring start with an opcode byte: ``E`` a step (``SchedulerOutput`` as msgpack),
 ``K`` allocate the KV cache (8-byte block count), ``S`` stop. Replies go back on the rank's
-own pipe, first byte a tag: ``R`` ready (pickled facts, once), ``O`` rank 0's step output
-(msgpack), ``k`` KV cache allocated, ``X`` an error (the worker exits after it).
+own pipe, first byte a tag: ``R`` ready (pickled facts, once), ``O`` the output rank's step
+output (msgpack; the output rank is the first of the last pipeline stage), ``k`` KV cache
+allocated, ``X`` an error (the worker exits after it).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def build_worker(spec: WorkerSpec):
     import torch
 
     from llmkit.config.schema import EngineConfig
-    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.distributed.group import initialize_model_parallel
     from llmkit.platforms import resolve_platform
     from llmkit.worker.worker import Worker
 
@@ -82,7 +83,9 @@ def build_worker(spec: WorkerSpec):
     torch.set_num_threads(spec.num_threads)  # this rank's share of the cores
     torch.distributed.init_process_group(spec.backend, init_method=spec.init_method,
                                          rank=spec.rank, world_size=spec.world_size)
-    return Worker(config, platform, tp=TensorParallelGroup(spec.rank, spec.world_size))
+    tp, pp = initialize_model_parallel(spec.rank, config.parallel.tensor_parallel_size,
+                                       config.parallel.pipeline_parallel_size)
+    return Worker(config, platform, tp=tp, pp=pp)
 
 
 def _serve(spec: WorkerSpec, ring_handle, conn) -> None:
@@ -94,7 +97,7 @@ def _serve(spec: WorkerSpec, ring_handle, conn) -> None:
     conn.send_bytes(TAG_READY + pickle.dumps(WorkerReady(
         worker.kv_cache_bytes_per_block(), worker.model_facts, worker.backend_info)))
     decoder, encoder = StepDecoder(), StepEncoder()
-    output_rank = spec.rank == 0
+    output_rank = worker.is_output_rank
 
     def check_parent() -> None:
         if os.getppid() != spec.parent_pid:

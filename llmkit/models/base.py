@@ -16,6 +16,7 @@ from torch import nn
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.distributed.group import TensorParallelGroup
+from llmkit.distributed.pipeline import PipelineParallelGroup
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.torch_linear import TorchLinearMethod
 from llmkit.models.layers.linear import Linear
@@ -26,7 +27,8 @@ from llmkit.ops.base import ModelOps
 class ModelContext:
     """What a model is built with: its dtype, the attention backend, the platform's ops, the
     factory of linear methods (one per linear layer it declares) and its tensor-parallel group
-    (the model builds its rank's heads; ``linear_method`` already splits the layers)."""
+    (the model builds its rank's heads; ``linear_method`` already splits the layers) and
+    pipeline stage."""
 
     attn_backend: AttentionBackend
     dtype: torch.dtype = torch.float32
@@ -36,6 +38,9 @@ class ModelContext:
     # parallel.enable_expert_parallel: a MoE model splits its experts over the tp ranks
     # (whole experts per rank) instead of every expert's intermediate dimension
     enable_expert_parallel: bool = False
+    # its pipeline stage: a model that declares ``supports_pp = True`` builds only that
+    # stage's layers (the others absent: PPMissingLayer)
+    pp: PipelineParallelGroup = PipelineParallelGroup()
     # model.quantization as resolved (none, gguf, int8, fp8): with gguf the loader hands a
     # GGUF's kept blocks to the linear methods, which must be quantized ones
     quantization: str = "none"

@@ -21,6 +21,7 @@ VISION_ACTIVATIONS = {
     "quick_gelu": quick_gelu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
 }
 
 

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear
 from llmkit.models.layers.moe import FusedMoE
 from llmkit.models.layers.norm import RMSNorm
+from llmkit.models.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers
 from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from llmkit.ops.base import RotaryTables
 from llmkit.linear.base import copy_weight
@@ -30,6 +32,19 @@ STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+
+
+def fused_target(prefix: str) -> tuple[str, str | None]:
+    """A checkpoint module name -> the fused layer that holds it and the shard id
+    (``...self_attn.k_proj`` -> ``(...self_attn.qkv_proj, "k")``); others pass unchanged."""
+    for fused, part, shard_id in STACKED_PARAMS:
+        if prefix.endswith(f".{part}"):
+            return prefix[:-len(part)] + fused, shard_id
+    return prefix, None
+
+
+# Qwen2 and the language models of Qwen2-VL / Qwen2.5-VL: biases on q, k, v (not o).
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Checkpoint tensors that carry no parameter.
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -54,7 +69,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or config.model_type == "qwen2" or \
+        qkv_bias = attention_bias or config.model_type in QKV_BIAS_MODEL_TYPES or \
             bool(getattr(config, "qkv_bias", False))  # qwen2_moe
         self.qkv_proj = MergedLinear(
             f"{prefix}.qkv_proj", config.hidden_size,
@@ -151,13 +166,23 @@ class LlamaModel(nn.Module):
                  make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         head_dim = _head_dim(config)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
-                                           ctx.tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"{prefix}.layers.{i}", ctx,
-                              make_mlp and make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i))
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
+        pp = ctx.pp
+        # Pipeline parallel: the first stage embeds; the last needs the matrix too when the LM
+        # head is tied to it (vLLM's rule). Other stages' layers are absent (PPMissingLayer).
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if pp.is_first_rank or (tied and pp.is_last_rank):
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size,
+                                               ctx.dtype, ctx.tp)
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(
+                config, f"{prefix}.layers.{i}", ctx,
+                make_mlp and make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i)), pp)
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
+                     if pp.is_last_rank else PPMissingLayer())
         inv_freq, attention_scaling = compute_inv_freq(config, head_dim)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, inv_freq,
                                           attention_scaling, ctx.dtype,
@@ -165,13 +190,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        # The embedding is a fresh tensor this forward owns: the residual stream updates it.
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            # The embedding is a fresh tensor this forward owns: the residual stream updates it.
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+            residual = None
+        else:  # the previous stage's (received into fresh buffers this forward owns)
+            x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         rope = self.rotary_emb.lookup(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        # kv_caches holds this stage's layers only, in order
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
@@ -180,6 +213,8 @@ class LlamaForCausalLM(CausalLM):
     """Registered for ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
     ``Qwen3ForCausalLM``."""
 
+    #: the layers split into pipeline stages (``ModelContext.pp``)
+    supports_pp = True
     packed_modules_mapping = {fused: [part for f, part, _ in STACKED_PARAMS if f == fused]
                               for fused, _, _ in STACKED_PARAMS}
 
@@ -192,16 +227,23 @@ class LlamaForCausalLM(CausalLM):
                              "(only full_attention)")
         self.model = LlamaModel(config, prefix, ctx, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear.build("lm_head", config.hidden_size, config.vocab_size,
-                                    bias=False, dtype=ctx.dtype, linear_method=ctx.linear_method,
-                                    parallel="column", gather_output=True)
-        if self.tie_word_embeddings:  # the head's method computes with the embedding matrix
+        if not ctx.pp.is_last_rank:  # only the last pipeline stage computes logits
+            self.lm_head = PPMissingLayer()
+        else:
+            self.lm_head = Linear.build("lm_head", config.hidden_size, config.vocab_size,
+                                        bias=False, dtype=ctx.dtype,
+                                        linear_method=ctx.linear_method, parallel="column",
+                                        gather_output=True)
+        if self.tie_word_embeddings and ctx.pp.is_last_rank:
+            # the head's method computes with the embedding matrix
             self.lm_head.weight = self.model.embed_tokens.weight
             # (a quantized method multiplies with the embedding's packed rows instead)
             self.lm_head.method.tied_embedding = self.model.embed_tokens
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = self.model.layers[0].self_attn.num_heads
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        # this stage's layers: the KV cache holds these only
+        self.num_layers = self.model.end_layer - self.model.start_layer
+        first = self.model.layers[self.model.start_layer]
+        self.num_heads = first.self_attn.num_heads
+        self.num_kv_heads = first.self_attn.num_kv_heads
         self.head_dim = _head_dim(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
@@ -214,8 +256,13 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states, or (a pipeline stage before the last) the tensors the
+        next stage continues from."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds,
+                          intermediate_tensors)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -229,7 +276,7 @@ class LlamaForCausalLM(CausalLM):
         embeddings = {f"{name}.weight": m for name, m in self.named_modules()
                       if isinstance(m, VocabEmbedding)}
         if self.tie_word_embeddings:
-            del linears["lm_head"]
+            linears.pop("lm_head", None)
         experts = tuple(f"{name}." for name, m in self.named_modules() if isinstance(m, FusedMoE))
         params = {name: p for name, p in self.named_parameters()
                   if name.rpartition(".")[0] not in linears and name != "lm_head.weight"
@@ -239,16 +286,12 @@ class LlamaForCausalLM(CausalLM):
         expected |= {(name, None) for name in params}
         loaded = set()
         for name, tensor in weights:
-            if name.endswith(IGNORED_WEIGHTS):
-                continue
+            if name.endswith(IGNORED_WEIGHTS) or is_pp_missing(self, name):
+                continue  # (another pipeline stage's weights)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # a tied checkpoint that also stores the output matrix
             prefix, _, attr = name.rpartition(".")
-            shard = None
-            for fused, part, shard_id in STACKED_PARAMS:
-                if prefix.endswith(f".{part}"):
-                    prefix, shard = prefix[:-len(part)] + fused, shard_id
-                    break
+            prefix, shard = fused_target(prefix)
             layer = linears.get(prefix)
             if layer is not None:
                 layer.load_weight(attr, tensor, shard)

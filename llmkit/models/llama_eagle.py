@@ -24,7 +24,7 @@ from llmkit.linear.base import copy_weight
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
-from llmkit.models.llama import IGNORED_WEIGHTS, STACKED_PARAMS, LlamaDecoderLayer, _head_dim
+from llmkit.models.llama import IGNORED_WEIGHTS, LlamaDecoderLayer, _head_dim, fused_target
 
 # Checkpoint tensors that are the target's (shared, never loaded from the head).
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -76,11 +76,7 @@ class EagleLlamaHead(nn.Module):
             if name.endswith(IGNORED_WEIGHTS) or name in SHARED_WITH_TARGET:
                 continue
             prefix, _, attr = name.rpartition(".")
-            shard = None
-            for fused, part, shard_id in STACKED_PARAMS:
-                if prefix.endswith(f".{part}"):
-                    prefix, shard = prefix[:-len(part)] + fused, shard_id
-                    break
+            prefix, shard = fused_target(prefix)
             layer = linears.get(prefix)
             if layer is not None:
                 layer.load_weight(attr, tensor, shard)

@@ -1,5 +1,5 @@
-"""LLaVA (``LlavaForConditionalGeneration``): a CLIP vision tower, a two-layer MLP projector
-and a Llama-family language model.
+"""LLaVA (``LlavaForConditionalGeneration``): a CLIP or SigLIP vision tower, a two-layer MLP
+projector and a Llama-family language model.
 
 The language model is ``LlamaForCausalLM`` itself, built from the config's ``text_config``
 with the same ``ModelContext``: its forward (paged attention, platform ops, linear methods) is
@@ -20,6 +20,10 @@ from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.clip import CLIPVisionModel, num_layers_to_feature
 from llmkit.models.interfaces import SupportsMultiModal
 from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.siglip import SiglipVisionModel
+
+# vision_config.model_type -> tower class.
+VISION_TOWERS = {"clip_vision_model": CLIPVisionModel, "siglip_vision_model": SiglipVisionModel}
 
 PROJECTOR_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
                          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -54,10 +58,12 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 def llava_num_image_tokens(hf_config) -> int:
-    """Placeholder tokens per image: one per patch, plus CLS under the ``full`` strategy."""
+    """Placeholder tokens per image: one per patch (plus CLIP's CLS), less the first under the
+    ``default`` strategy (which drops it: CLIP's CLS, SigLIP's first patch, as HF does)."""
     vc = hf_config.vision_config
     patches = (vc.image_size // vc.patch_size) ** 2
-    return patches + (1 if hf_config.vision_feature_select_strategy == "full" else 0)
+    cls = 1 if vc.model_type == "clip_vision_model" else 0
+    return patches + cls - (1 if hf_config.vision_feature_select_strategy == "default" else 0)
 
 
 class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
@@ -72,17 +78,17 @@ class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
                              "(default, full)")
         vc, tc = hf_config.vision_config, hf_config.text_config
-        if vc.model_type != "clip_vision_model":
+        if vc.model_type not in VISION_TOWERS:
             raise ValueError(f"LLaVA vision tower {vc.model_type!r} is not supported "
-                             "(clip_vision_model)")
+                             f"({', '.join(VISION_TOWERS)})")
         self.drop_cls = strategy == "default"
         self.image_token_id = int(getattr(hf_config, "image_token_id", None)
                                   if getattr(hf_config, "image_token_id", None) is not None
                                   else hf_config.image_token_index)
         # The vision tower is small next to the LM and runs once per image: plain torch
         # modules in the model's dtype rather than the platform's linear methods.
-        self.vision_tower = CLIPVisionModel(vc, num_layers_to_feature(vc, feature_layer),
-                                            ctx.dtype)
+        self.vision_tower = VISION_TOWERS[vc.model_type](
+            vc, num_layers_to_feature(vc, feature_layer), ctx.dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(
             vc.hidden_size, tc.hidden_size, hf_config.projector_hidden_act,
             bool(getattr(hf_config, "multimodal_projector_bias", True)), ctx.dtype)
@@ -105,7 +111,8 @@ class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
 
-    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed_multimodal(self, pixel_values: torch.Tensor,
+                         grid_thw: tuple[int, int, int] | None = None) -> torch.Tensor:
         features = self.vision_tower(pixel_values.to(self.dtype))
         if self.drop_cls:
             features = features[:, 1:]
@@ -150,8 +157,9 @@ def _rename(name: str) -> str:
 
 
 def _unused_vision_weight(name: str, num_layers: int) -> bool:
-    """Layers past the feature layer, and the final norm, that the LM never reads."""
-    if name.startswith("vision_tower.post_layernorm."):
+    """Layers past the feature layer, the final norm and SigLIP's pooling head, that the LM
+    never reads."""
+    if name.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
         return True
     prefix = "vision_tower.encoder.layers."
     if name.startswith(prefix):

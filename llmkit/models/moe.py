@@ -104,6 +104,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Registered for ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
     ``Qwen3MoeForCausalLM``."""
 
+    # Pipeline stages of a MoE model are not tested yet: refused at start-up.
+    supports_pp = False
+
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         if ctx.quantization != "none":
             # the linear methods would quantize attention and the router but not the experts,

@@ -15,6 +15,8 @@ for _arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
     MODELS.register_lazy(_arch, "llmkit.models.moe.MoeForCausalLM")
 MODELS.register_lazy("LlavaForConditionalGeneration",
                      "llmkit.models.llava.LlavaForConditionalGeneration")
+for _arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+    MODELS.register_lazy(_arch, "llmkit.models.qwen2_vl.Qwen2VLForConditionalGeneration")
 
 
 class UnsupportedModelError(ValueError):

@@ -6,7 +6,7 @@ and bytes — so that it crosses from the API process to the engine core like th
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -29,7 +29,9 @@ class PlaceholderRange(NamedTuple):
 class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True):
     """One image of a prompt: ``identifier`` is its content hash (the encoder cache's key and
     part of the prefix-cache block hashes), ``offset``/``length`` its placeholder tokens,
-    ``pixel_values`` its encoder input (float32, C-order, of ``shape``)."""
+    ``pixel_values`` its encoder input (float32, C-order, of ``shape``); ``grid_thw`` the
+    patch grid (temporal, height, width) of an encoder that takes images of any size
+    (Qwen2-VL), empty for a fixed-size one."""
 
     identifier: str
     offset: int
@@ -37,6 +39,7 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
     pixel_values: bytes = b""
     shape: list[int] = []
     modality: str = "image"
+    grid_thw: list[int] = []
 
     @property
     def mm_position(self) -> PlaceholderRange:
@@ -44,9 +47,11 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
 
     @classmethod
     def from_array(cls, identifier: str, offset: int, length: int,
-                   pixels: np.ndarray, modality: str = "image") -> "MultiModalFeatureSpec":
+                   pixels: np.ndarray, modality: str = "image",
+                   grid_thw: Sequence[int] = ()) -> "MultiModalFeatureSpec":
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
-        return cls(identifier, offset, length, pixels.tobytes(), list(pixels.shape), modality)
+        return cls(identifier, offset, length, pixels.tobytes(), list(pixels.shape), modality,
+                   [int(v) for v in grid_thw])
 
     def pixel_tensor(self) -> "torch.Tensor":
         """The encoder input as a tensor (a copy: the bytes are immutable)."""

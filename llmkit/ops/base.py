@@ -6,7 +6,8 @@ op sequence); a platform hands a model its own subclass: llmkit's C++ kernels on
 it runs on: it calls ``self.ops.<op>``.
 
 Conventions: activations are ``[tokens, hidden]`` (or ``[tokens, heads, head_dim]``); the KV
-cache of a layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+cache of a layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (rows of
+``head_dim + 4`` bytes for a quantized cache: ``llmkit.kernels.kv_quant``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.ops.moe import fused_moe_grouped, fused_topk
+from llmkit.kernels.kv_quant import read_rows, to_cache_rows
 
 
 @dataclass(slots=True)
@@ -100,19 +102,19 @@ class ModelOps:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, has_skipped_slots: bool | None = None) -> None:
-    """Store this step's K/V at their slots in the paged cache (slot -1 is skipped).
-    ``has_skipped_slots``: whether any slot is -1, when the caller knows (else it is checked,
-    which costs a host sync per call)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    """Store this step's K/V at their slots in the paged cache (slot -1 is skipped), quantized
+    where the cache is (``llmkit.kernels.kv_quant``). ``has_skipped_slots``: whether any slot is
+    -1, when the caller knows (else it is checked, which costs a host sync per call)."""
+    flat = kv_cache.view(2, -1, k.shape[1], kv_cache.shape[-1])
     n = slot_mapping.shape[0]
     if has_skipped_slots is None:
         has_skipped_slots = bool(n and (slot_mapping < 0).any())
     if n and has_skipped_slots:
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[:n][keep], v[:n][keep]
-    flat[0].index_copy_(0, slot_mapping, k[: slot_mapping.shape[0]].to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, v[: slot_mapping.shape[0]].to(flat.dtype))
+    n = slot_mapping.shape[0]
+    flat[0].index_copy_(0, slot_mapping, to_cache_rows(k[:n], flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, to_cache_rows(v[:n], flat.dtype))
 
 
 def paged_decode_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
@@ -124,8 +126,8 @@ def paged_decode_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
     b, h, d = q.shape
     hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
     nb = block_table.shape[1]
-    k = kv_cache[0][block_table.long()].reshape(b, nb * bs, hkv, d)
-    v = kv_cache[1][block_table.long()].reshape(b, nb * bs, hkv, d)
+    k = read_rows(kv_cache[0][block_table.long()], torch.float32).reshape(b, nb * bs, hkv, d)
+    v = read_rows(kv_cache[1][block_table.long()], torch.float32).reshape(b, nb * bs, hkv, d)
     valid = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens.view(b, 1).long()
     o = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), k.transpose(1, 2).float(), v.transpose(1, 2).float(),

@@ -48,6 +48,10 @@ class CachedRequestData:
     # Where ``new_block_ids`` start in the request's block list: the blocks the runner holds
     # past it were given back (slots of rejected draft tokens).
     block_ids_offset: list[int] = field(default_factory=list)
+    # Pipeline parallel only (else empty): each request's tokens this step computes, from
+    # ``num_computed_tokens`` on. Ranks before the last stage never sample, so this is how they
+    # learn the tokens the last stage sampled (vLLM's ``new_token_ids``).
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

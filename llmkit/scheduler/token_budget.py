@@ -43,8 +43,16 @@ class TokenBudgetScheduler(Scheduler):
         drop_last_cached_block: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
         kv_connector: KVConnectorBase | None = None,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = config
+        # Pipeline parallel: the engine keeps up to this many batches in flight. Each batch
+        # takes at most 1/pp of the running requests (so that decode batches interleave), and
+        # carries the tokens it computes for the stages that do not sample.
+        self.pipeline_parallel_size = pipeline_parallel_size
+        # Requests in a batch whose output has not come back yet: never scheduled again (nor
+        # preempted) until it has. Empty between steps of a synchronous engine.
+        self._in_flight: set[str] = set()
         # Multi-LoRA: at most this many distinct adapters in one step (None = no limit), and
         # the starvation bound of a waiting request passed over for lack of a slot.
         self.max_loras = max_loras
@@ -164,9 +172,16 @@ class TokenBudgetScheduler(Scheduler):
         loras: set[int] = set()
 
         # 1. Running requests, in admission order: each continues its prefill or decodes.
+        pp = self.pipeline_parallel_size
+        in_flight = self._in_flight
+        max_running = -(-len(self.running) // pp) if pp > 1 else len(self.running)
+        num_running = 0
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and num_running < max_running:
             req = self.running[i]
+            if in_flight and req.request_id in in_flight:
+                i += 1
+                continue
             n = self._num_new_tokens(req, budget)
             if n > 0 and not self._lora_fits(req, loras):
                 n = 0
@@ -192,8 +207,9 @@ class TokenBudgetScheduler(Scheduler):
                     self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self._pending_outputs.append(self._output(req, []))
                     break
-                # Only requests not yet scheduled this step may be preempted.
-                victim = pick_victim(self.running[i:], cfg.preemption_policy)
+                # Only requests not yet scheduled this step (nor in flight) may be preempted.
+                victim = pick_victim([r for r in self.running[i:]
+                                      if r.request_id not in in_flight], cfg.preemption_policy)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted_ids.add(victim.request_id)
@@ -217,6 +233,10 @@ class TokenBudgetScheduler(Scheduler):
             cached.num_computed_tokens.append(req.num_computed_tokens)
             cached.block_ids_offset.append(len(kv.get_block_ids(req.request_id))
                                            - len(new_blocks))
+            if pp > 1:
+                c0 = req.num_computed_tokens
+                cached.new_token_ids.append(req.all_token_ids[c0:c0 + n])
+            num_running += 1
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt (blocks are scarce). One whose
@@ -328,6 +348,7 @@ class TokenBudgetScheduler(Scheduler):
         # The step's tokens count as computed from now: the next schedule() builds on them.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        in_flight.update(num_scheduled)
 
         total = cfg.max_num_batched_tokens - budget
         self._step_tokens = total
@@ -495,7 +516,9 @@ class TokenBudgetScheduler(Scheduler):
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
         stopped: list[Request] = []
+        in_flight = self._in_flight
         for req_id in scheduler_output.num_scheduled_tokens:
+            in_flight.discard(req_id)
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran

@@ -56,6 +56,11 @@ def _model_overrides(args: Any) -> list[str]:
     return []
 
 
+def _devices(cm: dict) -> str:
+    tp, pp = cm.get("tensor_parallel_size") or 1, cm.get("pipeline_parallel_size") or 1
+    return f"{tp * pp} (TP={tp} x PP={pp})" if pp > 1 else str(tp)
+
+
 def format_sim_block(result: dict) -> str:
     sim = result.get("sim") or {}
     hw = sim.get("hardware") or {}
@@ -67,7 +72,7 @@ def format_sim_block(result: dict) -> str:
 
     lines = [
         f"simulated: {model.get('name')} ({model.get('num_params', 0) / 1e9:.2f} B params, "
-        f"{cm.get('dtype')}) on {hw.get('name')} x{cm.get('tensor_parallel_size')}",
+        f"{cm.get('dtype')}) on {hw.get('name')} x{_devices(cm)}",
         f"  KV pool {sim.get('num_kv_blocks')} blocks = {sim.get('kv_capacity_tokens')} tokens; "
         f"max_model_len {sim.get('max_model_len')}",
         f"  {sim.get('steps')} steps, mean {sim.get('mean_step_ms') or 0:.2f} ms "

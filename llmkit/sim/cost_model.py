@@ -22,6 +22,20 @@ of ``p`` tensor-parallel ranks::
               + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
     step    = base / (1 − min(0.9, c_fe · R))              R: tokens/s the front end streams
 
+**Pipeline parallel** (``pipeline_parallel_size`` ``s`` > 1): the layers split into stages as
+the engine splits them (``get_pp_indices``); stage ``k`` computes its ``L_k`` layers with the
+terms above (the first also the embedding gather, the last the LM head), and between stages the
+hidden states and residual cross the link::
+
+    stage_k  = max(compute_k, memory_k) + comm_k + L_k·t_layer + (L_k/L)·(T·t_token + C·t_context)
+    transfer = α + 2·T·h·b_a / (B_link · η_l)
+    engine   = t_step + n·t_seq                  the engine's CPU work, once per batch
+    step     = engine + Σ_k stage_k + (s − 1)·transfer      one batch alone through the pipe
+
+A batch alone leaves every stage but one idle (the bubble); the sim executor keeps up to ``s``
+batches in flight, as the engine's batch queue does, and times them on one clock per stage
+(``llmkit.sim.executor``), so overlap and bubbles follow from the schedule.
+
 ``P_read(T)`` is every parameter of a layer for a dense model; for a mixture of experts only
 the experts some token routes to (``E·(1 − (1 − k/E)^T)`` in expectation). The embedding is a
 gather (``T·h`` elements), not a stream. Activations' own traffic and the sampler are left out
@@ -46,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from llmkit.distributed.pipeline import get_pp_indices
 from llmkit.sim.hardware import HardwareProfile
 from llmkit.sim.model_shape import ModelShape, dtype_bytes
 
@@ -67,7 +82,8 @@ class SeqWork:
 
 @dataclass(slots=True, frozen=True)
 class StepCost:
-    """One step's modelled time (seconds) and work (per rank)."""
+    """One step's modelled time (seconds) and work (per rank; under pipeline parallel the
+    sums over the stages, and flops and bytes per device on average)."""
 
     compute_s: float
     memory_s: float
@@ -77,9 +93,17 @@ class StepCost:
     bytes: float
     num_tokens: int
     num_seqs: int
+    # pipeline parallel: each stage's time, the stage-to-stage transfer, the engine's part
+    stage_s: tuple[float, ...] = ()
+    transfer_s: float = 0.0
+    engine_s: float = 0.0
 
     @property
     def total_s(self) -> float:
+        """The step's latency (a pipelined batch alone: through every stage in turn)."""
+        if self.stage_s:
+            return (self.engine_s + sum(self.stage_s)
+                    + (len(self.stage_s) - 1) * self.transfer_s)
         return max(self.compute_s, self.memory_s) + self.comm_s + self.overhead_s
 
     @property
@@ -92,22 +116,30 @@ _EMPTY = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
 
 class CostModel:
     def __init__(self, shape: ModelShape, hardware: HardwareProfile, dtype: str,
-                 tensor_parallel_size: int = 1, kv_dtype: str | None = None) -> None:
+                 tensor_parallel_size: int = 1, kv_dtype: str | None = None,
+                 pipeline_parallel_size: int = 1) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if tensor_parallel_size > 1 and hardware.link_bandwidth <= 0:
+        if not 1 <= pipeline_parallel_size <= shape.num_layers:
+            raise ValueError(f"pipeline_parallel_size must be between 1 and the model's "
+                             f"{shape.num_layers} layers, got {pipeline_parallel_size}")
+        if tensor_parallel_size * pipeline_parallel_size > 1 and hardware.link_bandwidth <= 0:
             raise ValueError(f"hardware {hardware.name!r} has no link (link_bandwidth_gbs=0): "
-                             "tensor parallelism cannot be modelled on it")
+                             "tensor or pipeline parallelism cannot be modelled on it")
         self.shape = shape
         self.hw = hardware
         self.dtype = dtype
         self.tp = tensor_parallel_size
+        self.pp = pipeline_parallel_size
+        self.stage_layers = tuple(e - b for b, e in (
+            get_pp_indices(shape.num_layers, k, self.pp) for k in range(self.pp)))
         # Quantized weights still compute and keep K/V in 16 bits unless told otherwise.
         self.kv_dtype = kv_dtype or ("bfloat16" if dtype in ("fp8", "int8") else dtype)
         self.b_w = dtype_bytes(dtype)
         self.b_act = dtype_bytes("bfloat16") if dtype in ("fp8", "int8") else self.b_w
         self.peak_flops = hardware.peak(dtype)
-        self.kv_bytes_per_token = shape.kv_bytes_per_token(self.kv_dtype, self.tp)  # per rank
+        # every layer's K/V on one TP rank (under PP a device holds its stage's layers only)
+        self.kv_bytes_per_token = shape.kv_bytes_per_token(self.kv_dtype, self.tp)
         s = shape
         self._flops_per_token = 2.0 * s.num_layers * s.active_layer_params()
         self._flops_per_logit_row = 2.0 * s.vocab_size * s.hidden_size
@@ -115,6 +147,7 @@ class CostModel:
         self._compute_rate = self.peak_flops * hardware.compute_efficiency
         self._memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
         self._overhead_s = hardware.step_overhead_s + s.num_layers * hardware.layer_overhead_s
+        self._link_rate = hardware.link_bandwidth * hardware.link_efficiency
         self._seq_s = hardware.seq_overhead_s
         self._token_s = hardware.token_overhead_s
         self._context_s = hardware.context_overhead_s
@@ -125,6 +158,20 @@ class CostModel:
     def weight_bytes(self) -> int:
         """Every parameter of the checkpoint in ``dtype`` (all ranks together)."""
         return self.shape.weight_bytes(self.dtype)
+
+    @property
+    def max_stage_fraction(self) -> float:
+        """The largest stage's share of the layers (1 without pipeline parallel)."""
+        return max(self.stage_layers) / self.shape.num_layers
+
+    @property
+    def weight_bytes_per_device(self) -> float:
+        """The weights one device holds: its TP share of the largest stage's layers."""
+        return self.weight_bytes / self.tp * self.max_stage_fraction
+
+    @property
+    def kv_bytes_per_token_per_device(self) -> float:
+        return self.kv_bytes_per_token * self.max_stage_fraction
 
     def weight_read_time_s(self, at_peak: bool = True) -> float:
         """Time to stream all weights once (each rank its 1/p share) at the peak bandwidth, or
@@ -153,27 +200,53 @@ class CostModel:
             attended += c
         if T == 0:
             return _EMPTY
-        s, p = self.shape, self.tp
-        flops = (self._flops_per_token * T + self._flops_per_logit_row * S
-                 + self._flops_per_attn_pair * pairs) / p
-        weights = (s.num_layers * s.layer_params_read(T)
-                   + (s.lm_head_params if S else 0) + T * s.hidden_size) * self.b_w / p
-        nbytes = weights + ctx * self.kv_bytes_per_token
+        share = min(MAX_FRONTEND_SHARE, self._frontend_token_s * stream_rate)
+        hw = self.hw
+        engine = hw.step_overhead_s + n * self._seq_s
+        stages = [self._stage(T, S, pairs, ctx, attended, layers, k == 0, k == self.pp - 1)
+                  for k, layers in enumerate(self.stage_layers)]
+        if self.pp == 1:
+            compute_s, memory_s, comm, _, flops, nbytes = stages[0]
+            overhead = self._overhead_s + n * self._seq_s + T * self._token_s + \
+                attended * self._context_s
+            if share > 0:
+                overhead += (max(compute_s, memory_s) + comm + overhead) * share / (1.0 - share)
+            return StepCost(compute_s=compute_s, memory_s=memory_s, comm_s=comm,
+                            overhead_s=overhead, flops=flops, bytes=nbytes, num_tokens=T,
+                            num_seqs=n)
+        transfer = hw.link_latency_s + 2.0 * T * self.shape.hidden_size * self.b_act / \
+            self._link_rate
+        stage_s = tuple(max(c, m) + comm + o for c, m, comm, o, _, _ in stages)
+        if share > 0:
+            latency = engine + sum(stage_s) + (self.pp - 1) * transfer
+            engine += latency * share / (1.0 - share)
+        return StepCost(
+            compute_s=sum(x[0] for x in stages), memory_s=sum(x[1] for x in stages),
+            comm_s=sum(x[2] for x in stages) + (self.pp - 1) * transfer,
+            overhead_s=engine + sum(x[3] for x in stages),
+            flops=sum(x[4] for x in stages) / self.pp, bytes=sum(x[5] for x in stages) / self.pp,
+            num_tokens=T, num_seqs=n, stage_s=stage_s, transfer_s=transfer, engine_s=engine)
+
+    def _stage(self, T: int, S: int, pairs: float, ctx: int, attended: int, layers: int,
+               first: bool, last: bool) -> tuple[float, float, float, float, float, float]:
+        """``(compute_s, memory_s, comm_s, overhead_s, flops, bytes)`` of ``layers`` layers on
+        one TP rank (the first stage gathers the embedding, the last computes the LM head)."""
+        s, p, L = self.shape, self.tp, self.shape.num_layers
+        f = layers / L
+        flops = (f * self._flops_per_token * T + (self._flops_per_logit_row * S if last else 0.0)
+                 + f * self._flops_per_attn_pair * pairs) / p
+        weights = (layers * s.layer_params_read(T) + (s.lm_head_params if S and last else 0)
+                   + (T * s.hidden_size if first else 0)) * self.b_w / p
+        nbytes = weights + ctx * self.kv_bytes_per_token * f
         comm = 0.0
         if p > 1:
             msg = T * s.hidden_size * self.b_act
-            one = self.hw.link_latency_s + 2.0 * (p - 1) / p * msg / (
-                self.hw.link_bandwidth * self.hw.link_efficiency)
-            comm = 2 * s.num_layers * one
-        overhead = self._overhead_s + n * self._seq_s + T * self._token_s + \
-            attended * self._context_s
-        compute_s, memory_s = flops / self._compute_rate, nbytes / self._memory_rate
-        share = min(MAX_FRONTEND_SHARE, self._frontend_token_s * stream_rate)
-        if share > 0:
-            overhead += (max(compute_s, memory_s) + comm + overhead) * share / (1.0 - share)
-        return StepCost(compute_s=compute_s, memory_s=memory_s, comm_s=comm,
-                        overhead_s=overhead, flops=flops, bytes=nbytes, num_tokens=T,
-                        num_seqs=n)
+            one = self.hw.link_latency_s + 2.0 * (p - 1) / p * msg / self._link_rate
+            comm = 2 * layers * one
+        overhead = layers * self.hw.layer_overhead_s + f * (T * self._token_s
+                                                            + attended * self._context_s)
+        return (flops / self._compute_rate, nbytes / self._memory_rate, comm, overhead, flops,
+                nbytes)
 
     def decode_step(self, batch_size: int, context_len: int) -> StepCost:
         """``batch_size`` requests each decoding one token with ``context_len`` tokens of
@@ -189,6 +262,7 @@ class CostModel:
         s, hw = self.shape, self.hw
         return {
             "dtype": self.dtype, "kv_dtype": self.kv_dtype, "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp, "stage_layers": list(self.stage_layers),
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token_per_rank": self.kv_bytes_per_token,
             "flops_per_token": self._flops_per_token,

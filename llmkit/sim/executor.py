@@ -19,6 +19,13 @@ drafts for the next step, as many as the engine's draft-length policy allows
 (``llmkit.sim.speculation``); the scheduler schedules them as it would a proposer's, so a
 verify step costs what 1 + K tokens per row cost, and a draft model's passes are added.
 
+With ``parallel.pipeline_parallel_size`` = ``s`` > 1 the executor keeps up to ``s`` steps in
+flight (``max_concurrent_batches``, as the real engine's batch queue): each step enters a
+timeline with one clock for the engine's CPU work and one per stage, waits for each stage to
+be free, crosses the link between stages, and is done when the last stage is; taking its result
+moves the virtual clock to then. A lone batch leaves the other stages idle (the bubble); the
+scheduler's interleaved batches fill them.
+
 The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
 activations`` per rank, in blocks (``num_kv_blocks()``). ``llmkit sim`` sets
 ``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
@@ -32,7 +39,7 @@ import random
 from typing import Any, Callable
 
 from llmkit.config.schema import EngineConfig, SimToolConfig
-from llmkit.executor.base import BackendInfo, Executor, ModelFacts
+from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.sim.cost_model import CostModel, StepCost
@@ -88,19 +95,29 @@ def default_settings(config: EngineConfig) -> SimToolConfig:
 
 def _tensor_parallel_size(config: EngineConfig, settings: SimToolConfig) -> int:
     """The engine's ``parallel.tensor_parallel_size``; ``sim.tensor_parallel_size`` (the older
-    key) still counts when the engine's is 1. Pipeline parallel is not modelled yet."""
+    key) still counts when the engine's is 1."""
     from llmkit.config.errors import ConfigError
 
     engine_tp = config.parallel.tensor_parallel_size
     sim_tp = settings.sim.tensor_parallel_size
-    if config.parallel.pipeline_parallel_size > 1:
-        raise ConfigError("parallel.pipeline_parallel_size",
-                          config.parallel.pipeline_parallel_size,
-                          "1 (llmkit sim models tensor parallel only, for now)")
     if engine_tp > 1 and sim_tp > 1 and engine_tp != sim_tp:
         raise ConfigError("parallel.tensor_parallel_size", engine_tp,
                           f"sim.tensor_parallel_size ({sim_tp}) or leave one of them at 1")
     return max(engine_tp, sim_tp)
+
+
+def _pipeline_parallel_size(config: EngineConfig, num_layers: int) -> int:
+    from llmkit.config.errors import ConfigError
+
+    pp = config.parallel.pipeline_parallel_size
+    if pp > num_layers:
+        raise ConfigError("parallel.pipeline_parallel_size", pp,
+                          f"at most the model's {num_layers} layers (one per stage)")
+    if pp > 1 and config.speculative.enabled:
+        raise ConfigError("speculative.name", config.speculative.name,
+                          f"none with parallel.pipeline_parallel_size={pp} (the engine does "
+                          "not run speculative decoding across pipeline stages)")
+    return pp
 
 
 class SimExecutor(Executor):
@@ -120,8 +137,10 @@ class SimExecutor(Executor):
         shape = self.model.shape
         self.dtype = resolve_sim_dtype(settings, shape, self.hardware)
         tp = _tensor_parallel_size(config, settings)
+        pp = _pipeline_parallel_size(config, shape.num_layers)
         try:
-            self.cost_model = CostModel(shape, self.hardware, self.dtype, tp)
+            self.cost_model = CostModel(shape, self.hardware, self.dtype, tp,
+                                        pipeline_parallel_size=pp)
         except (KeyError, ValueError) as e:
             from llmkit.config.errors import ConfigError
             raise ConfigError("hardware", self.hardware.name, "", message=str(e).strip("'\"")
@@ -142,6 +161,9 @@ class SimExecutor(Executor):
         self.last_step: StepCost | None = None
         # tokens/s streamed lately, for the profile's front-end term (needs the clock's time)
         self._stream = StreamRate()
+        # Pipeline parallel: when the engine's CPU and each stage are next free (virtual s).
+        self._engine_free = 0.0
+        self._stage_free = [0.0] * pp
         self.speculation = (SimSpeculation(config.speculative, self.cost_model, self.hardware,
                                            self.dtype, config.seed)
                             if config.speculative.enabled else None)
@@ -155,10 +177,19 @@ class SimExecutor(Executor):
     def backend_info(self) -> BackendInfo:
         """No kernels run: the cost model prices each step for the hardware profile."""
         return BackendInfo(attention="sim", ops="sim", linear_methods=(), dtype=self.dtype,
-                           device=f"{self.hardware.name} x{self.cost_model.tp} (simulated)")
+                           device=f"{self.hardware.name} x{self.num_devices} (simulated)")
+
+    @property
+    def num_devices(self) -> int:
+        return self.cost_model.tp * self.cost_model.pp
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.cost_model.pp
 
     def kv_cache_bytes_per_block(self) -> int:
-        """One block of every layer on every rank (KV heads replicate when fewer than ranks)."""
+        """One block of every layer on every rank (KV heads replicate when fewer than TP ranks;
+        under pipeline parallel each layer lives on one stage)."""
         return (self.config.kv_cache.block_size * self._kv_bytes_per_token
                 * self.cost_model.tp)
 
@@ -168,16 +199,22 @@ class SimExecutor(Executor):
         spec = self.speculation
         return self.cost_model.kv_bytes_per_token + (spec.kv_bytes_per_token if spec else 0)
 
+    @property
+    def _kv_bytes_per_device(self) -> float:
+        """What a token's KV costs the fullest device (its stage's layers)."""
+        return self._kv_bytes_per_token * self.cost_model.max_stage_fraction
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         block = self.config.kv_cache.block_size
-        fits = int(self.kv_budget_bytes() // (block * self._kv_bytes_per_token))
+        fits = int(self.kv_budget_bytes() // (block * self._kv_bytes_per_device))
         if num_blocks > fits:
             logger.warning("kv_cache.num_blocks=%d is more than %s holds for this model (%d "
                            "blocks): the simulation assumes memory the device does not have",
                            num_blocks, self.hardware.name, fits)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | StepFuture:
         so = scheduler_output
         for rid in so.finished_req_ids:
             self._num_tokens.pop(rid, None)
@@ -185,7 +222,8 @@ class SimExecutor(Executor):
         for rid in so.preempted_req_ids:
             self._num_tokens.pop(rid, None)
         if not so.num_scheduled_tokens:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return DoneFuture(out) if non_block else out
         before: dict[str, int] = {}
         for nr in so.scheduled_new_reqs:
             self._num_tokens[nr.req_id] = len(nr.token_ids)
@@ -226,12 +264,33 @@ class SimExecutor(Executor):
             cost = dataclasses.replace(cost, overhead_s=cost.overhead_s + extra)
         self.last_step = cost
         self.stats.add(cost)
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                draft_token_ids=draft_ids)
+        if cost.stage_s and now is not None:  # pipeline parallel on a clock
+            future = _SimStepFuture(self, out, self._enter_pipeline(now, cost),
+                                    sum(len(t) for t in sampled))
+            return future if non_block else future.result()
         if self.clock is not None:
             self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
             if now is not None:
                 self._stream.add(now + cost.total_s, sum(len(t) for t in sampled))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 draft_token_ids=draft_ids)
+        return DoneFuture(out) if non_block else out
+
+    def _enter_pipeline(self, now: float, cost: StepCost) -> float:
+        """When a step sent at ``now`` leaves the last stage: the engine's work for it, then
+        each stage as soon as both the step and the stage are free, the link between them."""
+        t = self._engine_free = max(now, self._engine_free) + cost.engine_s
+        free = self._stage_free
+        for k, stage_s in enumerate(cost.stage_s):
+            if k:
+                t += cost.transfer_s
+            t = free[k] = max(t, free[k]) + stage_s
+        return t
+
+    def _take(self, future: "_SimStepFuture") -> ModelRunnerOutput:
+        self.clock.advance_to(future.done_at)  # type: ignore[attr-defined]
+        self._stream.add(future.done_at, future.num_tokens)
+        return future.output
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
         """Drafts for every request that sampled, as many as the draft-length policy allows
@@ -278,14 +337,30 @@ class SimExecutor(Executor):
         """Per rank: usable memory minus this rank's weights and activations."""
         cm = self.cost_model
         usable = self.hardware.memory_bytes * self.settings.sim.gpu_memory_utilization
-        return usable - cm.weight_bytes / cm.tp - self.activation_bytes()
+        return usable - cm.weight_bytes_per_device - self.activation_bytes()
 
     def num_kv_blocks(self) -> int:
         """KV blocks the device's memory holds after the weights (0 if the weights alone do
         not fit), capped as the engine core caps its own budget: never more than
         ``max_num_seqs`` sequences at ``max_model_len`` need (the rest would be idle)."""
         block = self.config.kv_cache.block_size
-        per_block = block * self._kv_bytes_per_token
+        per_block = block * self._kv_bytes_per_device
         fits = max(0, int(self.kv_budget_bytes() // per_block))
         cap = -(-self.model.max_model_len // block) * self.config.scheduler.max_num_seqs
         return min(fits, cap)
+
+
+class _SimStepFuture(StepFuture):
+    """A priced step in the pipeline: its output is ready at ``done_at`` (virtual s)."""
+
+    __slots__ = ("_executor", "output", "done_at", "num_tokens")
+
+    def __init__(self, executor: SimExecutor, output: ModelRunnerOutput, done_at: float,
+                 num_tokens: int) -> None:
+        self._executor = executor
+        self.output = output
+        self.done_at = done_at
+        self.num_tokens = num_tokens
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._take(self)

@@ -78,9 +78,10 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
         if blocks < 1:
             cm, hw = executor.cost_model, executor.hardware
             why = (f"{executor.model.name} in {cm.dtype} needs "
-                   f"{cm.weight_bytes / cm.tp / 1e9:.1f} GB of weights per device; {hw.name} has "
-                   f"{hw.memory_bytes / 1e9:.0f} GB x sim.gpu_memory_utilization="
-                   f"{cfg.sim.gpu_memory_utilization}: raise sim.tensor_parallel_size or use a "
+                   f"{cm.weight_bytes_per_device / 1e9:.1f} GB of weights per device; "
+                   f"{hw.name} has {hw.memory_bytes / 1e9:.0f} GB x "
+                   f"sim.gpu_memory_utilization={cfg.sim.gpu_memory_utilization}: raise "
+                   "sim.tensor_parallel_size (or parallel.pipeline_parallel_size) or use a "
                    "smaller dtype (sim.dtype=fp8)")
             raise ConfigError("sim.tensor_parallel_size", cfg.sim.tensor_parallel_size, "",
                               message=why)

@@ -15,7 +15,12 @@ import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
 from llmkit.compilation.base import StepGraphs
+from llmkit.distributed.pipeline import IntermediateTensors
+from llmkit.config.errors import ConfigError
+from llmkit.kernels.kv_quant import cache_row_width
+from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
 from llmkit.lora.manager import LoRAManager
+from llmkit.models.interfaces import supports_mrope
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
@@ -53,6 +58,9 @@ class StepInputs:
     computed: np.ndarray  # per scheduled row: tokens computed before this step
     num_scheduled: np.ndarray  # per scheduled row: tokens computed in this step
     samples: np.ndarray  # per scheduled row: its step reaches its last token (it samples)
+    # M-RoPE models: the rotary positions ([3, tokens] while a prompt with images is
+    # computed, else [tokens] with each request's delta added); None: ``positions``.
+    rope_positions: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -67,6 +75,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_cache_dtype = kv_cache_dtype
+        if kv_quant_format_of(kv_cache_dtype) is not None and model.head_dim % 4:
+            # a row's float32 scale must sit 4-byte aligned after its head_dim codes
+            raise ConfigError("kv_cache.cache_dtype", kv_quant_format_of(kv_cache_dtype).name,
+                              f"auto, bfloat16 or float16 for this model (head_dim "
+                              f"{model.head_dim} is not a multiple of 4)")
         max_blocks = -(-(max_model_len + num_lookahead_tokens) // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.kv_caches: list[torch.Tensor] = []
@@ -87,30 +100,45 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
         self.num_encoder_runs = 0  # images encoded since start-up
+        # M-RoPE (Qwen2-VL): each running request with images' prompt positions [3, prompt]
+        # and the delta of the positions after its prompt.
+        self.uses_mrope = supports_mrope(model)
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
         # KV connector, worker side (llmkit/kv_transfer): loads before and saves after the
         # forward; it may own the pool's memory (a shared-memory producer).
         self.kv_connector: KVConnectorBase | None = None
 
     # -- KV cache ------------------------------------------------------------------------
-    def kv_cache_bytes_per_block(self) -> int:
+    def _cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One layer's pool shape; a quantized cache's rows hold ``head_dim`` codes and their
+        scale (``llmkit.kernels.kv_quant``), so its last dimension is the row's width."""
+        return self.attn_backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads,
+                                                cache_row_width(head_dim, self.kv_cache_dtype))
+
+    def kv_cache_bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block over every layer, in the pool's dtype (or ``dtype``'s)."""
+        dtype = dtype or self.kv_cache_dtype
         m = self.model
-        shape = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
-        itemsize = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        per_layer = int(np.prod(shape)) * itemsize
+
+        def nbytes(h: int, d: int) -> int:
+            shape = self.attn_backend.kv_cache_shape(1, self.block_size, h,
+                                                     cache_row_width(d, dtype))
+            return int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+
         # A draft model's (or EAGLE head's) layers keep their KV in the same blocks.
-        draft = sum(int(np.prod(self.attn_backend.kv_cache_shape(1, self.block_size, h, d)))
-                    for h, d in self._proposer_kv_layers()) * itemsize
-        return per_layer * m.num_layers + draft
+        return (nbytes(m.num_kv_heads, m.head_dim) * m.num_layers
+                + sum(nbytes(h, d) for h, d in self._proposer_kv_layers()))
 
     def _proposer_kv_layers(self) -> list[tuple[int, int]]:
         return self.proposer.kv_cache_layers() if self.proposer is not None else []
 
     def kv_layout(self, fingerprint: str) -> KVLayout:
         """The pool's layout, for KV connectors: the block axis found by comparing the shapes
-        of one and two blocks."""
+        of one and two blocks. A quantized block's scales are inside its rows, so they travel
+        wherever its bytes do."""
         m = self.model
-        one = self.attn_backend.kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_dim)
-        two = self.attn_backend.kv_cache_shape(2, self.block_size, m.num_kv_heads, m.head_dim)
+        one = self._cache_shape(1, m.num_kv_heads, m.head_dim)
+        two = self._cache_shape(2, m.num_kv_heads, m.head_dim)
         dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
         return KVLayout(num_layers=m.num_layers, block_shape=one[:dim] + one[dim + 1:],
                         block_dim=dim, dtype=str(self.kv_cache_dtype).removeprefix("torch."),
@@ -118,8 +146,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads,
-                                                 m.head_dim)
+        shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
+        self._log_kv_cache(num_blocks)
         conn = self.kv_connector
         owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
             if conn is not None else None
@@ -131,14 +159,27 @@ class ModelRunner:
         draft_layers = self._proposer_kv_layers()
         if draft_layers:
             self.proposer.bind_kv_caches([
-                _zeros(self.attn_backend.kv_cache_shape(num_blocks, self.block_size, h, d),
-                       self.kv_cache_dtype, self.device) for h, d in draft_layers])
+                _zeros(self._cache_shape(num_blocks, h, d), self.kv_cache_dtype, self.device)
+                for h, d in draft_layers])
         if self.make_step_graphs is not None:
             self.step_graphs = self.make_step_graphs(self.model, self.kv_caches)
         if self.step_graphs is not None:
             seconds = self.step_graphs.capture(self.batch.block_table.shape[1])
             logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
                         self.step_graphs.name, self.step_graphs.max_rows, seconds)
+
+    def _log_kv_cache(self, num_blocks: int) -> None:
+        """Start-up says what a quantized (or narrower) cache buys: blocks in the same memory."""
+        model_dtype = getattr(self.model, "dtype", None)
+        if not isinstance(model_dtype, torch.dtype) or model_dtype == self.kv_cache_dtype:
+            return
+        fmt = kv_quant_format_of(self.kv_cache_dtype)
+        name = fmt.name if fmt is not None else str(self.kv_cache_dtype).removeprefix("torch.")
+        mine, theirs = self.kv_cache_bytes_per_block(), self.kv_cache_bytes_per_block(model_dtype)
+        logger.info("KV cache %s%s: %d bytes a block vs %d at %s, %.2fx the blocks in the same "
+                    "memory (%d blocks)", name,
+                    " (codes + a float32 scale per token and KV head)" if fmt else "", mine,
+                    theirs, str(model_dtype).removeprefix("torch."), theirs / mine, num_blocks)
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int) -> float:
@@ -173,15 +214,20 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
+            self._mrope.pop(rid, None)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
+            self._mrope.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
             if new.mm_features:
                 self._mm_features[new.req_id] = new.mm_features
+                if self.uses_mrope:
+                    self._mrope[new.req_id] = self.model.get_mrope_input_positions(
+                        new.num_prompt_tokens, new.mm_features)
             sp = new.sampling_params
             gen = None
             if sp.seed is not None:
@@ -203,6 +249,13 @@ class ModelRunner:
                 b.num_blocks[row] = offset  # blocks past it were given back
             b.append_block_ids(row, block_ids)
             b.num_computed_tokens[row] = n_computed
+        # Pipeline parallel: the step's tokens (a stage that does not sample learns the last
+        # stage's samples here; the last stage has them already).
+        for rid, n_computed, toks in zip(c.req_ids, c.num_computed_tokens, c.new_token_ids):
+            row = b.req_id_to_row[rid]
+            end = n_computed + len(toks)
+            b.token_ids[row, n_computed:end] = toks
+            b.num_tokens[row] = max(int(b.num_tokens[row]), end)
         # Draft tokens sit after the known tokens while they are verified; accepted ones are
         # written again (the same ids) when the step's output is recorded.
         for rid, drafts in so.scheduled_spec_tokens.items():
@@ -257,9 +310,14 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             block_size=self.block_size,
         )
+        rope_positions = None
+        if self._mrope:
+            rope_positions = torch.from_numpy(
+                self._mrope_positions(req_ids, starts, computed, num_sched, positions))
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
+            rope_positions=rope_positions,
             attn_metadata=metadata,
             logits_indices=torch.from_numpy(logits_indices),
             logits=LogitsLayout(rows[sample_idx], num_logits, drafts),
@@ -271,9 +329,37 @@ class ModelRunner:
             samples=samples,
         )
 
+    def _mrope_positions(self, req_ids: list[str], starts: np.ndarray, computed: np.ndarray,
+                         num_sched: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The step's M-RoPE positions: a prompt's tokens from its table (whatever chunk or
+        prefix hit the step starts at), later tokens at ``index + delta``. ``[tokens]`` when no
+        token of the step is in a prompt with images (decode steps keep step graphs)."""
+        shifted = positions.copy()
+        in_prompt = []
+        for i, rid in enumerate(req_ids):
+            state = self._mrope.get(rid)
+            if state is None:
+                continue
+            table, delta = state
+            qs, lo, n = int(starts[i]), int(computed[i]), int(num_sched[i])
+            shifted[qs:qs + n] += delta
+            k = min(n, table.shape[1] - lo)
+            if k > 0:
+                in_prompt.append((qs, lo, k, table))
+        if not in_prompt:
+            return shifted
+        out = np.broadcast_to(shifted, (3, len(shifted))).copy()
+        for qs, lo, k, table in in_prompt:
+            out[:, qs:qs + k] = table[:, lo:lo + k]
+        return out
+
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors:
+        """The step's output; a pipeline stage before the last returns the tensors the next
+        stage continues from (``intermediate_tensors``: what the previous stage sent)."""
         self._update_states(so)
         conn = self.kv_connector
         if conn is not None:
@@ -283,7 +369,7 @@ class ModelRunner:
                 conn.get_finished(so.finished_req_ids) if conn is not None else None))
         inputs = self.prepare_inputs(so)
         if self.lora_manager is None:
-            return self._execute(so, inputs)
+            return self._execute(so, inputs, intermediate_tensors)
         layout = inputs.logits
         row_lora = self.batch.lora_id[inputs.rows]
         self.lora_manager.prepare_step(np.repeat(row_lora, inputs.num_scheduled),
@@ -294,12 +380,16 @@ class ModelRunner:
         finally:
             self.lora_manager.end_step()
 
-    def _execute(self, so: SchedulerOutput, inputs: StepInputs) -> ModelRunnerOutput:
+    def _execute(self, so: SchedulerOutput, inputs: StepInputs,
+                 intermediate_tensors: IntermediateTensors | None = None
+                 ) -> ModelRunnerOutput | IntermediateTensors:
         conn = self.kv_connector
         if so.scheduled_encoder_inputs:
             self._execute_mm_encoder(so)
         inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
-        hidden = self._forward(inputs, inputs_embeds)
+        hidden = self._forward(inputs, inputs_embeds, intermediate_tensors)
+        if isinstance(hidden, IntermediateTensors):
+            return hidden  # a pipeline stage before the last: nothing samples here
         if conn is not None:
             # The forward is one call (no per-layer hook yet): each layer is handed over once
             # it is complete, i.e. after the forward.
@@ -370,16 +460,19 @@ class ModelRunner:
     # -- multimodal -------------------------------------------------------------------------
     def _execute_mm_encoder(self, so: SchedulerOutput) -> None:
         """Encode the step's scheduled images (batched by pixel shape) into the encoder cache."""
-        by_shape: dict[tuple[int, ...], list] = {}
+        by_shape: dict[tuple, dict] = {}
         for rid, input_ids in so.scheduled_encoder_inputs.items():
             features = self._mm_features[rid]
             for i in input_ids:
                 f = features[i]
                 if f.identifier not in self.encoder_cache:
-                    by_shape.setdefault(tuple(f.shape), {})[f.identifier] = f
-        for group in by_shape.values():
+                    key = (tuple(f.shape), tuple(f.grid_thw))
+                    by_shape.setdefault(key, {})[f.identifier] = f
+        for (_, grid), group in by_shape.items():
             pixels = torch.cat([f.pixel_tensor() for f in group.values()]).to(self.device)
-            embeds = self.model.embed_multimodal(pixels)
+            # A patch-grid encoder (Qwen2-VL) takes the group's grid; a fixed-size one none.
+            embeds = self.model.embed_multimodal(pixels, grid) if grid else \
+                self.model.embed_multimodal(pixels)
             for f, e in zip(group.values(), embeds):
                 if e.shape[0] != f.length:
                     raise RuntimeError(f"image {f.identifier}: the encoder gave {e.shape[0]} "
@@ -411,21 +504,28 @@ class ModelRunner:
         embeds[torch.cat(rows_idx).to(self.device)] = torch.cat(parts).to(embeds.dtype)
         return embeds
 
-    def _forward(self, inputs: StepInputs,
-                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None = None,
+                 intermediate_tensors: IntermediateTensors | None = None
+                 ) -> torch.Tensor | IntermediateTensors:
         """The model's hidden states: through a step graph for a decode-only step it covers,
         else eagerly."""
         md = inputs.attn_metadata
         graphs = self.step_graphs
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
-        if inputs_embeds is not None:
-            return self.model(None, positions, self.kv_caches,
+        rope = positions if inputs.rope_positions is None else \
+            inputs.rope_positions.to(self.device)
+        if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)
+            return self.model(None, rope, self.kv_caches,
+                              self.attn_backend.build_metadata(md),
+                              intermediate_tensors=intermediate_tensors)
+        if inputs_embeds is not None or rope.dim() > 1:
+            return self.model(None if inputs_embeds is not None else ids, rope, self.kv_caches,
                               self.attn_backend.build_metadata(md), inputs_embeds)
         if (graphs is not None and graphs.covers(md.num_actual_tokens)
                 and (self.lora_manager is None or self.lora_manager.step_graphs_allowed)):
             rows = inputs.rows
             if md.num_actual_tokens == md.num_reqs:
-                return graphs.run(ids, positions, md.slot_mapping.to(self.device),
+                return graphs.run(ids, rope, md.slot_mapping.to(self.device),
                                   torch.from_numpy(self.batch.block_table[rows]).to(self.device),
                                   md.seq_lens.to(self.device))
             layout = inputs.logits
@@ -436,10 +536,10 @@ class ModelRunner:
                 # computes the step with one block-table row and length per token.
                 per_token = np.repeat(rows, inputs.num_scheduled)
                 return graphs.run(
-                    ids, positions, md.slot_mapping.to(self.device),
+                    ids, rope, md.slot_mapping.to(self.device),
                     torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
                     (positions + 1).to(torch.int32))
-        return self.model(ids, positions, self.kv_caches, self.attn_backend.build_metadata(md))
+        return self.model(ids, rope, self.kv_caches, self.attn_backend.build_metadata(md))
 
     @staticmethod
     def _bitmask_rows(so: SchedulerOutput) -> dict[str, int]:

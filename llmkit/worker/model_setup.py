@@ -9,6 +9,7 @@ import torch
 
 from llmkit.config.errors import ConfigError
 from llmkit.facts import BackendInfo
+from llmkit.kernels.kv_quant import FORMATS as KV_QUANT_FORMATS
 from llmkit.linear import LINEAR_METHODS, LinearMethodFactory
 from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.moe import FusedMoE
@@ -22,6 +23,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
     return platform.preferred_dtype() if name == "auto" else _DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``kv_cache.cache_dtype`` as the pool tensor's dtype: the model's for ``auto``, a float
+    type, or a quantized format's storage (``int8`` codes; e4m3 codes held as ``uint8``)."""
+    if name == "auto":
+        return model_dtype
+    if name in _DTYPES:
+        return _DTYPES[name]
+    return KV_QUANT_FORMATS["fp8_e4m3" if name == "fp8" else name].storage_dtype
 
 
 def linear_method_factory(model_config, platform: Platform, dtype: torch.dtype,

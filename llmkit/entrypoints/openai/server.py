@@ -237,7 +237,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):
-        return serving.tokenize(request)
+        return await serving.tokenize(request)
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):

@@ -315,8 +315,8 @@ class OpenAIServing:
             raise bad_request("the conversation is empty (no tokens)", "messages")
         return ids
 
-    async def chat_images(self, req: ChatCompletionRequest
-                          ) -> tuple[ChatCompletionRequest, list]:
+    async def chat_images(self, req: ChatCompletionRequest | TokenizeRequest
+                          ) -> tuple[ChatCompletionRequest | TokenizeRequest, list]:
         """The request with each image content part replaced by the model's placeholder, and
         the images (decoded here: a bad one is a 400 before the engine sees anything)."""
         if not any(m.has_images for m in req.messages):
@@ -342,7 +342,7 @@ class OpenAIServing:
             # event loop that streams other requests.
             messages, images = await asyncio.to_thread(
                 split_image_parts, [m.model_dump(exclude_none=True) for m in req.messages],
-                mm.image_token, load)
+                mm.placeholder, load)
         except ImageError as e:
             raise bad_request(str(e), "messages") from None
         return req.model_copy(update={"messages": [ChatMessage(**m) for m in messages]}), images
@@ -362,8 +362,8 @@ class OpenAIServing:
         prompt: list[int] | dict = ids
         if images:
             # Each placeholder becomes the image's tokens: they count as prompt tokens.
-            num_prompt_tokens += len(images) * (
-                self.engine.multimodal_processor.num_image_tokens - 1)
+            mm = self.engine.multimodal_processor
+            num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
             prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         max_tokens = req.max_output_tokens
         self._check_length(num_prompt_tokens, max_tokens, "messages")
@@ -449,10 +449,16 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # -- /tokenize, /detokenize -------------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
+            req, images = await self.chat_images(req)
             ids = self.chat_prompt(req)
+            if images:  # the image tokens the engine would see count
+                try:
+                    ids = self.engine.multimodal_processor.expand(ids, images)
+                except ValueError as e:
+                    raise bad_request(str(e), "messages") from None
         else:
             ids = self.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,

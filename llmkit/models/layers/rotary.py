@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
         cache = torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], -1)
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
-        self.section_of_column: torch.Tensor | None = None
+        section_of_column = None
         if mrope_section:
             half = cache.shape[-1] // 2
             if sum(mrope_section) != half:
@@ -75,8 +75,8 @@ class RotaryEmbedding(nn.Module):
                                  f"dim ({half})")
             section = torch.repeat_interleave(torch.arange(len(mrope_section)),
                                               torch.tensor(mrope_section))
-            self.register_buffer("section_of_column", torch.cat([section, section]),
-                                 persistent=False)
+            section_of_column = torch.cat([section, section])
+        self.register_buffer("section_of_column", section_of_column, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> RotaryTables:
         """The step's tables, looked up once and shared by every layer; ``positions`` is
