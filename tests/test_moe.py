@@ -327,6 +327,25 @@ def test_tensor_and_expert_parallel_match_the_single_process_engine(
         llm.engine.shutdown()
 
 
+@pytest.mark.slow  # 4 worker processes on 2 cores
+def test_pipeline_stages_with_expert_parallel_match_the_single_process_engine(
+        tiny_model_dir, single_process_tokens, monkeypatch):
+    """TP=2 x PP=2 with expert parallel (4 processes): each stage builds and loads only its
+    layers, MoE blocks (a dense one among them) included; experts split within a stage."""
+    from llmkit import LLM
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    want = single_process_tokens("qwen2_moe")
+    llm = LLM(str(tiny_model_dir("qwen2_moe")), dtype="float32",
+              parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                        "enable_expert_parallel": True})
+    try:
+        assert len(llm.engine.executor.workers) == 4
+        assert _tokens(llm) == want
+    finally:
+        llm.engine.shutdown()
+
+
 # -- start-up errors -------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,overrides,parallel,text", [
     # 3 experts over 2 expert-parallel ranks
