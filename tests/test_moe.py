@@ -52,6 +52,36 @@ def test_grouped_cpu_path_matches_the_reference(t):
     torch.testing.assert_close(fused_moe_grouped(*case), fused_moe_reference(*case))
 
 
+def test_grouped_bf16_experts_widened_to_float32_for_large_groups(monkeypatch):
+    """bf16 experts with more tokens than the threshold compute in float32 (CPUs without
+    native bf16 emulate bf16 GEMMs), the smaller groups stay bf16; as close to the
+    definition either way."""
+    import llmkit.ops.moe as moe_ops
+
+    x, w13, w2, weights, ids = (t.bfloat16() if t.is_floating_point() and i < 3 else t
+                                for i, t in enumerate(_moe_case(40)))
+    calls: list[tuple[int, bool]] = []
+    real = moe_ops._expert_linear
+
+    def spy(a, w, widen):
+        calls.append((a.shape[0], widen))
+        return real(a, w, widen)
+
+    monkeypatch.setattr(moe_ops, "_expert_linear", spy)
+    want = fused_moe_reference(x, w13, w2, weights, ids).float()
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=6)
+    threshold = int(counts[counts > 0].min())  # the smallest group stays bf16, larger widen
+    assert int(counts.max()) > threshold
+    widened = fused_moe_grouped(x, w13, w2, weights, ids, widen_bf16_above=threshold)
+    assert calls and all(widen == (rows > threshold) for rows, widen in calls), calls
+    assert {widen for _, widen in calls} == {True, False}
+    assert widened.dtype == torch.bfloat16
+    torch.testing.assert_close(widened.float(), want, atol=3e-2, rtol=3e-2)
+    calls.clear()
+    fused_moe_grouped(x, w13, w2, weights, ids)  # the default: never
+    assert calls and not any(widen for _, widen in calls)
+
+
 def test_expert_parallel_parts_sum_to_the_whole():
     x, w13, w2, weights, ids = _moe_case(12)
     whole = fused_moe_reference(x, w13, w2, weights, ids)
@@ -245,6 +275,38 @@ def test_missing_expert_weight_is_reported(tiny_model_dir, tmp_path):
         LLM(str(dst), dtype="float32")
 
 
+# -- the expert split itself, every rank in one process (no collectives) ---------------------
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_expert_shards_recompose_the_whole_layer(tp_size, expert_parallel):
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.models.layers.moe import FusedMoE
+    from llmkit.ops.base import ModelOps
+
+    experts, hidden, inter = 8, 16, 12
+    g = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(2, experts, inter, hidden, generator=g)
+    down = torch.randn(experts, hidden, inter, generator=g)
+    x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, experts, generator=g)
+
+    def build(rank: int, size: int) -> FusedMoE:
+        moe = FusedMoE("experts", experts, 3, hidden, inter, renormalize=False,
+                       dtype=torch.float32, ops=ModelOps(), tp=TensorParallelGroup(rank, size),
+                       expert_parallel=expert_parallel)
+        for e in range(experts):
+            for shard, w in (("w1", gate[e]), ("w3", up[e]), ("w2", down[e])):
+                moe.load_expert_weight(e, shard, w)
+        return moe
+
+    whole = build(0, 1)(x, logits)
+    ranks = [build(r, tp_size) for r in range(tp_size)]
+    if expert_parallel:  # whole experts per rank
+        assert all(m.w13_weight.shape == (experts // tp_size, 2 * inter, hidden) for m in ranks)
+    else:  # every expert, a slice of its intermediate rows
+        assert all(m.w2_weight.shape == (experts, hidden, inter // tp_size) for m in ranks)
+    torch.testing.assert_close(sum(m(x, logits) for m in ranks), whole)
+
+
 # -- tensor and expert parallel over worker processes ----------------------------------------
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
@@ -260,6 +322,25 @@ def test_tensor_and_expert_parallel_match_the_single_process_engine(
         methods = llm.engine.backend_info.linear_methods
         split = "expert-parallel[0/2]" if expert_parallel else "tensor-parallel[0/2]"
         assert any(m.startswith(f"fused-moe-{split}") for m in methods), methods
+        assert _tokens(llm) == want
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow  # 4 worker processes on 2 cores
+def test_pipeline_stages_with_expert_parallel_match_the_single_process_engine(
+        tiny_model_dir, single_process_tokens, monkeypatch):
+    """TP=2 x PP=2 with expert parallel (4 processes): each stage builds and loads only its
+    layers, MoE blocks (a dense one among them) included; experts split within a stage."""
+    from llmkit import LLM
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    want = single_process_tokens("qwen2_moe")
+    llm = LLM(str(tiny_model_dir("qwen2_moe")), dtype="float32",
+              parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                        "enable_expert_parallel": True})
+    try:
+        assert len(llm.engine.executor.workers) == 4
         assert _tokens(llm) == want
     finally:
         llm.engine.shutdown()

@@ -104,8 +104,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Registered for ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
     ``Qwen3MoeForCausalLM``."""
 
-    # Pipeline stages of a MoE model are not tested yet: refused at start-up.
-    supports_pp = False
+    # Pipeline stages: Llama's (a stage builds and loads only its layers, MoE blocks included).
+    supports_pp = True
 
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         if ctx.quantization != "none":

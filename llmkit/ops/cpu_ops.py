@@ -10,14 +10,20 @@ from __future__ import annotations
 import torch
 
 from llmkit.ops.base import ModelOps, RotaryTables
+from llmkit.ops.moe import fused_moe_grouped
 
 
 class CpuNativeOps(ModelOps):
     name = "cpu"
     paged_decode_in_place = True
 
-    def __init__(self, kernels) -> None:
+    #: MoE experts with more tokens than this compute bf16 in float32 (``widen_bf16``).
+    moe_widen_bf16_above = 8
+
+    def __init__(self, kernels, *, widen_bf16: bool = False) -> None:
         self.kernels = kernels
+        # bf16 models on CPUs without native bf16 (as CpuLinearMethod's widen_bf16)
+        self.widen_bf16 = widen_bf16
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2:
@@ -39,6 +45,12 @@ class CpuNativeOps(ModelOps):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         self.kernels.reshape_and_cache(k, v, kv_cache, slot_mapping)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map,
+                                 self.moe_widen_bf16_above if self.widen_bf16 else -1)
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,

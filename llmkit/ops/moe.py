@@ -67,9 +67,15 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
+def _expert_linear(x: torch.Tensor, w: torch.Tensor, widen: bool) -> torch.Tensor:
+    if widen:  # the same products, float32 accumulation, the output rounded back
+        return F.linear(x.float(), w.float()).to(x.dtype)
+    return F.linear(x, w)
+
+
 def _fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+                       expert_map: Optional[torch.Tensor], widen_bf16_above: int) -> torch.Tensor:
     t, k = topk_ids.shape
     num_local = w13.shape[0]
     ids = local_expert_ids(topk_ids, expert_map, num_local)
@@ -84,10 +90,11 @@ def _fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             continue
         slots = order[start:start + n]
         start += n
-        gate_up = F.linear(x[slots // k], w13[e])
+        widen = 0 <= widen_bf16_above < n and x.dtype == torch.bfloat16
+        gate_up = _expert_linear(x[slots // k], w13[e], widen)
         inter = gate_up.shape[-1] // 2
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out[slots] = F.linear(h, w2[e]).float() * weights[slots, None]
+        out[slots] = _expert_linear(h, w2[e], widen).float() * weights[slots, None]
     # the k contributions of a token summed in k order, whichever experts computed them
     return out.view(t, k, x.shape[1]).sum(dim=1).to(x.dtype)
 
@@ -95,18 +102,27 @@ def _fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 @torch.library.custom_op("llmkit::fused_moe_grouped", mutates_args=())
 def _fused_moe_grouped_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                          expert_map: Optional[torch.Tensor]) -> torch.Tensor:
-    return _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map)
+                          expert_map: Optional[torch.Tensor],
+                          widen_bf16_above: int) -> torch.Tensor:
+    return _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map,
+                              widen_bf16_above)
 
 
 @_fused_moe_grouped_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids, expert_map):
+def _(x, w13, w2, topk_weights, topk_ids, expert_map, widen_bf16_above):
     return x.new_empty(x.shape)
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                      expert_map: torch.Tensor | None = None,
+                      widen_bf16_above: int = -1) -> torch.Tensor:
     """The routed experts with tokens grouped by expert: one gate/up GEMM and one down GEMM per
-    expert that has tokens this step (the group sizes cost one host sync)."""
-    return torch.ops.llmkit.fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map)
+    expert that has tokens this step (the group sizes cost one host sync).
+
+    ``widen_bf16_above >= 0``: a bf16 expert with more tokens than that computes in float32
+    (CPUs without native bf16 emulate bf16 GEMMs; widening the expert's weights per call costs
+    one pass over them, which a large group amortises; a small group's bf16 GEMV reads half
+    the bytes and stays)."""
+    return torch.ops.llmkit.fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map,
+                                              widen_bf16_above)

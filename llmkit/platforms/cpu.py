@@ -64,7 +64,10 @@ class CpuPlatform(Platform):
 
     def ops(self, dtype: torch.dtype) -> ModelOps:
         kernels = self.native_kernels(dtype)
-        return CpuNativeOps(kernels) if kernels is not None else ModelOps()
+        if kernels is None:
+            return ModelOps()
+        widen = dtype == torch.bfloat16 and not has_native_bf16()  # MoE experts' GEMMs
+        return CpuNativeOps(kernels, widen_bf16=widen)
 
     def linear_method_factory(self, dtype: torch.dtype) -> LinearMethodFactory:
         # oneDNN packs float32 on any x86 CPU. bf16 it packs only with AVX-512/AVX-NE-CONVERT,
