@@ -372,9 +372,11 @@ def test_expert_parallel_on_a_dense_model_is_a_config_error(tiny_model_dir):
     from llmkit import LLM
     from llmkit.config.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^parallel.enable_expert_parallel: .*dense model"):
-        LLM(str(tiny_model_dir("llama")), dtype="float32",
-            parallel={"tensor_parallel_size": 2, "enable_expert_parallel": True})
+    for tp in (2, 1):  # one worker too: the flag would otherwise do nothing
+        with pytest.raises(ConfigError,
+                           match=r"^parallel.enable_expert_parallel: .*dense model"):
+            LLM(str(tiny_model_dir("llama")), dtype="float32",
+                parallel={"tensor_parallel_size": tp, "enable_expert_parallel": True})
 
 
 def test_quantizing_a_moe_model_is_a_config_error(tiny_model_dir):

@@ -56,16 +56,21 @@ def _check_mlp_split(hf_config, moe: MoeShape | None, tp: int, expert_parallel: 
         raise ConfigError(key, tp, f"a divisor of the model's intermediate_size {inter}")
 
 
+def check_expert_parallel(config: EngineConfig, hf_config) -> None:
+    """Expert parallel needs experts (checked for one worker too: it would do nothing)."""
+    if config.parallel.enable_expert_parallel and moe_shape(hf_config) is None:
+        raise ConfigError("parallel.enable_expert_parallel", True,
+                          f"false for model_type {hf_config.model_type!r} (a dense model has no "
+                          "experts to split; MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)")
+
+
 def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -> None:
     """Raise ``ConfigError`` where the sizes do not fit the model or the machine, or name what
     is not supported yet."""
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     moe = moe_shape(hf_config)
-    if par.enable_expert_parallel and moe is None:
-        raise ConfigError("parallel.enable_expert_parallel", True,
-                          f"false for model_type {hf_config.model_type!r} (a dense model has no "
-                          "experts to split; MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)")
+    check_expert_parallel(config, hf_config)
     spec = config.speculative
     if spec.enabled or spec.target:
         raise ConfigError("speculative.name", spec.name, "none with several workers "

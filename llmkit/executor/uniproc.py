@@ -10,6 +10,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import BackendInfo, Executor, ModelFacts
 from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
 from llmkit.config.errors import ConfigError
+from llmkit.executor.parallel_checks import check_expert_parallel
 from llmkit.lora.base import LoRARequest
 from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
@@ -48,6 +49,7 @@ class UniprocExecutor(Executor):
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
         source = model_source or resolve_model_source(config.model)
+        check_expert_parallel(config, source.hf_config)
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
