@@ -281,6 +281,27 @@ def test_triton_engine_with_an_int8_pool_equals_the_reference(model, interpret):
             "_unified_attention_kernel"} <= set(launches)
 
 
+@pytest.mark.slow  # compiles (tens of seconds on 2 cores)
+def test_step_graphs_read_the_int8_pool_like_eager(model):
+    """Decode steps through compiled step graphs (the same C++ ops as graph nodes) give eager's
+    tokens and logprobs bit for bit over an int8 pool."""
+    from llmkit.compilation.inductor import InductorStepGraphs
+
+    prompts = [p[:n] for p, n in zip(_prompts(), (6, 20, 3))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = {}
+    for mode in ("eager", "graphs"):
+        llm = LLM(str(model), dtype="float32", compilation={"mode": mode},
+                  kv_cache={"cache_dtype": "int8"})
+        if mode == "graphs":
+            assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+        outs[mode] = [(o.outputs[0].token_ids,
+                       [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert outs["graphs"] == outs["eager"]
+
+
 def test_the_pool_holds_more_blocks_in_the_same_memory(model, caplog):
     mem = {"memory_gib": 0.001, "block_size": 4}
     base = LLM(str(model), dtype="float32", kv_cache=mem)
