@@ -281,6 +281,22 @@ def test_triton_engine_with_an_int8_pool_equals_the_reference(model, interpret):
             "_unified_attention_kernel"} <= set(launches)
 
 
+def test_a_draft_model_keeps_its_kv_in_the_int8_pool_too(model):
+    """speculative=draft_model (the target as its own draft): the draft's layers get int8
+    pools of the same blocks, and the greedy tokens are those of the int8 engine alone."""
+    prompts = [p[:n] for p, n in zip(_prompts(), (9, 21, 4))]
+    kv = {"cache_dtype": "int8", "block_size": 4}
+    llm = LLM(str(model), dtype="float32", kv_cache=kv)
+    expected = _tokens(llm, prompts)
+    llm.shutdown()
+    llm = LLM(str(model), dtype="float32", kv_cache=kv, speculative={
+        "name": "draft_model", "num_speculative_tokens": 3, "model": str(model)})
+    assert all(c.dtype == torch.int8 for c in llm.engine.executor.runner.proposer.kv_caches)
+    assert _tokens(llm, prompts) == expected
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    llm.shutdown()
+
+
 @pytest.mark.slow  # compiles (tens of seconds on 2 cores)
 def test_step_graphs_read_the_int8_pool_like_eager(model):
     """Decode steps through compiled step graphs (the same C++ ops as graph nodes) give eager's
