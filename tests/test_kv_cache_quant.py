@@ -297,6 +297,25 @@ def test_a_draft_model_keeps_its_kv_in_the_int8_pool_too(model):
     llm.shutdown()
 
 
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_ranks_quantize_their_own_kv_heads(model):
+    """TP=2 over worker processes: each rank's pool holds its KV head's int8 rows, and the
+    greedy tokens are the single-process int8 engine's."""
+    prompts = [p[:n] for p, n in zip(_prompts(), (9, 21))]
+    kv = {"cache_dtype": "int8", "block_size": 4}
+    single = LLM(str(model), dtype="float32", kv_cache=kv)
+    expected = _tokens(single, prompts)
+    blocks = single.engine.num_blocks
+    single.shutdown()
+    llm = LLM(str(model), dtype="float32", kv_cache=kv, parallel={"tensor_parallel_size": 2})
+    try:
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
+        assert _tokens(llm, prompts) == expected
+        assert llm.engine.num_blocks == blocks  # capped by max_num_seqs x max_model_len
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow  # compiles (tens of seconds on 2 cores)
 def test_step_graphs_read_the_int8_pool_like_eager(model):
     """Decode steps through compiled step graphs (the same C++ ops as graph nodes) give eager's
