@@ -124,6 +124,24 @@ def test_cpu_decode_attention_reads_the_dequantized_rows(cpu_ops, kind, dtype, b
     torch.testing.assert_close(out, ref, **tol)
 
 
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_cpu_reads_every_code_exactly(cpu_ops, fmt):
+    """One context token: the attention output is its V row, so every one of the 256 codes
+    (NaN codes aside) must come back as the torch reference's float, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 64)  # 4 KV heads x 64 values
+    cache = torch.zeros(2, 1, 1, 4, 64 + SCALE_BYTES, dtype=torch.uint8)
+    cache[1, 0, 0, :, :64] = codes
+    cache[1, 0, 0, :, 64:] = torch.full((4, 1), 0.375).view(torch.uint8)  # the rows' scale
+    cache = cache.view(fmt.storage_dtype)
+    out = cpu_ops.paged_decode_attention(torch.randn(1, 4, 64), cache,
+                                         torch.zeros(1, 1, dtype=torch.int32),
+                                         torch.ones(1, dtype=torch.int32), 0.125)
+    expected = dequantize_rows(cache[1, 0, 0])
+    keep = ~expected.isnan()
+    # equal values (-0.0 comes back +0.0: the weighted sum starts from +0)
+    assert torch.equal(out[0][keep], expected[keep])
+
+
 # -- Triton kernels (interpreted on a CPU) -------------------------------------------------------
 @pytest.fixture
 def interpret(monkeypatch):
