@@ -18,6 +18,9 @@ silu_and_mul                 activation              silu_and_mul_ref
 fused_moe                    moe                     llmkit.ops.moe.fused_moe_reference
 ===========================  ======================  ================================
 
+A quantized KV cache (``kv_quant``: int8 / e4m3 rows with their float32 scale) is written by
+``_reshape_and_cache_quant_kernel`` and read by the attention kernels, which dequantize.
+
 Whether a launch compiles for the GPU or runs in Triton's interpreter is decided at launch time
 from ``TRITON_INTERPRET`` (see ``_jit``), so import order never matters. Importing this package
 does not import Triton; the kernel modules do, on first use. (No module is named like the
@@ -46,7 +49,7 @@ _EXPORTS = {
 
 #: Kernel names (as counted by ``launch_counts``) by the public function that launches them.
 KERNELS = {
-    "reshape_and_cache": ("_reshape_and_cache_kernel",),
+    "reshape_and_cache": ("_reshape_and_cache_kernel", "_reshape_and_cache_quant_kernel"),
     "paged_decode_attention": ("_paged_decode_kernel", "_decode_reduce_kernel"),
     "unified_attention": ("_unified_attention_kernel",),
     "rms_norm": ("_rms_norm_kernel",),

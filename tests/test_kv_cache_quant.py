@@ -124,6 +124,24 @@ def test_cpu_decode_attention_reads_the_dequantized_rows(cpu_ops, kind, dtype, b
     torch.testing.assert_close(out, ref, **tol)
 
 
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_cpu_reads_every_code_exactly(cpu_ops, fmt):
+    """One context token: the attention output is its V row, so every one of the 256 codes
+    (NaN codes aside) must come back as the torch reference's float, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 64)  # 4 KV heads x 64 values
+    cache = torch.zeros(2, 1, 1, 4, 64 + SCALE_BYTES, dtype=torch.uint8)
+    cache[1, 0, 0, :, :64] = codes
+    cache[1, 0, 0, :, 64:] = torch.full((4, 1), 0.375).view(torch.uint8)  # the rows' scale
+    cache = cache.view(fmt.storage_dtype)
+    out = cpu_ops.paged_decode_attention(torch.randn(1, 4, 64), cache,
+                                         torch.zeros(1, 1, dtype=torch.int32),
+                                         torch.ones(1, dtype=torch.int32), 0.125)
+    expected = dequantize_rows(cache[1, 0, 0])
+    keep = ~expected.isnan()
+    # equal values (-0.0 comes back +0.0: the weighted sum starts from +0)
+    assert torch.equal(out[0][keep], expected[keep])
+
+
 # -- Triton kernels (interpreted on a CPU) -------------------------------------------------------
 @pytest.fixture
 def interpret(monkeypatch):
@@ -279,6 +297,62 @@ def test_triton_engine_with_an_int8_pool_equals_the_reference(model, interpret):
     assert got == expected
     assert {"_reshape_and_cache_quant_kernel", "_paged_decode_kernel",
             "_unified_attention_kernel"} <= set(launches)
+
+
+def test_a_draft_model_keeps_its_kv_in_the_int8_pool_too(model):
+    """speculative=draft_model (the target as its own draft): the draft's layers get int8
+    pools of the same blocks, and the greedy tokens are those of the int8 engine alone."""
+    prompts = [p[:n] for p, n in zip(_prompts(), (9, 21, 4))]
+    kv = {"cache_dtype": "int8", "block_size": 4}
+    llm = LLM(str(model), dtype="float32", kv_cache=kv)
+    expected = _tokens(llm, prompts)
+    llm.shutdown()
+    llm = LLM(str(model), dtype="float32", kv_cache=kv, speculative={
+        "name": "draft_model", "num_speculative_tokens": 3, "model": str(model)})
+    assert all(c.dtype == torch.int8 for c in llm.engine.executor.runner.proposer.kv_caches)
+    assert _tokens(llm, prompts) == expected
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    llm.shutdown()
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_ranks_quantize_their_own_kv_heads(model):
+    """TP=2 over worker processes: each rank's pool holds its KV head's int8 rows, and the
+    greedy tokens are the single-process int8 engine's."""
+    prompts = [p[:n] for p, n in zip(_prompts(), (9, 21))]
+    kv = {"cache_dtype": "int8", "block_size": 4}
+    single = LLM(str(model), dtype="float32", kv_cache=kv)
+    expected = _tokens(single, prompts)
+    blocks = single.engine.num_blocks
+    single.shutdown()
+    llm = LLM(str(model), dtype="float32", kv_cache=kv, parallel={"tensor_parallel_size": 2})
+    try:
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
+        assert _tokens(llm, prompts) == expected
+        assert llm.engine.num_blocks == blocks  # capped by max_num_seqs x max_model_len
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow  # compiles (tens of seconds on 2 cores)
+def test_step_graphs_read_the_int8_pool_like_eager(model):
+    """Decode steps through compiled step graphs (the same C++ ops as graph nodes) give eager's
+    tokens and logprobs bit for bit over an int8 pool."""
+    from llmkit.compilation.inductor import InductorStepGraphs
+
+    prompts = [p[:n] for p, n in zip(_prompts(), (6, 20, 3))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = {}
+    for mode in ("eager", "graphs"):
+        llm = LLM(str(model), dtype="float32", compilation={"mode": mode},
+                  kv_cache={"cache_dtype": "int8"})
+        if mode == "graphs":
+            assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+        outs[mode] = [(o.outputs[0].token_ids,
+                       [{t: v.logprob for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert outs["graphs"] == outs["eager"]
 
 
 def test_the_pool_holds_more_blocks_in_the_same_memory(model, caplog):
