@@ -103,6 +103,12 @@ def op_namespace(name: str) -> Any:
     return getattr(torch.ops, name)
 
 
+def op_by_name(namespace: str, name: str, overload: str | None = None) -> Any:
+    """``torch.ops.<namespace>.<name>[.<overload>]`` (how they refer to one of its ops)."""
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
 @contextlib.contextmanager
 def _portable_guard_pickling() -> Iterator[None]:
     """Work around two things torch 2.13's guard pickler gets wrong for this model:
@@ -111,7 +117,8 @@ def _portable_guard_pickling() -> Iterator[None]:
       that singleton (each saved tensor's dtype) into ``_Missing`` and the saved graph cannot
       be loaded: dtypes and layouts are named globals, pickled by name here;
     - it pickles ``torch.ops.llmkit_cpu`` (which the ops objects hold) as an importable
-      module, which it is not: it is pickled as ``torch.ops``' attribute."""
+      module, which it is not, and an op (which the quantized linear holds) field by field,
+      down to a pybind function it cannot pickle: both are pickled by name here."""
     from torch._dynamo.guards import GuardsStatePickler
 
     reduce = GuardsStatePickler.reducer_override
@@ -121,6 +128,12 @@ def _portable_guard_pickling() -> Iterator[None]:
             return NotImplemented
         if isinstance(obj, torch._ops._OpNamespace):
             return op_namespace, (obj.name,)
+        if isinstance(obj, torch._ops.OpOverloadPacket):  # holds a pybind function
+            namespace, name = obj._qualified_op_name.split("::")
+            return op_by_name, (namespace, name)
+        if isinstance(obj, torch._ops.OpOverload):
+            namespace, name = obj._schema.name.split("::")
+            return op_by_name, (namespace, name, obj._overloadname)
         return reduce(self, obj)
 
     GuardsStatePickler.reducer_override = by_name
