@@ -135,6 +135,13 @@ def _first_error(exc: BaseException) -> str:
 
 
 @functools.cache
+def kernels_build_key() -> str:
+    """The key of the kernels this process builds or loads (their sources, torch, compiler,
+    flags): what a compiled graph calling them depends on."""
+    return _build_key(build_inputs(compile_flags()))
+
+
+@functools.cache
 def load_cpu_kernels():
     """``torch.ops.llmkit_cpu`` once the library is built (or found in the cache) and loaded.
 
@@ -142,8 +149,7 @@ def load_cpu_kernels():
     """
     from torch.utils import cpp_extension
 
-    flags = compile_flags()
-    key = _build_key(build_inputs(flags))
+    key = kernels_build_key()
     directory = build_directory(key)
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -152,7 +158,7 @@ def load_cpu_kernels():
                           "20-40 s on 2 cores)"):
             cpp_extension.load(
                 name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
-                extra_cflags=flags, extra_ldflags=LINK_FLAGS,
+                extra_cflags=compile_flags(), extra_ldflags=LINK_FLAGS,
                 extra_include_paths=[str(SOURCE_DIR)], build_directory=str(directory),
                 is_python_module=False, with_cuda=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error

@@ -7,14 +7,30 @@ the linear methods' row dispatch). With inductor's C++ wrapper (``compilation.cp
 the default) the graph calls the kernels from C++.
 
 Two graphs cover 1..``max_rows`` rows: one for a single row and one dynamic in the row count
-for 2..``max_rows`` (dynamo specialises sizes 0 and 1). Inductor caches compiled graphs on
-disk (``compilation.cache_dir``), so only the first start-up pays the full compile.
+for 2..``max_rows`` (dynamo specialises sizes 0 and 1).
+
+Start-up: each graph is compiled ahead of time (``torch.compile(...).aot_compile``, dynamo's
+precompile) and saved whole (guards, bytecode, the AOT-autograd and inductor output) to
+``<compilation.cache_dir>/step_graphs/<key>-<graph>.bin``, so a later start with the same
+model structure, config, torch and kernels loads it instead of tracing the model again (the
+dynamo trace and AOT-autograd are most of a warm ``torch.compile``; inductor's own FX-graph
+cache only saves the code generation). The model's weights and KV caches are no part of a
+saved graph: it reads them from the live model at every call. The key (:func:`graph_key`) hashes
+what shapes the graph; on load the traced functions' sources are compared with today's files
+and the graph's guards are checked on the dummy inputs, and anything unloadable (stale,
+corrupt, another torch) is traced again, with a log line.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
+import sys
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,33 +42,237 @@ logger = logging.getLogger(__name__)
 # the runner with fixed layouts, so they only cost time (~1 us a call, hundreds a step).
 _OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
+#: Bumped when what a saved graph holds or how it is called changes.
+FORMAT_VERSION = 1
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def graph_key(model: torch.nn.Module, kv_caches: list[torch.Tensor], **parts: Any) -> str:
+    """What a decode step's graph depends on, hashed: torch and Python, the model's structure
+    (every module's class, its scalar attributes such as eps or scale, the classes of the
+    objects it holds such as its linear method, each parameter's and buffer's name, shape,
+    dtype and strides), the KV caches' shapes and dtype, and ``parts`` (rows, block-table
+    width, options, the kernels' build key). Weights are not hashed: the graph reads them."""
+    h = hashlib.sha256()
+
+    def put(*items: object) -> None:
+        for item in items:
+            h.update(repr(item).encode())
+            h.update(b"\0")
+
+    put(FORMAT_VERSION, torch.__version__, sys.version, sorted(parts.items()))
+    for name, module in model.named_modules():
+        put(name, type(module).__module__, type(module).__qualname__)
+        for attr, value in sorted(vars(module).items()):
+            if attr in ("_parameters", "_buffers", "_modules") or attr.startswith("__"):
+                continue
+            if isinstance(value, _SCALARS):
+                put(attr, value)
+            elif isinstance(value, torch.Tensor):
+                put(attr, tuple(value.shape), value.dtype, value.stride())
+            elif not isinstance(value, (dict, list, tuple, set)) or not attr.startswith("_"):
+                put(attr, type(value).__module__, type(value).__qualname__)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        put(name, tuple(tensor.shape), tensor.dtype, tensor.stride())
+    for kv in kv_caches:
+        put(tuple(kv.shape), kv.dtype, kv.stride())
+    return h.hexdigest()[:24]
+
+
+def _sources_unchanged(fn: Any) -> str | None:
+    """None when every function the saved graph traced still has the source it had; else
+    which module changed."""
+    import importlib
+    import inspect
+
+    from torch._dynamo.package import _hash_source
+
+    for src in fn.source_info().inlined_sources:
+        try:
+            module = importlib.import_module(src.module)
+            lines = inspect.getsourcelines(module)[0][src.firstlineno - 1:src.lastlineno - 1]
+        except (ImportError, OSError, TypeError) as exc:
+            return f"{src.module}: {exc}"
+        if _hash_source("".join(lines)) != src.checksum:
+            return f"{src.module} (line {src.firstlineno}) changed"
+    return None
+
+
+def op_namespace(name: str) -> Any:
+    """``torch.ops.<name>`` (how a saved graph's guards refer to a custom-op library)."""
+    return getattr(torch.ops, name)
+
+
+def op_by_name(namespace: str, name: str, overload: str | None = None) -> Any:
+    """``torch.ops.<namespace>.<name>[.<overload>]`` (how they refer to one of its ops)."""
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+@contextlib.contextmanager
+def _portable_guard_pickling() -> Iterator[None]:
+    """Work around two things torch 2.13's guard pickler gets wrong for this model:
+    - it stands ``_Missing`` in for a module's attributes that no guard reads, by object id,
+      so a module holding ``self.dtype = torch.float32`` turns *every* later reference to
+      that singleton (each saved tensor's dtype) into ``_Missing`` and the saved graph cannot
+      be loaded: dtypes and layouts are named globals, pickled by name here;
+    - it pickles ``torch.ops.llmkit_cpu`` (which the ops objects hold) as an importable
+      module, which it is not, and an op (which the quantized linear holds) field by field,
+      down to a pybind function it cannot pickle: both are pickled by name here."""
+    from torch._dynamo.guards import GuardsStatePickler
+
+    reduce = GuardsStatePickler.reducer_override
+
+    def by_name(self: Any, obj: Any) -> Any:
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return NotImplemented
+        if isinstance(obj, torch._ops._OpNamespace):
+            return op_namespace, (obj.name,)
+        if isinstance(obj, torch._ops.OpOverloadPacket):  # holds a pybind function
+            namespace, name = obj._qualified_op_name.split("::")
+            return op_by_name, (namespace, name)
+        if isinstance(obj, torch._ops.OpOverload):
+            namespace, name = obj._schema.name.split("::")
+            return op_by_name, (namespace, name, obj._overloadname)
+        return reduce(self, obj)
+
+    GuardsStatePickler.reducer_override = by_name
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = reduce
+
+
+class _DecodeStep:
+    """What a graph is traced through and called with: the model, its attention backend and
+    the KV caches, and nothing else. Dynamo's precompile pickles the traced function's locals
+    (pruned to what its guards read) with the graph, so they must not reach the step graphs
+    object (which holds the compiled graphs themselves)."""
+
+    decode_step = StepGraphs.decode_step
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
+        self.model = model
+        self.attn_backend = model.attn_backend
+        self.kv_caches = kv_caches
+
 
 class InductorStepGraphs(StepGraphs):
     name = "inductor"
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_rows: int,
-                 *, cpp_wrapper: bool = True, cache_dir: str | None = None) -> None:
+                 *, cpp_wrapper: bool = True, cache_dir: str | None = None,
+                 kernels_key: str = "") -> None:
         super().__init__(model, kv_caches, max_rows)
         if cache_dir is not None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             # inductor reads its cache folder from the environment, at compile time
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         options = dict(_OPTIONS, cpp_wrapper=cpp_wrapper)
         self.cpp_wrapper = cpp_wrapper
-        self._fn = torch.compile(self.decode_step, fullgraph=True, dynamic=False,
+        self.options = options
+        self.kernels_key = kernels_key
+        # Saved graphs live beside inductor's cache (null: not saved, every start traces).
+        self.graph_dir = Path(cache_dir) / "step_graphs" if cache_dir is not None else None
+        self._step = _DecodeStep(model, kv_caches)
+        self._fn = torch.compile(self._step.decode_step, fullgraph=True, dynamic=False,
                                  options=options)
+        # "one" (1 row) and "many" (2..max_rows): (graph, whether it takes the step first:
+        # a precompiled graph does, the plain torch.compile fallback does not).
+        self._graphs: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {}
+        #: How the graphs of the latest capture() came: graph name -> loaded, traced, or
+        #: compiled (the plain torch.compile path, when AOT compilation failed).
+        self.origins: dict[str, str] = {}
+
+    def _variants(self) -> list[tuple[str, int]]:
+        variants = [("one", 1)]
+        if self.max_rows >= 2:
+            variants.append(("many", self.max_rows))
+        return variants
 
     def capture(self, block_table_width: int) -> float:
         t0 = time.perf_counter()
+        self._graphs.clear()
+        self.origins.clear()
+        key = graph_key(self.model, self.kv_caches, max_rows=self.max_rows,
+                        block_table_width=block_table_width, options=sorted(self.options.items()),
+                        kernels=self.kernels_key)
         with torch.inference_mode():
-            for rows in sorted({1, min(2, self.max_rows), self.max_rows}):
-                self.run(*self.dummy_inputs(rows, block_table_width))
+            for variant, rows in self._variants():
+                inputs = self.dummy_inputs(rows, block_table_width)
+                path = self.graph_dir / f"{key}-{variant}.bin" if self.graph_dir else None
+                graph = self._load(path, inputs) if path is not None else None
+                if graph is not None:
+                    self.origins[variant] = "loaded"
+                else:
+                    graph = self._trace(path, inputs)
+                self._graphs[variant] = graph
+                self.run(*self.dummy_inputs(rows, block_table_width))  # warm up
+        if self.origins:
+            logger.info("step graphs: %s", ", ".join(f"{v} {o}" for v, o in self.origins.items()))
         return time.perf_counter() - t0
+
+    def _mark(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        if inputs[0].shape[0] >= 2:
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.max_rows)
+
+    def _load(self, path: Path, inputs: tuple[torch.Tensor, ...]
+              ) -> tuple[Callable[..., torch.Tensor], bool] | None:
+        """The saved graph at ``path`` if it is there and still fits; else None (and why, in
+        the log, unless there was nothing saved)."""
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                fn = torch.compiler.load_compiled_function(
+                    f, f_globals=StepGraphs.decode_step.__globals__)
+            stale = _sources_unchanged(fn)
+            if stale is None and not fn.guard_check(self._step, *inputs):
+                verbose = fn._artifacts.guard_manager.check_verbose(
+                    fn.prepare_f_locals(self._step, *inputs))
+                stale = f"its guards fail on this model's inputs: {verbose.verbose_code_parts}"
+        except Exception as exc:  # noqa: BLE001 - any unloadable entry is traced again
+            logger.debug("loading %s", path, exc_info=True)
+            stale = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if stale is not None:
+            logger.warning("step graph %s not loaded (%s); tracing it again", path, stale)
+            return None
+        fn.disable_guard_check()  # checked above; the runner builds inputs of these layouts
+        return fn, True
+
+    def _trace(self, path: Path | None, inputs: tuple[torch.Tensor, ...]
+               ) -> tuple[Callable[..., torch.Tensor], bool]:
+        """Compile the graph ahead of time (and save it under ``path``); when dynamo cannot
+        precompile it, the plain ``torch.compile`` function (traced again at every start)."""
+        variant = "one" if inputs[0].shape[0] == 1 else "many"
+        self._mark(inputs)
+        try:
+            with _portable_guard_pickling():
+                fn = self._fn.aot_compile((inputs, {}))
+        except Exception as exc:  # noqa: BLE001 - the plain compile path still works
+            logger.warning("step graph %s: ahead-of-time compilation failed (%s); using "
+                           "torch.compile, traced at every start", variant,
+                           f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            self.origins[variant] = "compiled"
+            return self._fn, False
+        self.origins[variant] = "traced"
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fn.save_compiled_function(str(path))
+            except Exception as exc:  # noqa: BLE001 - a graph that cannot be saved still runs
+                logger.warning("step graph %s not saved to %s (%s); the next start traces it "
+                               "again", variant, path, f"{type(exc).__name__}: {exc}"[:300])
+        fn.disable_guard_check()
+        return fn, True
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         rows = input_ids.shape[0]
+        fn, takes_self = self._graphs["one" if rows == 1 else "many"]
+        if takes_self:
+            return fn(self._step, input_ids, positions, slot_mapping, block_table, seq_lens)
         if rows >= 2:
-            mark = torch._dynamo.mark_dynamic
-            for t in (input_ids, positions, slot_mapping, block_table, seq_lens):
-                mark(t, 0, min=2, max=self.max_rows)
-        return self._fn(input_ids, positions, slot_mapping, block_table, seq_lens)
+            self._mark((input_ids, positions, slot_mapping, block_table, seq_lens))
+        return fn(input_ids, positions, slot_mapping, block_table, seq_lens)

@@ -365,7 +365,9 @@ class CompilationConfig(_Strict):
     # CUDA: the batch sizes to capture (null = 1, 2, 4, 8, then multiples of 8 up to 256 and
     # max_num_seqs); a decode step runs the smallest captured size >= its rows, padded.
     cudagraph_capture_sizes: list[int] | None = None
-    # Where compiled graphs are cached (null = <llmkit cache>/compile).
+    # Where compiled graphs are cached (null = <llmkit cache>/compile): inductor's code cache,
+    # and under step_graphs/ the CPU graphs saved whole, which a later start loads instead of
+    # tracing the model again (keyed by the model's structure, options, torch and kernels).
     cache_dir: str | None = None
     # CPU: inductor's C++ wrapper (the graph's op calls from C++, not Python): ~3x less
     # overhead per op, a longer first compile.

@@ -102,11 +102,13 @@ class CpuPlatform(Platform):
                            model.attn_backend.name, model.ctx.ops.name)
             return None
         from llmkit.compilation.inductor import InductorStepGraphs
+        from llmkit.kernels.cpu_native import kernels_build_key
 
         cache = config.cache_dir or str(cache_dir() / "compile")
         return InductorStepGraphs(model, kv_caches,
                                   min(CpuLinearMethod.small_batch_max_rows, max_num_seqs),
-                                  cpp_wrapper=config.cpp_wrapper, cache_dir=cache)
+                                  cpp_wrapper=config.cpp_wrapper, cache_dir=cache,
+                                  kernels_key=kernels_build_key())
 
     def native_kernels(self, dtype: torch.dtype):
         # Asked by ops() and linear_method_factory(): build (or warn about a failed build) once.
