@@ -17,6 +17,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.distributed.shm_broadcast import ShmRingBuffer
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
 from llmkit.sampling.params import StructuredOutputsParams
+from llmkit.executor.multiproc import cpu_slices
 from llmkit.scheduler.base import CachedRequestData, NewRequestData, SchedulerOutput
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three"]
@@ -106,11 +107,21 @@ def test_tensor_parallel_2_matches_the_single_process_engine(tiny_model_dir, arc
     try:
         info = llm.engine.backend_info
         assert any(m.startswith("row-parallel[0/2]") for m in info.linear_methods), info
-        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"  # executor=auto
+        executor = llm.engine.executor
+        assert type(executor).__name__ == "MultiprocExecutor"  # executor=auto
+        # parallel.cpu_binding=auto: each rank on its own slice of the usable cores
+        assert executor.worker_cpus == cpu_slices(sorted(os.sched_getaffinity(0)), 2) or \
+            len(os.sched_getaffinity(0)) < 2
         assert _tokens(llm) == want_greedy
         assert _tokens(llm, SEEDED) == want_seeded  # every rank draws the same samples
     finally:
         llm.engine.shutdown()
+
+
+def test_cpu_slices_give_each_rank_its_own_cores_or_none():
+    assert cpu_slices([0, 1, 2, 3], 2) == [(0, 1), (2, 3)]
+    assert cpu_slices([4, 5, 6], 2) == [(4,), (5,)]  # the remainder to no rank
+    assert cpu_slices([0], 2) == [None, None]  # two ranks on one core: not bound
 
 
 def test_a_killed_worker_fails_the_engine_within_seconds(tiny_model_dir):

@@ -204,6 +204,10 @@ class ParallelConfig(_Strict):
     enable_expert_parallel: bool = False
     # torch.distributed's backend; auto = gloo on CPU, nccl on CUDA
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # CPU worker processes (executor=multiproc): auto = bind each rank to its own slice of the
+    # usable cores when every rank gets at least one (threads stay on their rank's cores);
+    # none = leave them to the OS (a machine shared with other jobs may do better unbound).
+    cpu_binding: Literal["auto", "none"] = "auto"
 
     @property
     def world_size(self) -> int:

@@ -65,6 +65,15 @@ def threads_per_rank(config: EngineConfig, world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+def cpu_slices(cpus: list[int], world_size: int) -> list[tuple[int, ...] | None]:
+    """Each rank's own contiguous slice of ``cpus`` (the remainder to no one), or no binding
+    for any rank when there are fewer CPUs than ranks (binding would pin two to one core)."""
+    per = len(cpus) // world_size
+    if per == 0:
+        return [None] * world_size
+    return [tuple(cpus[r * per:(r + 1) * per]) for r in range(world_size)]
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
@@ -89,15 +98,21 @@ class MultiprocExecutor(Executor):
         atexit.register(self.shutdown)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = threads_per_rank(config, self.world_size)
-        logger.info("multiproc executor: %d worker processes, %d threads each, %s",
-                    self.world_size, threads, distributed_backend(config, platform))
+        bind = config.parallel.cpu_binding == "auto" and platform.device.type == "cpu"
+        slices = (cpu_slices(sorted(os.sched_getaffinity(0)), self.world_size) if bind
+                  else [None] * self.world_size)
+        logger.info("multiproc executor: %d worker processes, %d threads each, %s, %s",
+                    self.world_size, threads, distributed_backend(config, platform),
+                    "bound to CPUs " + " | ".join(",".join(map(str, c)) for c in slices)
+                    if slices[0] is not None else "unbound")
         payload = config.model_dump(mode="json", by_alias=True)
         try:
             for rank in range(self.world_size):
                 parent_end, child_end = spawn.Pipe(duplex=False)
                 spec = WorkerSpec(rank, self.world_size, payload, init_method,
                                   distributed_backend(config, platform), threads, os.getpid(),
-                                  logging.getLogger("llmkit").getEffectiveLevel())
+                                  logging.getLogger("llmkit").getEffectiveLevel(),
+                                  cpus=slices[rank])
                 proc = spawn.Process(target=run_worker, args=(spec, self.ring.handle, child_end),
                                      name=f"llmkit-worker-{rank}", daemon=True)
                 proc.start()
@@ -115,6 +130,8 @@ class MultiprocExecutor(Executor):
         # Every rank holds its own KV heads of its own layers for every block: a block costs
         # the sum.
         self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
+        #: The CPUs each rank runs on (its affinity as it reported it).
+        self.worker_cpus: list[tuple[int, ...]] = [r.cpus for r in ready]
 
     # -- the executor interface ------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ class WorkerReady:
     kv_cache_bytes_per_block: int
     model_facts: Any
     backend_info: Any
+    cpus: tuple[int, ...] = ()  # the rank's CPU affinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class WorkerSpec:
     num_threads: int
     parent_pid: int
     log_level: int
+    # the CPUs this rank is bound to (parallel.cpu_binding); None = unbound
+    cpus: tuple[int, ...] | None = None
 
 
 def run_worker(spec: WorkerSpec, ring_handle, conn) -> None:
@@ -80,6 +83,8 @@ def build_worker(spec: WorkerSpec):
     config = EngineConfig.model_validate(spec.config)
     platform = resolve_platform(config.platform)
     platform.apply_runtime_settings()
+    if spec.cpus is not None:  # its threads, started below, inherit the affinity
+        os.sched_setaffinity(0, spec.cpus)
     torch.set_num_threads(spec.num_threads)  # this rank's share of the cores
     torch.distributed.init_process_group(spec.backend, init_method=spec.init_method,
                                          rank=spec.rank, world_size=spec.world_size)
@@ -95,7 +100,8 @@ def _serve(spec: WorkerSpec, ring_handle, conn) -> None:
     worker = build_worker(spec)
     ring = ShmRingBuffer.attach(ring_handle, spec.rank)
     conn.send_bytes(TAG_READY + pickle.dumps(WorkerReady(
-        worker.kv_cache_bytes_per_block(), worker.model_facts, worker.backend_info)))
+        worker.kv_cache_bytes_per_block(), worker.model_facts, worker.backend_info,
+        tuple(sorted(os.sched_getaffinity(0))))))
     decoder, encoder = StepDecoder(), StepEncoder()
     output_rank = worker.is_output_rank
 
