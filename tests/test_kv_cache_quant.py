@@ -73,7 +73,7 @@ def cpu_ops():
     try:
         return load_cpu_kernels()
     except CpuKernelBuildError as e:  # pragma: no cover - a machine without a compiler
-        pytest.skip(str(e))
+        pytest.skip(f"llmkit's C++ kernels cannot be built on this machine (no compiler?): {e}")
 
 
 CACHE_KINDS = ["int8", "fp8_e4m3", "bfloat16"]

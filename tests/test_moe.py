@@ -104,7 +104,6 @@ def test_grouped_path_is_one_opaque_op_in_a_compiled_graph():
 
 @pytest.mark.parametrize("t,expert_parallel", [(1, False), (21, False), (21, True)])
 def test_triton_fused_moe_interpreted_matches_the_reference(monkeypatch, t, expert_parallel):
-    pytest.importorskip("triton")
     from llmkit.kernels import count_launches, fused_moe
 
     if not torch.cuda.is_available():
@@ -122,7 +121,6 @@ def test_triton_fused_moe_interpreted_matches_the_reference(monkeypatch, t, expe
 
 
 def test_align_block_size_groups_slots_by_expert_in_whole_blocks():
-    pytest.importorskip("triton")
     from llmkit.kernels import moe_align_block_size
 
     ids = torch.tensor([2, 0, 2, 3, 0, 2])  # 3 = another rank's expert (3 local experts)
