@@ -5,41 +5,17 @@ stalls steps (writes are write-behind); the host tier's lossless compression rou
 still hits."""
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
 import torch
 
-from llmkit import LLM, SamplingParams
+from llmkit import LLM
 from llmkit.config.errors import ConfigError
 from llmkit.kv_transfer.compression import BlockCodec
 
-BLOCK = 4
-SMALL_POOL = 12  # blocks: one 30-token prompt (8 blocks) fits, two do not
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def _prompts() -> tuple[list[int], list[int]]:
-    rng = random.Random(0)
-    return ([rng.randrange(5, 600) for _ in range(30)],
-            [rng.randrange(5, 600) for _ in range(30)])
-
-
-def _llm(model_dir, num_blocks: int = SMALL_POOL, **offload) -> LLM:
-    groups = {"kv_offload": offload} if offload else {}
-    return LLM(str(model_dir), dtype="float32", attention="torch",
-               kv_cache={"num_blocks": num_blocks, "block_size": BLOCK}, **groups)
-
-
-def _gen(llm: LLM, prompt: list[int]) -> list[int]:
-    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def _assert_no_leak(llm: LLM) -> None:
-    kv = llm.engine.kv_cache_manager
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks, "blocks still held after every request ended"
+# the pool, prompts and helpers of the offload tests (one definition)
+from test_kv_offload import BLOCK, SMALL_POOL, _assert_no_leak, _gen, _llm, _prompts  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
