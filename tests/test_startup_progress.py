@@ -33,3 +33,21 @@ def test_terminal_commands_print_the_steps_on_stderr(monkeypatch):
     out = stream.getvalue().splitlines()
     assert out[0] == "llmkit: loading the model ..." and len(out) == 2
     assert out[1].startswith("llmkit: loading the model: done in ")
+
+
+def test_the_stderr_handler_follows_a_replaced_stderr(monkeypatch):
+    # One process runs many commands (the test suite does): the stderr of the command that
+    # installed the handler may be closed when a later command logs a step.
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "level", logger.level)
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    show_startup_progress()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    with startup_step("reading the configuration", after_s=0.01):
+        time.sleep(0.1)
+    out = second.getvalue().splitlines()
+    assert out[0] == "llmkit: reading the configuration ..." and len(out) == 2
