@@ -491,9 +491,45 @@ def test_adaptive_and_disable_by_batch_size_cut_drafts(succ_dir, references):
             assert counts[name] <= MAX_TOKENS * len(PROMPTS)
     assert counts["fixed"] > counts["adaptive"] > 0
     assert counts["disabled"] == 0  # five requests run together from the first step to the last
-    # measured at start-up when not given
+    # measured at start-up when not given: the step costs by rows, and the expected-throughput
+    # rule fed by the verified rows
     llm = make_llm(succ_dir, speculative={**base, "adaptive": True})
-    assert llm.engine.executor.runner.proposer.length_policy.ridge_tokens >= 1
+    policy = llm.engine.executor.runner.proposer.length_policy
+    assert policy.ridge_tokens >= 1 and policy.step_costs is not None
+    assert set(range(1, 6)) <= set(policy.step_costs.counts.astype(int).tolist())
+    assert_same(generate(llm, PROMPTS, GREEDY), references["succ"])
+    assert policy.acceptance is not None and policy.acceptance.tried.sum() > 0
+
+
+def test_expected_throughput_rule():
+    from llmkit.spec_decode.adaptive import AcceptanceEstimate, DraftLengthPolicy, StepCosts
+
+    costs = StepCosts({1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0})
+    assert costs(3) == 12.0 and costs(16) == 25.0  # linear between, the last slope past
+    est = AcceptanceEstimate(3, prior_weight=1e-6)
+    # rows with 3 drafts: two accept all, one accepts 1, one none
+    est.observe(np.array([3, 3, 3, 3]), np.array([3, 3, 1, 0]))
+    rates = est.rates()
+    assert rates[0] == pytest.approx(3 / 4, rel=0.05)  # 3 of the 4 accepted draft 1
+    assert rates[1] == pytest.approx(2 / 3, rel=0.05) and rates[2] == pytest.approx(1, rel=0.05)
+    assert est.expected_tokens()[0] == 1.0
+
+    def policy(step_costs, rate):
+        p = DraftLengthPolicy(adaptive=True, step_costs=StepCosts(step_costs))
+        p.acceptance = AcceptanceEstimate(5, prior=rate, prior_weight=1e3)
+        return p
+    # memory-bound (every row free): the most drafts; compute-bound (cost per token): none
+    assert policy({1: 1.0, 512: 1.0}, 0.5).num_drafts(5, 1, 1) == 5
+    assert policy({1: 1.0, 2: 2.0}, 0.9).num_drafts(5, 8, 8) == 0
+    # each row a quarter of a one-row step: long accepted runs pay for K, short ones do not
+    quarter = {1: 1.0, 2: 1.25, 8: 2.75}
+    assert policy(quarter, 0.95).num_drafts(5, 1, 1) == 5
+    assert 1 <= policy(quarter, 0.6).num_drafts(5, 1, 1) <= 3
+    assert policy(quarter, 0.1).num_drafts(5, 1, 1) == 0
+    # disable_by_batch_size still wins
+    p = policy({1: 1.0, 512: 1.0}, 0.9)
+    p.disable_by_batch_size = 4
+    assert p.num_drafts(5, 4, 4) == 0
 
 
 # -- configuration ---------------------------------------------------------------------------

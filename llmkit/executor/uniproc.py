@@ -21,8 +21,8 @@ from llmkit.platforms.base import Platform
 from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode import ProposerEnv, build_proposer
-from llmkit.spec_decode.adaptive import DraftLengthPolicy
 from llmkit.worker.model_runner import ModelRunner
+from llmkit.worker.spec_setup import adaptive_length_policy
 from llmkit.worker.model_setup import (describe_backend, linear_method_factory, resolve_dtype,
                                        resolve_kv_cache_dtype)
 
@@ -113,16 +113,8 @@ class UniprocExecutor(Executor):
         proposer = self.runner.proposer
         spec = self.config.speculative
         if proposer is not None and (spec.adaptive or spec.disable_by_batch_size):
-            ridge = spec.ridge_tokens
-            if spec.adaptive and ridge is None:
-                ridge = self.platform.measure_ridge_tokens(
-                    self.runner.time_forward,
-                    max_tokens=self.config.scheduler.max_num_batched_tokens)
-                logger.info("speculative.adaptive: the model's forward turns compute-bound at "
-                            "~%d tokens on this machine (measured); K shrinks to keep "
-                            "rows x (1 + K) below it", ridge)
-            proposer.length_policy = DraftLengthPolicy(spec.adaptive, ridge,
-                                                       spec.disable_by_batch_size)
+            proposer.length_policy = adaptive_length_policy(
+                spec, self.platform, self.runner, self.config.scheduler.max_num_seqs)
 
     def kv_layout(self, fingerprint: str) -> KVLayout:
         return self.runner.kv_layout(fingerprint)

@@ -106,6 +106,31 @@ class Platform(ABC):
         return ridge_from_timings(timings)
 
 
+    def measure_step_costs(self, time_step: Callable[[int], float], fine_upto: int,
+                           max_rows: int) -> dict[int, float]:
+        """Seconds of a decode step by its rows (adaptive speculative decoding weighs a step
+        of ``rows x (1 + k)`` tokens against the tokens it is expected to yield).
+        ``time_step(n)`` runs one step of ``n`` rows and returns its seconds. Every count up
+        to ``fine_upto`` (1 + K: a verify step at batch 1, where a kernel's row tiles make the
+        cost per row uneven), then doubling until the step costs 4x a one-row step or
+        ``max_rows``; the median of three each. A platform with a calibrated profile may
+        return figures instead."""
+        import statistics
+
+        time_step(1)  # warm-up: first-call costs are no part of the curve
+        timings: dict[int, float] = {}
+        counts = list(range(1, max(1, min(fine_upto, max_rows)) + 1))
+        n = counts[-1] * 2
+        while n <= max_rows:
+            counts.append(n)
+            n *= 2
+        for n in counts:
+            timings[n] = statistics.median(time_step(n) for _ in range(3))
+            if n > fine_upto and timings[n] > 4.0 * timings[1]:
+                break
+        return timings
+
+
 def ridge_from_timings(timings: dict[int, float]) -> int:
     """The knee of a roofline ``t(n) = max(t0, c n)`` through measured forward times: ``t0`` is
     the one-token time, ``c`` the slope between the two largest token counts; the ridge is

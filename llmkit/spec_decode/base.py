@@ -109,6 +109,12 @@ class Proposer(ABC):
             return k
         return self.length_policy.num_drafts(k, num_rows, num_running)
 
+    def observe_acceptance(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A step's verified rows: the drafts each had and how many were accepted (adaptive K
+        estimates the acceptance from them)."""
+        if self.length_policy is not None:
+            self.length_policy.observe(num_drafts, num_accepted)
+
     def draft_probs(self, req_id: str, drafts: list[int]) -> torch.Tensor | None:
         """The proposal distribution q of ``drafts`` (the first of the drafts proposed last for
         ``req_id``: the scheduler may cut them), float32 ``[len(drafts), V]`` on the runner's

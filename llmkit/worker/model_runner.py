@@ -83,6 +83,7 @@ class ModelRunner:
         max_blocks = -(-(max_model_len + num_lookahead_tokens) // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
         # A request's RNG lives until it finishes, so preemption does not replay its draws.
         self._generators: dict[str, torch.Generator] = {}
         # Requests still owed their prompt logprobs, accumulated across prefill chunks.
@@ -147,6 +148,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
+        self.num_kv_blocks = num_blocks
         self._log_kv_cache(num_blocks)
         conn = self.kv_connector
         owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
@@ -204,6 +206,42 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         self.model.compute_logits(hidden[-1:]).cpu()
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def time_decode_step(self, num_rows: int, context_len: int = 256) -> float:
+        """Seconds of one decode step of ``num_rows`` rows over ``context_len`` tokens of KV
+        each, with a logits row per row (what a verify step of drafts costs: each drafted
+        token is a decode row), through the step graphs when they cover it, as real steps
+        run. Writes no KV (slots -1) and reads the first blocks of the pool whatever they
+        hold: for timing only, at start-up."""
+        import time
+
+        n = num_rows
+        blocks = max(1, min(-(-context_len // self.block_size), self.num_kv_blocks))
+        context_len = min(context_len, blocks * self.block_size)
+        block_table = torch.arange(blocks, dtype=torch.int32).repeat(n, 1)
+        seq_lens = torch.full((n,), context_len, dtype=torch.int32)
+        slots = torch.full((n,), -1, dtype=torch.int64)
+        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.full((n,), context_len - 1, dtype=torch.int64, device=self.device)
+        t0 = time.perf_counter()
+        if self.step_graphs is not None and self.step_graphs.covers(n):
+            width = self.batch.block_table.shape[1]
+            table = torch.zeros((n, width), dtype=torch.int32)
+            table[:, :blocks] = block_table[:, :width]
+            hidden = self.step_graphs.run(input_ids, positions, slots.to(self.device),
+                                          table.to(self.device), seq_lens.to(self.device))
+        else:
+            query_start_loc = np.arange(n + 1)
+            metadata = self.attn_backend.build_metadata(AttentionMetadata(
+                num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=context_len,
+                query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+                seq_lens=seq_lens, block_table=block_table, slot_mapping=slots,
+                query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=[context_len] * n,
+                block_size=self.block_size))
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        self.model.compute_logits(hidden).cpu()
         return time.perf_counter() - t0
 
     # -- persistent batch ------------------------------------------------------------------
@@ -411,6 +449,8 @@ class ModelRunner:
                 meta.spec.draft_probs = self._draft_probs(layout, logits.shape[-1])
             out = self.sampler.sample(logits.float(), meta)
             sampled_by_row = self._record(layout, out, logprobs)
+            if so.scheduled_spec_tokens and self.proposer is not None:
+                self._observe_acceptance(so.scheduled_spec_tokens, sampled_by_row)
         drafts = {}
         if self.proposer is not None:
             # Every step, also one where nothing samples: a draft model's KV must cover every
@@ -429,6 +469,19 @@ class ModelRunner:
             kv_connector_output=(conn.get_finished(so.finished_req_ids) if conn is not None
                                  else None),
         )
+
+    def _observe_acceptance(self, spec_tokens: dict[str, list[int]],
+                            sampled_by_row: dict[int, list[int]]) -> None:
+        """Drafts and accepted drafts of each verified row, for adaptive K's estimate."""
+        req_ids = self.batch.req_ids
+        drafted, accepted = [], []
+        for row, tokens in sampled_by_row.items():
+            drafts = spec_tokens.get(req_ids[row])
+            if drafts:
+                drafted.append(len(drafts))
+                accepted.append(len(tokens) - 1)
+        if drafted:
+            self.proposer.observe_acceptance(np.array(drafted), np.array(accepted))
 
     def _wait_for_all_layers(self, conn: KVConnectorBase) -> None:
         for layer in range(len(self.kv_caches)):
