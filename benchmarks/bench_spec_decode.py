@@ -46,6 +46,7 @@ def run(llm, prompts: list[list[int]], max_tokens: int, salt: str) -> dict:
     return {"tok_s": tokens / elapsed, "tok_cpu_s": tokens / cpu, "tokens": tokens,
             "s": elapsed,
             "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "drafts_per_draft": proposed / drafts if drafts else None,
             "acceptance_rate": accepted / proposed if proposed else None,
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
@@ -64,6 +65,7 @@ def compare(engines: dict, names: tuple[str, str], batch: int, prompts: list[lis
     ratios = [y["tok_s"] / x["tok_s"] for x, y in zip(res[a], res[b])]
     cpu_ratios = [y["tok_cpu_s"] / x["tok_cpu_s"] for x, y in zip(res[a], res[b])]
     acc = [r["acceptance_length"] for r in res[b] if r["acceptance_length"] is not None]
+    k = [r["drafts_per_draft"] for r in res[b] if r["drafts_per_draft"] is not None]
     return {
         "batch": batch, "baseline": a, "engine": b,
         "baseline_tok_s": statistics.median(r["tok_s"] for r in res[a]),
@@ -74,6 +76,7 @@ def compare(engines: dict, names: tuple[str, str], batch: int, prompts: list[lis
         "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_min": min(cpu_ratios),
         "cpu_ratio_max": max(cpu_ratios),
         "mean_acceptance_length": statistics.median(acc) if acc else None,
+        "mean_k": statistics.median(k) if k else None,  # draft tokens per drafted row
         "greedy_identical": same,
     }
 
@@ -83,6 +86,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--adaptive-batch", type=int, default=64)
+    ap.add_argument("--engines", default="ngram", help="what the batches in --batches compare "
+                    "with no speculation: ngram (fixed K), adaptive, or both (ngram,adaptive)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (ngram.yaml's "
                     "default if unset)")
@@ -100,7 +105,8 @@ def main() -> None:
         spec["num_speculative_tokens"] = args.k
     common = {"platform": {"num_threads": args.threads}}
     engines = {"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)}
-    if args.adaptive_batch:
+    compared = [e for e in args.engines.split(",") if e]
+    if args.adaptive_batch or "adaptive" in compared:
         engines["adaptive"] = LLM(None, speculative={**spec, "adaptive": True,
                                                      "ridge_tokens": args.ridge_tokens},
                                   **common)
@@ -109,16 +115,18 @@ def main() -> None:
         run(llm, prompts[:4], 32, "warmup")
     results = []
     for batch in [int(b) for b in args.batches.split(",") if b]:
-        r = compare(engines, ("none", "ngram"), batch, prompts, args.reps, args.max_tokens,
-                    f"b{batch}")
-        results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "ratios"}), flush=True)
+        for name in compared:
+            r = compare(engines, ("none", name), batch, prompts, args.reps, args.max_tokens,
+                        f"b{batch}-{name}")
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "ratios"}), flush=True)
     if args.adaptive_batch:
         for name in ("adaptive", "ngram"):
             r = compare(engines, ("none", name), args.adaptive_batch, prompts, args.reps,
                         args.max_tokens, f"a{args.adaptive_batch}-{name}")
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "ratios"}), flush=True)
+    if "adaptive" in engines:
         policy = engines["adaptive"].engine.executor.runner.proposer.length_policy
         print(f"adaptive ridge_tokens = {policy.ridge_tokens}")
     if args.out:

@@ -195,7 +195,9 @@ class InductorStepGraphs(StepGraphs):
         self.origins.clear()
         key = graph_key(self.model, self.kv_caches, max_rows=self.max_rows,
                         block_table_width=block_table_width, options=sorted(self.options.items()),
-                        kernels=self.kernels_key)
+                        kernels=self.kernels_key,
+                        # a graph guards on torch's thread count: one saved graph per count
+                        num_threads=torch.get_num_threads())
         with torch.inference_mode():
             for variant, rows in self._variants():
                 inputs = self.dummy_inputs(rows, block_table_width)

@@ -85,27 +85,6 @@ class Platform(ABC):
     def kv_cache_budget_bytes(self, memory_gib: float) -> int:
         return int(memory_gib * (1 << 30))
 
-    def measure_ridge_tokens(self, time_forward: Callable[[int], float],
-                             max_tokens: int = 512) -> int:
-        """The model's ridge point on this device, in tokens per forward (adaptive speculative
-        decoding compares rows x (1 + K) against it). ``time_forward(n)`` runs one forward of
-        ``n`` tokens and returns its seconds. The default measures: a few timings at
-        n = 1, 2, 4, ... (until the forward costs 4x a one-token forward, or ``max_tokens``),
-        then the roofline's knee (:func:`ridge_from_timings`). A platform with a calibrated
-        profile may return a figure instead."""
-        import statistics
-
-        timings: dict[int, float] = {}
-        time_forward(1)  # warm-up: first-call costs are no part of the curve
-        n = 1
-        while n <= max_tokens:
-            timings[n] = statistics.median(time_forward(n) for _ in range(3))
-            if timings[n] > 4.0 * timings[1]:
-                break
-            n *= 2
-        return ridge_from_timings(timings)
-
-
     def measure_step_costs(self, time_step: Callable[[int], float], fine_upto: int,
                            max_rows: int) -> dict[int, float]:
         """Seconds of a decode step by its rows (adaptive speculative decoding weighs a step
@@ -113,10 +92,8 @@ class Platform(ABC):
         ``time_step(n)`` runs one step of ``n`` rows and returns its seconds. Every count up
         to ``fine_upto`` (1 + K: a verify step at batch 1, where a kernel's row tiles make the
         cost per row uneven), then doubling until the step costs 4x a one-row step or
-        ``max_rows``; the median of three each. A platform with a calibrated profile may
-        return figures instead."""
-        import statistics
-
+        ``max_rows``; the least of five each (other work on the machine only ever adds time).
+        A platform with a calibrated profile may return figures instead."""
         time_step(1)  # warm-up: first-call costs are no part of the curve
         timings: dict[int, float] = {}
         counts = list(range(1, max(1, min(fine_upto, max_rows)) + 1))
@@ -125,7 +102,7 @@ class Platform(ABC):
             counts.append(n)
             n *= 2
         for n in counts:
-            timings[n] = statistics.median(time_step(n) for _ in range(3))
+            timings[n] = min(time_step(n) for _ in range(5))
             if n > fine_upto and timings[n] > 4.0 * timings[1]:
                 break
         return timings

@@ -184,31 +184,6 @@ class ModelRunner:
                     theirs, str(model_dtype).removeprefix("torch."), theirs / mine, num_blocks)
 
     @torch.inference_mode()
-    def time_forward(self, num_tokens: int) -> float:
-        """Seconds of one forward (and one logits row) over ``num_tokens`` tokens of one fresh
-        sequence that writes no KV (slots -1): for measuring the model's ridge point at
-        start-up, before any request exists."""
-        import time
-
-        n = num_tokens
-        query_start_loc = np.array([0, n])
-        block_table = np.zeros((1, -(-n // self.block_size)), dtype=np.int32)
-        metadata = self.attn_backend.build_metadata(AttentionMetadata(
-            num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens=torch.tensor([n], dtype=torch.int32),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64),
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=[n],
-            block_size=self.block_size))
-        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.arange(n, device=self.device)
-        t0 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        self.model.compute_logits(hidden[-1:]).cpu()
-        return time.perf_counter() - t0
-
-    @torch.inference_mode()
     def time_decode_step(self, num_rows: int, context_len: int = 256) -> float:
         """Seconds of one decode step of ``num_rows`` rows over ``context_len`` tokens of KV
         each, with a logits row per row (what a verify step of drafts costs: each drafted
