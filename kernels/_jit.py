@@ -194,12 +194,22 @@ def _library_calls_interpreted() -> Iterator[None]:
 
 
 def jit(fn: Callable | None = None, **jit_kwargs: Any):
-    """``@jit`` / ``@jit(do_not_specialize=[...])``: a :class:`Kernel`. Kernels decorated this
-    way must not call other ``@triton.jit`` functions (inline helpers instead): the
-    interpreter and the compiler each need their own kind of callee."""
+    """``@jit`` / ``@jit(do_not_specialize=[...])``: a :class:`Kernel`. A helper the kernel
+    calls must be a :func:`device_function` (not ``@triton.jit``, whose kind depends on the
+    import-time ``TRITON_INTERPRET``)."""
     if fn is None:
         return lambda f: Kernel(f, **jit_kwargs)
     return Kernel(fn, **jit_kwargs)
+
+
+def device_function(fn: Callable) -> Any:
+    """``@device_function``: a helper that ``@jit`` kernels call. It is always Triton's
+    ``JITFunction``, whatever ``TRITON_INTERPRET`` said at import: the compiler inlines that
+    kind, and an interpreted launch runs it through its interpreter rewrite
+    (:func:`_call_interpreted`), as it does Triton's library functions."""
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
 
 
 @contextlib.contextmanager

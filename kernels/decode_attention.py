@@ -18,6 +18,7 @@ import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
 from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
+from llmkit.kernels.paged_kv import load_kv_tile
 
 LOG2E = 1.4426950408889634
 
@@ -61,27 +62,15 @@ def _paged_decode_kernel(
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    kv_base = cache_ptr + kv_head * stride_c_head
+    head_off = kv_head * stride_c_head
 
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_ok = pos < end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         tok = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_tok
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0)
-        v = tl.load(kv_base + stride_c_kv + tok[:, None] + offs_d[None, :], mask=kv_mask,
-                    other=0)
-        if QUANT != 0:
-            # kv_quant rows: codes, then the row's float32 scale at byte HEAD_DIM
-            at = (kv_head * stride_c_head + tok + HEAD_DIM) // 4
-            k_scale = tl.load(scale_ptr + at, mask=n_ok, other=0.0)
-            v_scale = tl.load(scale_ptr + at + stride_c_kv // 4, mask=n_ok, other=0.0)
-            if QUANT == 2:
-                k = k.to(tl.float8e4nv, bitcast=True)
-                v = v.to(tl.float8e4nv, bitcast=True)
-            k = k.to(tl.float32) * k_scale[:, None]
-            v = v.to(tl.float32) * v_scale[:, None]
+        k, v = load_kv_tile(cache_ptr, scale_ptr, head_off, tok, n_ok, offs_d, d_ok,
+                            stride_c_kv, HEAD_DIM, QUANT)
         v = v.to(q_ptr.dtype.element_ty)
         # Dots in the storage dtype (tensor cores for bf16/fp16), accumulated in float32.
         # scores [BLOCK_H, BLOCK_N], in the log2 domain

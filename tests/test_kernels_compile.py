@@ -58,3 +58,27 @@ def test_every_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     for (name, _, constexprs), launch in seen.items():
         compiled = compile_launch(launch, arch=90)
         assert compiled.metadata.shared <= H100_SHARED_MEMORY, (name, constexprs)
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8_e4m3"])
+def test_quantized_cache_attention_compiles_for_sm90(tmp_path, monkeypatch, storage):
+    """The attention kernels over a quantized cache (kv_quant rows: head_dim codes + a float32
+    scale), whose loads dequantize in ``paged_kv.load_kv_tile``, a device function the kernels
+    call: the compiler must inline it with both QUANT branches."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    cache = torch.empty(2, 64, bs, kv_heads, d + 4, dtype=storage)
+    bt = torch.zeros(4, 16, dtype=torch.int32)
+    seq_lens = torch.tensor([200, 1, 77, 256], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 70, 71], dtype=torch.int32)
+    with record_launches(execute=False) as launches:
+        paged_decode_attention(torch.empty(4, heads, d, dtype=torch.bfloat16), cache, bt,
+                               seq_lens, 0.088)
+        unified_attention(torch.empty(71, heads, d, dtype=torch.bfloat16), cache, qsl, seq_lens,
+                          bt, 0.088)
+    assert [(launch.kernel.name, launch.kwargs["QUANT"]) for launch in launches] == [
+        ("_paged_decode_kernel", 1 if storage == torch.int8 else 2),
+        ("_unified_attention_kernel", 1 if storage == torch.int8 else 2)]
+    for launch in launches:
+        assert compile_launch(launch, arch=90).metadata.shared <= H100_SHARED_MEMORY

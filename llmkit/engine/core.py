@@ -25,6 +25,7 @@ from llmkit.executor import BackendInfo, Executor, ModelFacts, executor_class
 from llmkit.executor.base import StepFuture
 from llmkit.kv_cache import KV_CACHE_MANAGERS
 from llmkit.lora.base import LoRARequest
+from llmkit.lora.request import id_taken_message
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -261,9 +262,7 @@ class EngineCore:
         known = self.loras.get(lr.lora_int_id)
         if known is not None:
             if known != lr:
-                raise ValueError(f"lora_int_id {lr.lora_int_id} is already adapter "
-                                 f"{known.lora_name!r} ({known.lora_path}); give another "
-                                 "adapter another id")
+                raise ValueError(id_taken_message(known, lr))
             return False
         for other in self.loras.values():
             if other.lora_name == lr.lora_name:

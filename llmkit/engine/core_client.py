@@ -61,6 +61,38 @@ class EncodedRequests:
     prefix_keys: list[int] = field(default_factory=list)
 
 
+# What a client of engine core process(es) reports through: outputs and step summaries (called
+# in a reader thread), the engine's death, and (several cores) the requests a dead core took.
+OnMessage = Callable[[EngineCoreOutputs], None]
+OnDeath = Callable[[EngineDeadError], None]
+OnSummary = Callable[[EngineStepSummary], None]
+OnRequestsLost = Callable[[list[str], EngineDeadError], None]
+
+
+class EngineCoreHandlers:
+    """The callbacks of a client of engine core processes (``MPClient``, ``DPClient``), set
+    together by ``set_handlers``."""
+
+    _on_message: OnMessage | None = None
+    _on_death: OnDeath | None = None
+    _on_summary: OnSummary | None = None
+    _on_lost: OnRequestsLost | None = None
+
+    def set_handlers(self, on_message: OnMessage | None, on_death: OnDeath | None,
+                     on_summary: OnSummary | None = None,
+                     on_requests_lost: OnRequestsLost | None = None) -> None:
+        """Set the callbacks (before ``wait_ready``, which starts the reader threads).
+        ``on_requests_lost(ids, err)``: an engine core died with these engine requests in
+        flight; only a client of several cores (``DPClient``) calls it, and without it
+        ``on_death`` hears of it. One core's death is the engine's (``on_death``)."""
+        self._on_message, self._on_death = on_message, on_death
+        self._on_summary, self._on_lost = on_summary, on_requests_lost
+        self._handlers_set()
+
+    def _handlers_set(self) -> None:
+        """Pass the new callbacks on (to the clients this one is made of)."""
+
+
 # --------------------------------------------------------------------------- in process
 
 class InprocClient:
@@ -107,20 +139,17 @@ class InprocClient:
 
 # --------------------------------------------------------------------------- own process
 
-class MPClient:
+class MPClient(EngineCoreHandlers):
     """The engine core in a child process. Construction blocks until the engine is ready
     (model loaded, KV cache allocated) and raises ``EngineStartupError`` if it is not."""
 
     def __init__(self, config: EngineConfig, *,
-                 on_message: Callable[[EngineCoreOutputs], None] | None = None,
-                 on_death: Callable[[EngineDeadError], None] | None = None,
+                 on_message: OnMessage | None = None, on_death: OnDeath | None = None,
                  startup_timeout: float = 900.0, log_level: int | None = None,
                  wait: bool = True, placement: "CorePlacement | None" = None) -> None:
         self.config = config
         self.placement = placement
-        self._on_message = on_message
-        self._on_death = on_death
-        self._on_summary: Callable[[EngineStepSummary], None] | None = None
+        self.set_handlers(on_message, on_death)
         self._closed = False
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -166,18 +195,6 @@ class MPClient:
         self._reader: threading.Thread | None = None
         if wait:
             self.wait_ready(startup_timeout)
-
-    def set_handlers(self, on_message: Callable[[EngineCoreOutputs], None] | None,
-                     on_death: Callable[[EngineDeadError], None] | None,
-                     on_summary: Callable[[EngineStepSummary], None] | None = None,
-                     on_requests_lost: Callable[[list[str], EngineDeadError], None] | None
-                     = None) -> None:
-        """Set the callbacks (before ``wait_ready``, which starts the reader thread).
-        ``on_requests_lost`` is for several engine cores (``DPClient``); one core's death is
-        the engine's (``on_death``)."""
-        self._on_message = on_message
-        self._on_death = on_death
-        self._on_summary = on_summary
 
     def wait_ready(self, timeout: float = 900.0) -> EngineReady:
         """Block until the engine has loaded the model (construction with ``wait=False``

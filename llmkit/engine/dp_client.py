@@ -24,17 +24,17 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import Callable, Iterable
+from typing import Iterable
 
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_client import (EncodedRequests, EngineDeadError, EngineStartupError,
-                                       MPClient, start_engine_core, with_resolved_model)
+from llmkit.engine.core_client import (EncodedRequests, EngineCoreHandlers, EngineDeadError,
+                                       EngineStartupError, MPClient, start_engine_core,
+                                       with_resolved_model)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, EngineReady
 from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
 from llmkit.engine.dp_router import DPRouter, prefix_keys
 from llmkit.engine.dp_stats import combine_scheduler_stats
-from llmkit.engine.step_summary import EngineStepSummary
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["DPClient", "start_engine_cores"]
@@ -42,7 +42,7 @@ __all__ = ["DPClient", "start_engine_cores"]
 logger = logging.getLogger(__name__)
 
 
-class DPClient:
+class DPClient(EngineCoreHandlers):
     """N engine core processes behind ``MPClient``'s interface (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, *, wait: bool = True,
@@ -53,10 +53,6 @@ class DPClient:
         n = len(self.placements)
         self.router = router or DPRouter(n, block_size=config.kv_cache.block_size)
         self._lock = threading.Lock()
-        self._on_message: Callable[[EngineCoreOutputs], None] | None = None
-        self._on_death: Callable[[EngineDeadError], None] | None = None
-        self._on_summary: Callable[[EngineStepSummary], None] | None = None
-        self._on_lost: Callable[[list[str], EngineDeadError], None] | None = None
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.per_core_stats: list[SchedulerStats | None] = [None] * n
@@ -76,15 +72,7 @@ class DPClient:
             self.wait_ready(startup_timeout)
 
     # -- set-up -----------------------------------------------------------------------------
-    def set_handlers(self, on_message: Callable[[EngineCoreOutputs], None] | None,
-                     on_death: Callable[[EngineDeadError], None] | None,
-                     on_summary: Callable[[EngineStepSummary], None] | None = None,
-                     on_requests_lost: Callable[[list[str], EngineDeadError], None] | None
-                     = None) -> None:
-        """As ``MPClient.set_handlers``; ``on_requests_lost(ids, err)``: a core died with
-        these engine requests in flight (without it, ``on_death`` hears of it)."""
-        self._on_message, self._on_death = on_message, on_death
-        self._on_summary, self._on_lost = on_summary, on_requests_lost
+    def _handlers_set(self) -> None:
         for i, core in enumerate(self.cores):
             self._bind(i, core)
 

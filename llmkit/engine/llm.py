@@ -119,8 +119,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _as_params_list(sampling_params, len(prompt_list))
-        loras = _as_lora_list(lora_request, len(prompt_list))
+        n = len(prompt_list)
+        params = _one_per_prompt(sampling_params, SamplingParams, n, "SamplingParams")
+        loras = _one_per_prompt(lora_request, LoRARequest, n, "LoRA requests",
+                                " (None = the base model)")
         rids: list[str] = []
         try:
             for p, sp, lr in zip(prompt_list, params, loras):
@@ -230,25 +232,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return [p if isinstance(p, (str, Mapping)) else list(p) for p in prompts]
 
 
-def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None,
-                  n: int) -> list[LoRARequest | None]:
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    lora = list(lora)
-    if len(lora) != n:
-        raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts; pass one, or one per "
-                         "prompt (None = the base model)")
-    return lora
-
-
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
-                    n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one "
-                         "per prompt")
-    return params
+def _one_per_prompt(value: Any, kind: type, n: int, noun: str, hint: str = "") -> list:
+    """``value`` for each of ``n`` prompts: one ``kind`` (or None) for all of them, else a
+    sequence of exactly one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {noun} for {n} prompts; pass one, or one per "
+                         f"prompt{hint}")
+    return values

@@ -263,10 +263,7 @@ def _cmd_serve(args: CliArgs) -> int:
     try:
         return int(run_server(cfg) or 0)
     except EngineStartupError as e:
-        if os.environ.get("LLMKIT_DEBUG") == "1":
-            traceback.print_exc()
-        print(f"llmkit: error: {e}", file=sys.stderr)
-        return 1
+        return _report_error(e, 1)
 
 
 def _cmd_bench(args: CliArgs) -> int:
@@ -275,10 +272,7 @@ def _cmd_bench(args: CliArgs) -> int:
     try:
         return run_bench(args, load_config)
     except BenchError as e:
-        if os.environ.get("LLMKIT_DEBUG") == "1":
-            traceback.print_exc()
-        print(f"llmkit: error: {e}", file=sys.stderr)
-        return e.code
+        return _report_error(e, e.code)
 
 
 def _cmd_sim(args: CliArgs) -> int:
@@ -287,10 +281,7 @@ def _cmd_sim(args: CliArgs) -> int:
     try:
         return run_sim_command(args, load_config)
     except SimError as e:
-        if os.environ.get("LLMKIT_DEBUG") == "1":
-            traceback.print_exc()
-        print(f"llmkit: error: {e}", file=sys.stderr)
-        return e.code
+        return _report_error(e, e.code)
 
 
 def _cmd_eval(args: CliArgs) -> int:
@@ -347,9 +338,17 @@ def _config_failure(e: BaseException) -> ConfigError | None:
     return None
 
 
+def _report_error(err: object, code: int) -> int:
+    """One line ``llmkit: error: <err>`` on stderr (after the traceback of the exception being
+    handled, with ``LLMKIT_DEBUG=1``); returns the exit code ``code``."""
+    if os.environ.get("LLMKIT_DEBUG") == "1":
+        traceback.print_exc()
+    print(f"llmkit: error: {err}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = os.environ.get("LLMKIT_DEBUG") == "1"
     try:
         args = parse_args(argv)
         if args is None:
@@ -357,18 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if argv else EXIT_USAGE
         return HANDLERS[args.command](args)
     except UsageError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"llmkit: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _report_error(e, EXIT_USAGE)
     except Exception as e:  # noqa: BLE001 - configuration failures become one line
         err = _config_failure(e)
         if err is None:
             raise
-        if debug:
-            traceback.print_exc()
-        print(f"llmkit: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _report_error(err, EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,18 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+# Each data-parallel engine core's gauges: (key, name, help).
+_PER_ENGINE_GAUGES = (
+    ("up", "llmkit:engine_core_up", "1 while this data-parallel engine core is alive."),
+    ("running", "llmkit:engine_core_num_requests_running",
+     "Requests in this engine core's running list."),
+    ("waiting", "llmkit:engine_core_num_requests_waiting",
+     "Requests in this engine core's waiting queue."),
+    ("kv", "llmkit:engine_core_kv_cache_usage_perc",
+     "Fraction (0..1) of this engine core's KV blocks in use."),
+)
+
+
 class _EngineStatsCollector:
     """Exports the latest engine stats snapshot at scrape time."""
 
@@ -169,20 +181,8 @@ class _EngineStatsCollector:
         """Data parallel: each engine core's own gauges, labelled by its index (vLLM's
         ``engine`` label); the series above are the sums over the cores."""
         m = self.metrics
-        families = {
-            "up": GaugeMetricFamily("llmkit:engine_core_up",
-                                    "1 while this data-parallel engine core is alive.",
-                                    labels=["model_name", "engine"]),
-            "running": GaugeMetricFamily("llmkit:engine_core_num_requests_running",
-                                         "Requests in this engine core's running list.",
-                                         labels=["model_name", "engine"]),
-            "waiting": GaugeMetricFamily("llmkit:engine_core_num_requests_waiting",
-                                         "Requests in this engine core's waiting queue.",
-                                         labels=["model_name", "engine"]),
-            "kv": GaugeMetricFamily("llmkit:engine_core_kv_cache_usage_perc",
-                                    "Fraction (0..1) of this engine core's KV blocks in use.",
-                                    labels=["model_name", "engine"]),
-        }
+        families = {key: GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+                    for key, name, doc in _PER_ENGINE_GAUGES}
         for i, (alive, st) in enumerate(cores):
             labels = [m.model_name, str(i)]
             families["up"].add_metric(labels, 1.0 if alive else 0.0)

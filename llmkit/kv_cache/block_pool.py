@@ -163,19 +163,6 @@ class BlockPool:
             return
         table = self.cached_block_hash_to_block
         pinned = self.pinned_hashes
-        if pinned:
-            for i in range(start, end):
-                b = blocks[i]
-                if b.block_hash is not None:
-                    continue
-                h = block_hashes[i]
-                if h not in table:
-                    table[h] = b
-                    b.block_hash = h
-                    if h in pinned:
-                        b.pinned = True
-                        self.num_pinned_blocks += 1
-            return
         for i in range(start, end):
             b = blocks[i]
             if b.block_hash is not None:
@@ -184,6 +171,9 @@ class BlockPool:
             if h not in table:
                 table[h] = b
                 b.block_hash = h
+                if pinned and h in pinned:
+                    b.pinned = True
+                    self.num_pinned_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash except the pinned ones. Refuses (False) while any block is

@@ -115,29 +115,23 @@ class FreeBlockQueue:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append in the given order (the first given is evicted first among them)."""
-        last = self.tail.prev_free
-        n = 0
-        for b in blocks:
-            last.next_free = b
-            b.prev_free = last
-            last = b
-            n += 1
-        last.next_free = self.tail
-        self.tail.prev_free = last
-        self.num_free_blocks += n
+        self._insert_n(self.tail.prev_free, blocks, self.tail)
 
     def appendleft_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put blocks at the head, in the given order: they are reused before all others."""
-        first = self.head.next_free
-        prev = self.head
+        self._insert_n(self.head, blocks, self.head.next_free)
+
+    def _insert_n(self, prev: KVCacheBlock, blocks: Iterable[KVCacheBlock],
+                  nxt: KVCacheBlock) -> None:
+        """Link ``blocks``, in order, between the adjacent ``prev`` and ``nxt``."""
         n = 0
         for b in blocks:
             prev.next_free = b
             b.prev_free = prev
             prev = b
             n += 1
-        prev.next_free = first
-        first.prev_free = prev
+        prev.next_free = nxt
+        nxt.prev_free = prev
         self.num_free_blocks += n
 
     def check_links(self, name: str = "free queue") -> None:

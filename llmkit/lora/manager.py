@@ -31,6 +31,7 @@ from llmkit.lora.base import (NO_SLOT, LoRAAdapter, LoRALoadError, LoRAMapping, 
 from llmkit.lora.layers import LoRALinearMethod, LoRAVocabEmbedding
 from llmkit.lora.peft import LoRATarget, load_peft_adapter
 from llmkit.lora.punica import TorchLoRAOps
+from llmkit.lora.request import id_taken_message
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,7 @@ class LoRAManager:
         known = self.known.get(request.lora_int_id)
         if known is not None:
             if known != request:
-                raise LoRALoadError(f"lora_int_id {request.lora_int_id} is already adapter "
-                                    f"{known.lora_name!r} ({known.lora_path}); give another "
-                                    "adapter another id")
+                raise LoRALoadError(id_taken_message(known, request))
             return
         adapter = self._read(request)
         self.known[request.lora_int_id] = request

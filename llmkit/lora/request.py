@@ -30,5 +30,11 @@ class LoRARequest:
                              f"{self.lora_path!r}")
 
 
+def id_taken_message(known: LoRARequest, request: LoRARequest) -> str:
+    """Why ``request`` cannot be registered: its ``lora_int_id`` already names ``known``."""
+    return (f"lora_int_id {request.lora_int_id} is already adapter {known.lora_name!r} "
+            f"({known.lora_path}); give another adapter another id")
+
+
 class LoRALoadError(ValueError):
     """An adapter that cannot be served (bad files, modules or shapes); the message says why."""

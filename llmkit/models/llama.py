@@ -6,7 +6,7 @@ Module names otherwise follow Hugging Face's so that checkpoint names map one to
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -41,6 +41,36 @@ def fused_target(prefix: str) -> tuple[str, str | None]:
         if prefix.endswith(f".{part}"):
             return prefix[:-len(part)] + fused, shard_id
     return prefix, None
+
+
+def expected_linear_weights(linears: Mapping[str, Linear]) -> set[tuple[str, Hashable]]:
+    """``(weight name, shard id)`` of every checkpoint tensor the ``Linear`` layers (by module
+    name) load."""
+    return {(f"{name}.{w}", shard) for name, layer in linears.items()
+            for w, shard in layer.expected_weights()}
+
+
+def load_linear_weight(linears: Mapping[str, Linear], name: str, tensor: torch.Tensor
+                       ) -> tuple[str, Hashable] | None:
+    """Load checkpoint weight ``name`` into the ``Linear`` layer that holds it (its shard of a
+    fused one); what it loaded, as in :func:`expected_linear_weights`, or None when no
+    ``Linear`` holds it."""
+    prefix, _, attr = name.rpartition(".")
+    prefix, shard = fused_target(prefix)
+    layer = linears.get(prefix)
+    if layer is None:
+        return None
+    layer.load_weight(attr, tensor, shard)
+    return f"{prefix}.{attr}", shard
+
+
+def raise_if_missing(expected: set[tuple[str, Hashable]], loaded: set[tuple[str, Hashable]],
+                     checkpoint: str = "checkpoint", owner: str = "model") -> None:
+    """``ValueError`` naming (the first 8 of) the expected weights that were not loaded."""
+    missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"the {checkpoint} lacks {len(missing)} weight(s) of the {owner}: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
 # Qwen2 and the language models of Qwen2-VL / Qwen2.5-VL: biases on q, k, v (not o).
@@ -289,21 +319,16 @@ class LlamaForCausalLM(CausalLM):
         params = {name: p for name, p in self.named_parameters()
                   if name.rpartition(".")[0] not in linears and name != "lm_head.weight"
                   and not name.startswith(experts)}  # experts: the MoE model's loader
-        expected = {(f"{name}.{w}", shard) for name, layer in linears.items()
-                    for w, shard in layer.expected_weights()}
-        expected |= {(name, None) for name in params}
+        expected = expected_linear_weights(linears) | {(name, None) for name in params}
         loaded = set()
         for name, tensor in weights:
             if name.endswith(IGNORED_WEIGHTS) or is_pp_missing(self, name):
                 continue  # (another pipeline stage's weights)
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # a tied checkpoint that also stores the output matrix
-            prefix, _, attr = name.rpartition(".")
-            prefix, shard = fused_target(prefix)
-            layer = linears.get(prefix)
-            if layer is not None:
-                layer.load_weight(attr, tensor, shard)
-                loaded.add((f"{prefix}.{attr}", shard))
+            key = load_linear_weight(linears, name, tensor)
+            if key is not None:
+                loaded.add(key)
                 continue
             if name in embeddings:  # may be kept quantized (GGUF blocks)
                 embeddings[name].load_weight(tensor, name)
@@ -318,7 +343,4 @@ class LlamaForCausalLM(CausalLM):
             else:
                 copy_weight(param, tensor, name)
             loaded.add((name, None))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: "
-                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise_if_missing(expected, loaded)

@@ -24,7 +24,8 @@ from llmkit.linear.base import copy_weight
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
-from llmkit.models.llama import IGNORED_WEIGHTS, LlamaDecoderLayer, _head_dim, fused_target
+from llmkit.models.llama import (IGNORED_WEIGHTS, LlamaDecoderLayer, _head_dim,
+                                 expected_linear_weights, load_linear_weight, raise_if_missing)
 
 # Checkpoint tensors that are the target's (shared, never loaded from the head).
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -67,20 +68,15 @@ class EagleLlamaHead(nn.Module):
         linears = {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
         params = {name: p for name, p in self.named_parameters()
                   if name.rpartition(".")[0] not in linears}
-        expected = {(f"{name}.{w}", shard) for name, layer in linears.items()
-                    for w, shard in layer.expected_weights()}
-        expected |= {(name, None) for name in params}
+        expected = expected_linear_weights(linears) | {(name, None) for name in params}
         loaded = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name.endswith(IGNORED_WEIGHTS) or name in SHARED_WITH_TARGET:
                 continue
-            prefix, _, attr = name.rpartition(".")
-            prefix, shard = fused_target(prefix)
-            layer = linears.get(prefix)
-            if layer is not None:
-                layer.load_weight(attr, tensor, shard)
-                loaded.add((f"{prefix}.{attr}", shard))
+            key = load_linear_weight(linears, name, tensor)
+            if key is not None:
+                loaded.add(key)
                 continue
             param = params.get(name)
             if param is None:
@@ -88,10 +84,7 @@ class EagleLlamaHead(nn.Module):
                                  "head (EAGLE-1 Llama heads: fc, layers.N.*)")
             copy_weight(param, tensor, name)
             loaded.add((name, None))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
-        if missing:
-            raise ValueError(f"the EAGLE checkpoint lacks {len(missing)} weight(s) of the head: "
-                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise_if_missing(expected, loaded, checkpoint="EAGLE checkpoint", owner="head")
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()

@@ -8,19 +8,14 @@ placeholder tokens.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmkit.attention.base import AttentionMetadata
-from llmkit.linear.base import copy_weight
-from llmkit.models.base import CausalLM, ModelContext
+from llmkit.models.base import ModelContext
 from llmkit.models.clip import CLIPVisionModel, num_layers_to_feature
-from llmkit.models.interfaces import SupportsMultiModal
-from llmkit.models.llama import LlamaForCausalLM
 from llmkit.models.siglip import SiglipVisionModel
+from llmkit.models.vision_language import VisionLanguageModel
 
 # vision_config.model_type -> tower class.
 VISION_TOWERS = {"clip_vision_model": CLIPVisionModel, "siglip_vision_model": SiglipVisionModel}
@@ -66,8 +61,10 @@ def llava_num_image_tokens(hf_config) -> int:
     return patches + cls - (1 if hf_config.vision_feature_select_strategy == "default" else 0)
 
 
-class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     supports_kv_layer_hook = True  # its language model's layer loop calls it
+    weight_prefixes = _WEIGHT_PREFIXES
+
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
         feature_layer = hf_config.vision_feature_layer
@@ -93,24 +90,8 @@ class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
         self.multi_modal_projector = LlavaMultiModalProjector(
             vc.hidden_size, tc.hidden_size, hf_config.projector_hidden_act,
             bool(getattr(hf_config, "multimodal_projector_bias", True)), ctx.dtype)
-        self.language_model = LlamaForCausalLM(tc, ctx)
-        lm = self.language_model
-        self.num_layers, self.num_heads = lm.num_layers, lm.num_heads
-        self.num_kv_heads, self.head_dim = lm.num_kv_heads, lm.head_dim
-        self.hidden_size, self.vocab_size = lm.hidden_size, lm.vocab_size
+        self._build_language_model(tc, ctx)
         self.num_image_tokens = llava_num_image_tokens(hf_config)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata,
-                                   inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def embed_multimodal(self, pixel_values: torch.Tensor,
                          grid_thw: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -119,42 +100,12 @@ class LlavaForConditionalGeneration(CausalLM, SupportsMultiModal):
             features = features[:, 1:]
         return self.multi_modal_projector(features)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.named_parameters())
-        tower_layers = len(self.vision_tower.encoder.layers)
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                name = _rename(name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                    continue
-                if name.startswith("vision_tower."):
-                    name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
-                    if _unused_vision_weight(name, tower_layers):
-                        continue
-                param = own.get(name)
-                if param is None:
-                    raise ValueError(f"checkpoint weight {name!r} has no counterpart in the "
-                                     "model")
-                copy_weight(param, tensor, name)
-                loaded.add(name)
-
-        self.language_model.load_weights(text_weights())
-        missing = sorted(n for n in own if not n.startswith("language_model.")
-                         and n not in loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: "
-                             f"{', '.join(missing[:8])}")
-
-
-def _rename(name: str) -> str:
-    for old, new in _WEIGHT_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+    def _encoder_weight_name(self, name: str) -> str | None:
+        if name.startswith("vision_tower."):
+            name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+            if _unused_vision_weight(name, len(self.vision_tower.encoder.layers)):
+                return None
+        return name
 
 
 def _unused_vision_weight(name: str, num_layers: int) -> bool:

@@ -9,18 +9,16 @@ rows (``mrope_section``). This file adds the image encoder and each prompt's pos
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from llmkit.attention.base import AttentionMetadata
-from llmkit.linear.base import copy_weight
-from llmkit.models.base import CausalLM, ModelContext
-from llmkit.models.interfaces import SupportsMRoPE, SupportsMultiModal
-from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.base import ModelContext
+from llmkit.models.interfaces import SupportsMRoPE
 from llmkit.models.layers.rotary import rope_parameters
 from llmkit.models.qwen2_vl_vision import Qwen2VisionTransformer
+from llmkit.models.vision_language import VisionLanguageModel
 
 # Checkpoint name prefixes -> this model's: transformers >= 4.52 saves ``model.visual.*`` and
 # ``model.language_model.*``; the released checkpoints have ``visual.*`` and ``model.*``.
@@ -56,9 +54,11 @@ def mrope_input_positions(num_tokens: int, mm_features: Sequence, merge: int
     return pos, delta
 
 
-class Qwen2VLForConditionalGeneration(CausalLM, SupportsMultiModal, SupportsMRoPE):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel, SupportsMRoPE):
     """Also registered for ``Qwen2_5_VLForConditionalGeneration`` (the vision config says
     which vision transformer)."""
+
+    weight_prefixes = _WEIGHT_PREFIXES
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
@@ -76,23 +76,7 @@ class Qwen2VLForConditionalGeneration(CausalLM, SupportsMultiModal, SupportsMRoP
         self.spatial_merge_size = int(vc.spatial_merge_size)
         # Plain torch modules in the model's dtype (as LLaVA's tower): it runs once per image.
         self.visual = Qwen2VisionTransformer(vc, ctx.dtype, ctx.ops)
-        self.language_model = LlamaForCausalLM(tc, ctx)
-        lm = self.language_model
-        self.num_layers, self.num_heads = lm.num_layers, lm.num_heads
-        self.num_kv_heads, self.head_dim = lm.num_kv_heads, lm.head_dim
-        self.hidden_size, self.vocab_size = lm.hidden_size, lm.vocab_size
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata,
-                                   inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
+        self._build_language_model(tc, ctx)
 
     def embed_multimodal(self, pixel_values: torch.Tensor,
                          grid_thw: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -103,34 +87,3 @@ class Qwen2VLForConditionalGeneration(CausalLM, SupportsMultiModal, SupportsMRoP
     def get_mrope_input_positions(self, num_tokens: int,
                                   mm_features: Sequence) -> tuple[np.ndarray, int]:
         return mrope_input_positions(num_tokens, mm_features, self.spatial_merge_size)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = {n: p for n, p in self.named_parameters() if n.startswith("visual.")}
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                name = _rename(name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                    continue
-                param = own.get(name)
-                if param is None:
-                    raise ValueError(f"checkpoint weight {name!r} has no counterpart in the "
-                                     "model")
-                copy_weight(param, tensor, name)
-                loaded.add(name)
-
-        self.language_model.load_weights(text_weights())
-        missing = sorted(set(own) - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: "
-                             f"{', '.join(missing[:8])}")
-
-
-def _rename(name: str) -> str:
-    for old, new in _WEIGHT_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
