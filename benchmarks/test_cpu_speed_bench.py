@@ -19,7 +19,7 @@ import pytest
 
 from llmkit.bench.throughput import format_throughput, run_throughput
 from llmkit.config.compose import build_tool_config
-from llmkit.config.schema import BenchToolConfig
+from llmkit.config.tool_schema import BenchToolConfig
 from llmkit.platforms.cpu import has_native_bf16
 
 WORKLOADS = {

@@ -17,7 +17,7 @@ from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 
 from llmkit.bench.throughput import format_throughput, run_throughput  # noqa: E402
 from llmkit.config.compose import build_tool_config  # noqa: E402
-from llmkit.config.schema import BenchToolConfig  # noqa: E402
+from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from bench_helpers import check_result_consistency  # noqa: E402
 
 from llmkit.bench.datasets import build_workload  # noqa: E402
 from llmkit.config.compose import compose_tool_config  # noqa: E402
-from llmkit.config.schema import BenchToolConfig  # noqa: E402
+from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
 from llmkit.entrypoints import cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from llmkit.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, req
                                   stats, summarize)
 from llmkit.bench.results import make_result, plot_serve_result, write_result
 from llmkit.config.compose import compose_config, compose_tool_config
-from llmkit.config.schema import BenchToolConfig
+from llmkit.config.tool_schema import BenchToolConfig
 from llmkit.config.errors import ConfigError
 
 
@@ -264,7 +264,7 @@ def test_bench_config_keys_and_errors():
         compose_config(["bench.dataset=jsonl"])
     with pytest.raises(ConfigError, match="slo.ttft_ms"):
         compose_config(["slo.ttft_ms=-1"])
-    from llmkit.config.schema import BenchConfig
+    from llmkit.config.tool_schema import BenchConfig
     assert compose_tool_config(BenchToolConfig).bench == BenchConfig()
     # a config with rate=inf survives JSON (the engine process gets its config that way)
     assert math.isinf(BenchConfig.model_validate_json(BenchConfig().model_dump_json()).rate)

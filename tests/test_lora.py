@@ -565,7 +565,7 @@ def test_bench_spreads_requests_over_adapters(adapters):
     from llmkit.bench.datasets import WorkloadError, build_workload
     from llmkit.bench.throughput import run_throughput
     from llmkit.config.compose import build_tool_config
-    from llmkit.config.schema import BenchToolConfig
+    from llmkit.config.tool_schema import BenchToolConfig
 
     model_dir, r8, r16 = adapters["llama"]
     bench = {"num_requests": 6, "input_len": 12, "output_len": 4, "progress": False,
@@ -591,7 +591,7 @@ def test_bench_latency_and_sim_refuse_lora_names():
     it silently)."""
     from llmkit.bench.latency import run_latency
     from llmkit.config.compose import build_tool_config
-    from llmkit.config.schema import BenchToolConfig, SimToolConfig
+    from llmkit.config.tool_schema import BenchToolConfig, SimToolConfig
     from llmkit.sim.replay import run_sim
 
     groups = {"bench": {"lora_names": ["a"]}}

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.schema import ProxyConfig
+from llmkit.config.tool_schema import ProxyConfig
 from llmkit.entrypoints.proxy import EnginePool, build_proxy_app
 
 

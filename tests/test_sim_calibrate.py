@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmkit.config.compose import compose_tool_config
-from llmkit.config.schema import SimToolConfig
+from llmkit.config.tool_schema import SimToolConfig
 from llmkit.entrypoints import cli
 from llmkit.sim.calibrate import profile_yaml
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from llmkit.config.compose import compose_tool_config
-from llmkit.config.schema import SimToolConfig
+from llmkit.config.tool_schema import SimToolConfig
 from llmkit.entrypoints import cli
 
 

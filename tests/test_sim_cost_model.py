@@ -219,7 +219,7 @@ SOURCED_KEYS = ("memory_gb", "memory_bandwidth_gbs", "link_bandwidth_gbs", "link
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_profile_validates_and_every_value_names_its_source(name):
-    from llmkit.config.schema import HardwareConfig
+    from llmkit.config.tool_schema import HardwareConfig
 
     path = HW_DIR / f"{name}.yaml"
     cfg = HardwareConfig.model_validate(load_profile_yaml(path))
@@ -239,7 +239,7 @@ def test_profile_validates_and_every_value_names_its_source(name):
 def test_efficiencies_live_only_in_the_profiles():
     """No config key besides a hardware profile can set an efficiency (so no test or run can
     tune one): SimConfig has no such field."""
-    from llmkit.config.schema import SimConfig
+    from llmkit.config.tool_schema import SimConfig
 
     assert not [f for f in SimConfig.model_fields if "eff" in f or "overhead" in f]
     for name in PROFILES:

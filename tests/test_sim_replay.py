@@ -7,7 +7,7 @@ import pytest
 from llmkit.bench.datasets import WorkloadRequest, build_workload
 from llmkit.bench.metrics import summarize
 from llmkit.config.compose import compose_tool_config
-from llmkit.config.schema import SimToolConfig
+from llmkit.config.tool_schema import SimToolConfig
 from llmkit.sim.cost_model import StepCost
 from llmkit.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.sim.virtual_clock import VirtualClock

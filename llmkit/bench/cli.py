@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llmkit.bench.datasets import WorkloadError
-from llmkit.config.schema import BenchToolConfig
+from llmkit.config.tool_schema import BenchToolConfig
 
 __all__ = ["SUBCOMMANDS", "rewrite_shorthands", "run_bench", "sweep_points"]
 

@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import (
     AttentionConfig,
-    BenchToolConfig,
     EngineConfig,
-    EvalToolConfig,
     ExecutorConfig,
     KVCacheConfig,
     ModelConfig,
@@ -21,9 +19,8 @@ from llmkit.config.schema import (
     SamplingDefaults,
     SchedulerConfig,
     ServerConfig,
-    SimToolConfig,
-    ToolConfig,
 )
+from llmkit.config.tool_schema import BenchToolConfig, EvalToolConfig, SimToolConfig, ToolConfig
 
 if TYPE_CHECKING:
     from llmkit.config.compose import (build_config, build_tool_config, compose_config,

@@ -30,9 +30,10 @@ from typing import Any
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.hydra_errors import first_line, hydra_error_to_config_error, parse_override
-from llmkit.config.schema import EngineConfig, ToolConfig
+from llmkit.config.schema import EngineConfig
 from llmkit.config.schema_errors import (model_at, validate_engine_config, validate_tool_config,
                                          validation_error_to_config_error)
+from llmkit.config.tool_schema import ToolConfig
 
 __all__ = [
     "build_config",

@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.schema import ComposedConfig, EngineConfig, ToolConfig
+from llmkit.config.schema import EngineConfig
+from llmkit.config.tool_schema import ComposedConfig, ToolConfig
 
 __all__ = ["known_keys_text", "model_at", "validate_composed", "validate_engine_config",
            "validate_tool_config", "validation_error_to_config_error", "value_at"]

@@ -164,7 +164,7 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
 
 def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
     """The tools' sections (bench, slo, hardware, sim) that ``overrides`` set."""
-    from llmkit.config.schema import TOOL_SECTIONS
+    from llmkit.config.tool_schema import TOOL_SECTIONS
 
     named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]
              for o in overrides}
@@ -175,7 +175,7 @@ def _cmd_config(args: CliArgs) -> int:
     """The engine's config; with the tools' sections that the command line sets (``llmkit
     config hardware=h100-sxm`` shows the hardware profile too)."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
-    from llmkit.config.schema import EvalToolConfig, SimToolConfig
+    from llmkit.config.tool_schema import EvalToolConfig, SimToolConfig
 
     runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
     texts = []
@@ -286,7 +286,7 @@ def _cmd_sim(args: CliArgs) -> int:
 
 def _cmd_eval(args: CliArgs) -> int:
     _no_multirun(args)
-    from llmkit.config.schema import EvalToolConfig
+    from llmkit.config.tool_schema import EvalToolConfig
 
     cfg = load_config(args, tool=EvalToolConfig)
     from llmkit.eval.perplexity import run_eval_ppl
@@ -296,7 +296,7 @@ def _cmd_eval(args: CliArgs) -> int:
 
 def _cmd_proxy(args: CliArgs) -> int:
     _no_multirun(args)
-    from llmkit.config.schema import ProxyToolConfig
+    from llmkit.config.tool_schema import ProxyToolConfig
 
     cfg = load_config(args, tool=ProxyToolConfig)
     from llmkit.entrypoints.proxy import run_proxy

@@ -10,7 +10,6 @@ are never evicted once computed.
 from __future__ import annotations
 
 import logging
-import operator
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
@@ -19,6 +18,7 @@ from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
+from llmkit.kv_cache.pinned_prefixes import pinned_prefix_hashes
 
 if TYPE_CHECKING:  # the manager reads a Request's attributes; it needs no import at run time
     from llmkit.request import Request
@@ -58,8 +58,8 @@ class KVCacheManager(KVCacheManagerBase):
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.eviction_policy = eviction_policy
-        self.pinned_hashes = self._pinned_hashes(pinned_prefixes, num_blocks, block_size,
-                                                 enable_prefix_caching)
+        self.pinned_hashes = pinned_prefix_hashes(pinned_prefixes, num_blocks, block_size,
+                                                  enable_prefix_caching)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching,
                                     make_eviction_policy(eviction_policy), self.pinned_hashes)
         # request id -> its blocks in token order
@@ -81,46 +81,6 @@ class KVCacheManager(KVCacheManagerBase):
         self._probe_ids: set[str] = set()
         self._probe_starts: set[tuple[int, ...]] = set()
         self._probe_shared = 0
-
-    @staticmethod
-    def _pinned_hashes(prefixes: Sequence[Sequence[int]], num_blocks: int, block_size: int,
-                       enable_prefix_caching: bool) -> frozenset[bytes]:
-        """The hashes of the pinned prefixes' full blocks; ValueError naming the setting."""
-        if isinstance(prefixes, (str, bytes)):
-            raise ValueError("kv_cache.pinned_prefixes: expected a list of token-id lists, "
-                             f"got {type(prefixes).__name__}")
-        prefixes = list(prefixes)
-        if not prefixes:
-            return frozenset()
-        if not enable_prefix_caching:
-            raise ValueError(f"kv_cache.pinned_prefixes ({len(prefixes)} given) needs "
-                             "kv_cache.enable_prefix_caching=true; it is false")
-        hashes: set[bytes] = set()
-        for i, prefix in enumerate(prefixes):
-            try:
-                if isinstance(prefix, (str, bytes)) or any(isinstance(t, bool) for t in prefix):
-                    raise TypeError
-                prefix = [operator.index(t) for t in prefix]
-            except TypeError:
-                raise ValueError(f"kv_cache.pinned_prefixes[{i}]: expected a list of token ids "
-                                 "(tokenize text prefixes before building the manager), got "
-                                 f"{prefix!r:.60}") from None
-            n_full = len(prefix) // block_size
-            if n_full == 0:
-                raise ValueError(f"kv_cache.pinned_prefixes[{i}]: {len(prefix)} tokens, shorter "
-                                 f"than one block (kv_cache.block_size={block_size}); only full "
-                                 "blocks are cached, so nothing would be pinned")
-            parent = None
-            for j in range(n_full):
-                parent = hash_block_tokens_encoded(
-                    parent, prefix[j * block_size:(j + 1) * block_size], b"")
-                hashes.add(parent)
-        limit = num_blocks // 2
-        if len(hashes) > limit:
-            raise ValueError(f"kv_cache.pinned_prefixes: {len(hashes)} blocks of {block_size} "
-                             f"tokens to pin; at most half of the pool ({limit} of {num_blocks} "
-                             "blocks) may be pinned")
-        return frozenset(hashes)
 
     # -- hashes --------------------------------------------------------------------------
     def _ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:

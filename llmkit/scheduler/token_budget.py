@@ -18,12 +18,13 @@ from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats, SpecDecodeStats)
+from llmkit.scheduler.connector_admission import KVConnectorAdmission
+from llmkit.scheduler.encoder_admission import EncoderAdmission
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
 
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
-    from llmkit.outputs import KVConnectorOutput
     from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -82,15 +83,12 @@ class TokenBudgetScheduler(Scheduler):
         self.structured_output_manager = structured_output_manager
         self._waiting_for_fsm: list[Request] = []
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
-        # KV connector (llmkit/kv_transfer): requests whose KV loads (WAITING_FOR_REMOTE_KVS)
-        # with the number of tokens it brings; those whose load finished, waiting to run;
-        # finished requests whose blocks stay held for a receiver; aborted requests whose
-        # blocks are freed once their load ends (the worker may still be writing them).
+        self._encoder = EncoderAdmission(self.encoder_cache, config.max_num_encoder_input_tokens)
+        # KV connector (llmkit/kv_transfer): requests whose KV loads, and finished requests
+        # whose blocks stay held for a receiver, are tracked by its admission.
         self.kv_connector = kv_connector
-        self._waiting_for_remote: dict[str, tuple[Request, int]] = {}
-        self._kv_loaded: set[str] = set()
-        self._sending: dict[str, Request] = {}
-        self._free_after_recv: dict[str, Request] = {}
+        self._connector = (None if kv_connector is None
+                           else KVConnectorAdmission(kv_connector, kv_cache_manager))
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,14 +98,8 @@ class TokenBudgetScheduler(Scheduler):
         self._arrivals += 1
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
-        for f in request.mm_features:
-            limit = min(self.config.encoder_cache_size, self.config.max_num_encoder_input_tokens)
-            if f.length > limit:
-                raise ValueError(
-                    f"request {request.request_id!r}: an image of {f.length} tokens exceeds "
-                    f"scheduler.encoder_cache_size ({self.config.encoder_cache_size}) or "
-                    f"scheduler.max_num_encoder_input_tokens "
-                    f"({self.config.max_num_encoder_input_tokens}); it could never be encoded")
+        if request.mm_features:
+            self._encoder.check_request(request)
         if request.num_prompt_tokens > self.max_model_len:
             # Refuse rather than truncate: the caller learns why through the finish reason.
             request.set_status(RequestStatus.FINISHED_IGNORED)
@@ -141,14 +133,14 @@ class TokenBudgetScheduler(Scheduler):
                 self._waiting_for_fsm.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # The worker may still write its blocks: they are freed when the load ends.
-                del self._waiting_for_remote[rid]
-                self._free_after_recv[rid] = req
+                self._connector.abort_load(req)
                 self._finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=False)
                 outs.append(self._output(req, []))
                 continue
             else:
                 self.waiting.remove(req)
-                self._kv_loaded.discard(rid)
+                if self._connector is not None:
+                    self._connector.admitted(rid)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             outs.append(self._output(req, []))
         return outs
@@ -187,9 +179,8 @@ class TokenBudgetScheduler(Scheduler):
                 n = 0
             enc = None
             if n > 0 and req.mm_features:
-                enc = self._try_schedule_encoder_inputs(req, req.num_computed_tokens, n,
-                                                        encoder_budget)
-                n = enc[2]
+                enc = self._encoder.plan(req, req.num_computed_tokens, n, encoder_budget)
+                n = enc.num_new_tokens
             if n <= 0:
                 i += 1
                 continue
@@ -217,10 +208,10 @@ class TokenBudgetScheduler(Scheduler):
                     break
             if new_blocks is None:
                 if enc is not None:
-                    self._release_encoder_hits(req, enc[1])
+                    self._encoder.release(req, enc)
                 continue  # req itself was preempted; `i` already points at the next one
             if enc is not None:
-                encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
+                encoder_budget -= self._encoder.commit(req, enc, encoder_inputs)
             num_scheduled[req.request_id] = n
             budget -= n
             if req.lora_id is not None:
@@ -245,6 +236,7 @@ class TokenBudgetScheduler(Scheduler):
         # behind it is admitted until it is, so it waits at most that many steps plus the time
         # the running requests of one resident adapter take to finish.
         skipped: list[Request] = []
+        connector = self._connector
         if not preempted_ids:
             while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting.peek()
@@ -257,7 +249,7 @@ class TokenBudgetScheduler(Scheduler):
                         break
                     continue
                 # Its KV was loaded by the connector: it holds its blocks already.
-                loaded = bool(self._kv_loaded) and req.request_id in self._kv_loaded
+                loaded = connector is not None and connector.is_loaded(req.request_id)
                 lookup = not loaded and (req.sampling_params.prompt_logprobs is None
                                          or req.num_output_tokens)
                 if lookup:
@@ -271,9 +263,8 @@ class TokenBudgetScheduler(Scheduler):
                     # cached for other requests by allocate_slots.
                     computed_blocks, num_hit = [], 0
                 num_ext, load_async = 0, False
-                if lookup and self.kv_connector is not None:
-                    num_ext, load_async = self.kv_connector.get_num_new_matched_tokens(
-                        req, num_hit)
+                if lookup and connector is not None:
+                    num_ext, load_async = connector.match(req, num_hit)
                 start = req.num_computed_tokens if loaded else num_hit + num_ext
                 n = req.num_tokens - start
                 if load_async:
@@ -286,10 +277,10 @@ class TokenBudgetScheduler(Scheduler):
                 enc = None
                 if req.mm_features and not load_async:
                     # Cut the chunk before an image the encoder cannot take this step.
-                    enc = self._try_schedule_encoder_inputs(req, start, n, encoder_budget)
-                    n = enc[2]
+                    enc = self._encoder.plan(req, start, n, encoder_budget)
+                    n = enc.num_new_tokens
                     if n <= 0:
-                        self._release_encoder_hits(req, enc[1])
+                        self._encoder.release(req, enc)
                         break
                 new_blocks = kv.allocate_slots(req, n + num_ext, lookahead,
                                                new_computed_blocks=computed_blocks,
@@ -297,30 +288,28 @@ class TokenBudgetScheduler(Scheduler):
                                                delay_cache_blocks=load_async)
                 if new_blocks is None:
                     if enc is not None:
-                        self._release_encoder_hits(req, enc[1])
-                    if not self.running and not num_scheduled and not self._waiting_for_remote:
+                        self._encoder.release(req, enc)
+                    if not self.running and not num_scheduled and (
+                            connector is None or not connector.num_loading):
                         # Nothing runs that could free blocks: this request can never fit.
                         self.waiting.pop()
                         self._refuse(req)
                         continue
                     break
                 self.waiting.pop()
-                if lookup and self.kv_connector is not None:
-                    self.kv_connector.update_state_after_alloc(
-                        req, kv.get_block_ids(req.request_id), num_ext)
+                if lookup and connector is not None:
+                    connector.allocated(req, num_ext)
                 if load_async:
-                    req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
-                    req.num_computed_tokens = num_hit
-                    self._waiting_for_remote[req.request_id] = (req, num_ext)
+                    connector.wait_for_load(req, num_hit, num_ext)
                     continue
                 self._lora_skips.pop(req.request_id, None)
                 if req.lora_id is not None:
                     loras.add(req.lora_id)
                 if enc is not None:
-                    encoder_budget -= self._commit_encoder_inputs(req, enc, encoder_inputs)
+                    encoder_budget -= self._encoder.commit(req, enc, encoder_inputs)
                 req.set_status(RequestStatus.RUNNING)
                 if loaded:
-                    self._kv_loaded.discard(req.request_id)
+                    connector.admitted(req.request_id)
                 else:
                     req.num_computed_tokens = num_hit + num_ext
                 if req.num_cached_tokens < 0:
@@ -378,66 +367,6 @@ class TokenBudgetScheduler(Scheduler):
         """Whether ``req`` may join a step whose requests so far use the adapters ``loras``."""
         return (self.max_loras is None or req.lora_id is None or req.lora_id in loras
                 or len(loras) < self.max_loras)
-    # -- multimodal encoder inputs --------------------------------------------------------------
-    def _try_schedule_encoder_inputs(self, req: Request, num_computed: int, n: int,
-                                     encoder_budget: int) -> tuple[list[int], list[int], int]:
-        """(images to encode, cached images now referenced, tokens to schedule) for computing
-        tokens ``[num_computed, num_computed + n)`` (vLLM's rule): an image whose placeholders
-        this range touches must be encoded this step or be cached; one that fits neither the
-        encoder budget nor the cache ends the range before its first placeholder, so an image's
-        encoder run is never split or repeated across steps."""
-        to_encode: list[int] = []
-        hits: list[int] = []
-        planned: set[str] = set()
-        planned_tokens = 0
-        cache = self.encoder_cache
-        for i, f in enumerate(req.mm_features):
-            if f.offset >= num_computed + n:
-                break
-            if f.offset + f.length <= num_computed:
-                continue  # its KV is already computed
-            if f.identifier in planned:
-                continue  # the same image earlier in this prompt: encoded once
-            if cache.check_and_update_cache(req, i):
-                hits.append(i)
-                continue
-            if not cache.can_allocate(req, i, encoder_budget - planned_tokens, planned_tokens):
-                n = f.offset - num_computed
-                break
-            to_encode.append(i)
-            planned.add(f.identifier)
-            planned_tokens += f.length
-        return to_encode, hits, n
-
-    def _release_encoder_hits(self, req: Request, hits: list[int]) -> None:
-        for i in hits:
-            self.encoder_cache.free_encoder_input(req, i)
-
-    def _commit_encoder_inputs(self, req: Request, enc: tuple[list[int], list[int], int],
-                               encoder_inputs: dict[str, list[int]]) -> int:
-        """Record the images ``req`` encodes this step; their tokens (of the step's budget)."""
-        to_encode, hits, _ = enc
-        cache = self.encoder_cache
-        # A repeated image in the prompt references the entry its first occurrence makes.
-        by_hash = {}
-        for i, f in enumerate(req.mm_features):
-            by_hash.setdefault(f.identifier, []).append(i)
-        used = 0
-        for i in to_encode:
-            cache.allocate(req, i)
-            used += req.mm_features[i].length
-            for j in by_hash[req.mm_features[i].identifier]:
-                if j > i:
-                    cache.check_and_update_cache(req, j)
-        if to_encode:
-            encoder_inputs[req.request_id] = to_encode
-        return used
-
-    def _free_encoder_inputs(self, req: Request) -> None:
-        """Unreference the images whose placeholders are all computed now."""
-        for i, f in enumerate(req.mm_features):
-            if f.offset + f.length <= req.num_computed_tokens:
-                self.encoder_cache.free_encoder_input(req, i)
 
     # -- structured output ---------------------------------------------------------------------
     def _admit_compiled(self) -> None:
@@ -510,8 +439,9 @@ class TokenBudgetScheduler(Scheduler):
         outputs, self._pending_outputs = self._pending_outputs, []
         self._step_spec_stats = SpecDecodeStats()
         kv_out = model_runner_output.kv_connector_output
-        if kv_out is not None and self.kv_connector is not None:
-            self._update_from_kv_connector_output(kv_out)
+        if kv_out is not None and self._connector is not None:
+            for req in self._connector.update_from_output(kv_out):
+                self.waiting.add_preempted(req)  # ahead of newer work: it holds blocks
         now = self.clock()
         sampled = model_runner_output.sampled_token_ids
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
@@ -523,7 +453,7 @@ class TokenBudgetScheduler(Scheduler):
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             if req.mm_features:
-                self._free_encoder_inputs(req)
+                self._encoder.free_computed(req)
             i = index.get(req_id)
             new_tokens = sampled[i] if i is not None else []
             if not new_tokens:
@@ -575,37 +505,6 @@ class TokenBudgetScheduler(Scheduler):
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
         return outputs
 
-    def _update_from_kv_connector_output(self, out: KVConnectorOutput) -> None:
-        """Finished transfers: loaded requests may run (or recompute, if the load failed);
-        a receiver has a producer's blocks, which are freed now."""
-        self.kv_connector.update_connector_output(out)
-        failed = set(out.failed_recving)
-        for rid in out.finished_recving:
-            aborted = self._free_after_recv.pop(rid, None)
-            if aborted is not None:
-                self.kv.free(aborted)
-                continue
-            entry = self._waiting_for_remote.pop(rid, None)
-            if entry is None:
-                continue
-            req, num_ext = entry
-            req.set_status(RequestStatus.WAITING)
-            if rid in failed:
-                # Recompute: its blocks go back and it is admitted anew (the connector does
-                # not match it again).
-                logger.warning("request %r: its KV could not be loaded; recomputing it", rid)
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-            else:
-                req.num_computed_tokens += num_ext
-                self.kv.cache_blocks(req, req.num_computed_tokens)
-                self._kv_loaded.add(rid)
-            self.waiting.add_preempted(req)  # ahead of newer work: it holds blocks
-        for rid in out.finished_sending:
-            req = self._sending.pop(rid, None)
-            if req is not None:
-                self.kv.free(req)
-
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Apply stop conditions after ``tok`` was appended; finish the request if one holds."""
         sp = req.sampling_params
@@ -626,14 +525,9 @@ class TokenBudgetScheduler(Scheduler):
     def _finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         req.set_status(status)
         req.times.finished = self.clock()
-        conn = self.kv_connector
-        if conn is not None:
-            delay, req.kv_transfer_params = conn.request_finished(
-                req, self.kv.get_block_ids(req.request_id))
-            if delay and free_blocks:
-                # A receiver loads them: they are freed when the worker says it is done.
-                self._sending[req.request_id] = req
-                free_blocks = False
+        if self._connector is not None:
+            # While a receiver loads them, they are freed when the worker says it is done.
+            free_blocks = self._connector.request_finished(req, free_blocks)
         if free_blocks:
             self.kv.free(req)
         if req.mm_features:
@@ -657,8 +551,8 @@ class TokenBudgetScheduler(Scheduler):
     def has_unfinished_requests(self) -> bool:
         # Held blocks of finished requests keep the engine stepping: their transfers end in a
         # step's connector output.
-        return (bool(self.requests) or bool(self._pending_outputs) or bool(self._sending)
-                or bool(self._free_after_recv))
+        return (bool(self.requests) or bool(self._pending_outputs)
+                or (self._connector is not None and self._connector.holds_blocks()))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -674,7 +568,7 @@ class TokenBudgetScheduler(Scheduler):
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=(len(self.waiting) + len(self._waiting_for_fsm)
-                         + len(self._waiting_for_remote)),
+                         + (self._connector.num_loading if self._connector is not None else 0)),
             kv_usage=self.kv.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=pc.queries,

@@ -38,7 +38,8 @@ import logging
 import random
 from typing import Any, Callable
 
-from llmkit.config.schema import EngineConfig, SimToolConfig
+from llmkit.config.schema import EngineConfig
+from llmkit.config.tool_schema import SimToolConfig
 from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput

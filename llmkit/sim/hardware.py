@@ -1,7 +1,7 @@
 """Hardware profiles: the figures the cost model needs about one accelerator.
 
 Profiles live in ``conf/hardware/NAME.yaml`` (Hydra group ``hardware``; validated as
-``llmkit.config.schema.HardwareConfig``), each value with its public source in a comment.
+``llmkit.config.tool_schema.HardwareConfig``), each value with its public source in a comment.
 ``HardwareProfile`` is the plain, SI-unit form the cost model computes with (no pydantic, so the
 cost model also runs where only the standard library and PyYAML are installed).
 
@@ -132,7 +132,7 @@ def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     from pydantic import ValidationError
 
     from llmkit.config.errors import ConfigError
-    from llmkit.config.schema import HardwareConfig
+    from llmkit.config.tool_schema import HardwareConfig
 
     try:
         cfg = HardwareConfig.model_validate(data)

@@ -26,8 +26,9 @@ from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
-from llmkit.worker import prompt_logprobs
+from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
+from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
@@ -101,10 +102,9 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
         self.num_encoder_runs = 0  # images encoded since start-up
-        # M-RoPE (Qwen2-VL): each running request with images' prompt positions [3, prompt]
-        # and the delta of the positions after its prompt.
+        # M-RoPE (Qwen2-VL): the positions of each running request with images.
         self.uses_mrope = supports_mrope(model)
-        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
+        self._mrope = MRoPEPositions(model) if self.uses_mrope else None
         # KV connector, worker side (llmkit/kv_transfer): loads before and saves after the
         # forward; it may own the pool's memory (a shared-memory producer).
         self.kv_connector: KVConnectorBase | None = None
@@ -227,20 +227,21 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
-            self._mrope.pop(rid, None)
+            if self._mrope is not None:
+                self._mrope.remove_request(rid)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
-            self._mrope.pop(rid, None)
+            if self._mrope is not None:
+                self._mrope.remove_request(rid)
             self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
             if new.mm_features:
                 self._mm_features[new.req_id] = new.mm_features
-                if self.uses_mrope:
-                    self._mrope[new.req_id] = self.model.get_mrope_input_positions(
-                        new.num_prompt_tokens, new.mm_features)
+                if self._mrope is not None:
+                    self._mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_features)
             sp = new.sampling_params
             gen = None
             if sp.seed is not None:
@@ -326,7 +327,7 @@ class ModelRunner:
         rope_positions = None
         if self._mrope:
             rope_positions = torch.from_numpy(
-                self._mrope_positions(req_ids, starts, computed, num_sched, positions))
+                self._mrope.step_positions(req_ids, starts, computed, num_sched, positions))
         return StepInputs(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(positions),
@@ -342,30 +343,6 @@ class ModelRunner:
             samples=samples,
         )
 
-    def _mrope_positions(self, req_ids: list[str], starts: np.ndarray, computed: np.ndarray,
-                         num_sched: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The step's M-RoPE positions: a prompt's tokens from its table (whatever chunk or
-        prefix hit the step starts at), later tokens at ``index + delta``. ``[tokens]`` when no
-        token of the step is in a prompt with images (decode steps keep step graphs)."""
-        shifted = positions.copy()
-        in_prompt = []
-        for i, rid in enumerate(req_ids):
-            state = self._mrope.get(rid)
-            if state is None:
-                continue
-            table, delta = state
-            qs, lo, n = int(starts[i]), int(computed[i]), int(num_sched[i])
-            shifted[qs:qs + n] += delta
-            k = min(n, table.shape[1] - lo)
-            if k > 0:
-                in_prompt.append((qs, lo, k, table))
-        if not in_prompt:
-            return shifted
-        out = np.broadcast_to(shifted, (3, len(shifted))).copy()
-        for qs, lo, k, table in in_prompt:
-            out[:, qs:qs + k] = table[:, lo:lo + k]
-        return out
-
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput,
@@ -376,14 +353,12 @@ class ModelRunner:
         self._update_states(so)
         conn = self.kv_connector
         if conn is not None:
-            conn.bind_connector_metadata(so.kv_connector_metadata)
-            conn.start_load_kv()
+            kv_connector_step.start_step(conn, so.kv_connector_metadata)
         if so.total_num_scheduled_tokens == 0:
-            if conn is not None:  # no forward: this step's transfers end here
-                self._wait_for_all_layers(conn)
-                conn.wait_for_save()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=(
-                conn.get_finished(so.finished_req_ids) if conn is not None else None))
+                kv_connector_step.finish_without_forward(conn, len(self.kv_caches),
+                                                         so.finished_req_ids)
+                if conn is not None else None))
         inputs = self.prepare_inputs(so)
         if self.lora_manager is None:
             return self._execute(so, inputs, intermediate_tensors)
@@ -458,14 +433,6 @@ class ModelRunner:
         if drafted:
             self.proposer.observe_acceptance(np.array(drafted), np.array(accepted))
 
-    def _wait_for_all_layers(self, conn: KVConnectorBase) -> None:
-        for layer in range(len(self.kv_caches)):
-            conn.wait_for_layer_load(layer)
-
-    def _save_all_layers(self, conn: KVConnectorBase) -> None:
-        for layer, kv in enumerate(self.kv_caches):
-            conn.save_kv_layer(layer, kv)
-
     def _draft_probs(self, layout: LogitsLayout, vocab_size: int) -> torch.Tensor | None:
         """q per logits row when the proposer drew its drafts from a distribution (one-hot rows
         for drafts given as tokens, zero rows for bonus positions); None if it never did."""
@@ -535,19 +502,18 @@ class ModelRunner:
                  intermediate_tensors: IntermediateTensors | None = None
                  ) -> torch.Tensor | IntermediateTensors:
         """The model's hidden states: through a step graph for a decode-only step it covers,
-        else eagerly. A KV connector's per-layer calls run inside an eager forward (the model
-        calls them around each layer); around a step graph, or a model without the hook,
-        every layer's loads land before the forward and every layer is handed over after."""
+        else eagerly; a KV connector's per-layer calls inside or around it
+        (``kv_connector_step``)."""
         graph = (inputs_embeds is None and intermediate_tensors is None
                  and self._graph_step(inputs))
         conn = self.kv_connector
-        hooked = conn is not None and not graph and self.model.supports_kv_layer_hook
-        if conn is None or hooked:
-            return self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, hooked)
-        self._wait_for_all_layers(conn)
-        hidden = self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, False)
-        self._save_all_layers(conn)
-        return hidden
+        if conn is None:
+            return self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, False)
+        return kv_connector_step.forward_with_connector(
+            conn, self.kv_caches,
+            lambda hooked: self._forward_once(inputs, inputs_embeds, intermediate_tensors,
+                                              graph, hooked),
+            layer_hook=not graph and self.model.supports_kv_layer_hook)
 
     def _graph_step(self, inputs: StepInputs) -> bool:
         """Whether a step graph computes this step: a decode-only step it covers, or

@@ -1,9 +1,10 @@
 """The OpenAI endpoints' logic: request → ``SamplingParams`` → ``AsyncLLM`` streams → OpenAI
 response bodies (JSON, or server-sent events when ``stream`` is true).
 
-Beside it: ``sampling`` (request fields → ``SamplingParams``), ``errors`` (OpenAI error bodies),
-``logprobs`` (their two OpenAI shapes), ``streaming`` (server-sent events, client disconnects)
-and ``request_streams`` (a request's engine streams as a group).
+Beside it: ``sampling`` (request fields → ``SamplingParams``), ``chat_prompt`` (messages and
+their images → the prompt), ``errors`` (OpenAI error bodies), ``logprobs`` (their two OpenAI
+shapes), ``streaming`` (server-sent events, client disconnects) and ``request_streams`` (a
+request's engine streams as a group).
 
 ``n > 1`` and a list of prompts both fan out into engine requests (``AsyncLLM`` handles ``n``:
 ``n`` engine requests with seeds ``seed + i``); choice ``index`` = ``prompt_index * n + i``.
@@ -11,7 +12,6 @@ Usage counts the prompt tokens once per prompt and every generated token of ever
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -23,10 +23,11 @@ from fastapi.responses import Response
 from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                      RequestOutputKind, RequestStream)
+from llmkit.entrypoints.openai.chat_prompt import load_chat_images, render_chat_prompt
 from llmkit.entrypoints.openai.errors import (OpenAIError, bad_request, engine_dead, overloaded,
                                               param_of)
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
-from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatMessage,
+from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatResponseMessage, ChatStreamChoice,
                                                 CompletionChoice, CompletionRequest,
@@ -45,11 +46,8 @@ from llmkit.entrypoints.openai.structured import (checked_structured_outputs,
                                                   requested_structured_outputs)
 from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_parser
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
-from llmkit.entrypoints.openai.tools import (ToolUse, template_messages, template_supports_tools,
-                                             tool_use)
+from llmkit.entrypoints.openai.tools import ToolUse, template_supports_tools, tool_use
 from llmkit.lora.request import LoRARequest
-from llmkit.multimodal.content_parts import split_image_parts
-from llmkit.multimodal.image import ImageError, load_image_url
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
@@ -293,60 +291,6 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # -- /v1/chat/completions ---------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
-                    use: ToolUse | None = None) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions",
-                              "messages")
-        messages, tool_kwargs = template_messages(req, use or ToolUse("none", []),
-                                                  native=self.template_has_tools)
-        kwargs = {**tool_kwargs, **dict(getattr(req, "chat_template_kwargs", None) or {})}
-        continue_final = getattr(req, "continue_final_message", False)
-        add_gen = req.add_generation_prompt and not continue_final
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_gen,
-                **({"continue_final_message": True} if continue_final else {}), **kwargs)
-        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
-            raise bad_request(f"the chat template failed on these messages: {e}",
-                              "messages") from None
-        ids = self.encode(text, "messages", add_special_tokens=False)
-        if not ids:
-            raise bad_request("the conversation is empty (no tokens)", "messages")
-        return ids
-
-    async def chat_images(self, req: ChatCompletionRequest | TokenizeRequest
-                          ) -> tuple[ChatCompletionRequest | TokenizeRequest, list]:
-        """The request with each image content part replaced by the model's placeholder, and
-        the images (decoded here: a bad one is a 400 before the engine sees anything)."""
-        if not any(m.has_images for m in req.messages):
-            return req, []
-        mm = self.engine.multimodal_processor
-        if mm is None:
-            raise bad_request("this model takes no images; send text content parts only",
-                              "messages")
-        cfg = self.engine.config
-        limit = cfg.multimodal.limit("image")
-        n = sum(1 for m in req.messages if m.has_images for p in m.content
-                if p.get("type") == "image_url")
-        if n > limit:
-            raise bad_request(f"the conversation has {n} images, more than "
-                              f"multimodal.limit_mm_per_prompt.image={limit}", "messages")
-
-        def load(url: str):
-            return load_image_url(url, max_bytes=cfg.multimodal.max_image_bytes,
-                                  allowed_domains=cfg.server.allowed_media_domains)
-
-        try:
-            # In a thread: decoding (and fetching from an allowed host) must not stall the
-            # event loop that streams other requests.
-            messages, images = await asyncio.to_thread(
-                split_image_parts, [m.model_dump(exclude_none=True) for m in req.messages],
-                mm.placeholder, load)
-        except ImageError as e:
-            raise bad_request(str(e), "messages") from None
-        return req.model_copy(update={"messages": [ChatMessage(**m) for m in messages]}), images
-
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         self._warn_extra(req)
         lora = self.check_model(req.model)
@@ -356,8 +300,8 @@ class OpenAIServing:
         use = tool_use(req, self.tool_parser)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
-        req, images = await self.chat_images(req)
-        ids = self.chat_prompt(req, use)
+        req, images = await load_chat_images(self.engine, req)
+        ids = render_chat_prompt(self.tokenizer, req, use, self.template_has_tools, self.encode)
         num_prompt_tokens = len(ids)
         prompt: list[int] | dict = ids
         if images:
@@ -452,8 +396,9 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
-            req, images = await self.chat_images(req)
-            ids = self.chat_prompt(req)
+            req, images = await load_chat_images(self.engine, req)
+            ids = render_chat_prompt(self.tokenizer, req, None, self.template_has_tools,
+                                     self.encode)
             if images:  # the image tokens the engine would see count
                 try:
                     ids = self.engine.multimodal_processor.expand(ids, images)

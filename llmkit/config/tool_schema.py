@@ -1,0 +1,293 @@
+"""The tools' configs (``bench``, ``sim``, ``eval``, ``proxy``): each holds an engine config
+beside its own sections; and ``ComposedConfig``, what ``conf/config.yaml`` composes to.
+
+``ComposedConfig`` validates the composed document (the engine's sections and every tool's at
+the top level); the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
+``SimToolConfig`` / ``EvalToolConfig`` / ``ProxyToolConfig``. Every model forbids unknown keys,
+as in ``schema.py``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from llmkit.config.schema import EngineConfig, _Strict
+
+class BenchConfig(_Strict):
+    """``llmkit bench serve|throughput|latency|plot`` (definitions: ``llmkit/bench/metrics.py``).
+
+    The workload (dataset + arrival times) is built from these fields alone, with ``seed``,
+    so the same config replays the same requests (also in the simulator)."""
+
+    # JSON keeps ``rate: inf`` as "Infinity" (which validates back), not null.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+    # -- where to send requests (bench serve) ------------------------------------------------
+    # null = http://{server.host}:{server.port}
+    base_url: str | None = None
+    # completions: /v1/completions (token-id prompts allowed); chat: /v1/chat/completions
+    endpoint: Literal["completions", "chat"] = "completions"
+    # The served model name; null = the first entry of GET /v1/models.
+    model: str | None = None
+    # Spread the requests over these LoRA adapters (served names; request i uses
+    # lora_names[i % len]). bench throughput: names of lora.modules. Empty = the base model.
+    lora_names: list[str] = Field(default_factory=list)
+    # Bearer token; null = the LLMKIT_API_KEY / OPENAI_API_KEY environment variables.
+    api_key: str | None = None
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    # -- the workload ----------------------------------------------------------------------
+    dataset: Literal["random", "shared_prefix", "jsonl"] = "random"
+    # jsonl: one {"prompt": str | [ids], "max_tokens": int} per line
+    dataset_path: str | None = None
+    num_requests: int = Field(default=100, ge=1)
+    # Mean prompt / output lengths in tokens; each is drawn uniformly from
+    # [mean * (1 - range_ratio), mean * (1 + range_ratio)]. shared_prefix: input_len is the
+    # length of each request's distinct suffix.
+    input_len: int = Field(default=128, ge=1)
+    output_len: int = Field(default=64, ge=1)
+    range_ratio: float = Field(default=0.0, ge=0, lt=1)
+    # shared_prefix: num_prefixes prefixes of prefix_len tokens, request i uses prefix i % k
+    num_prefixes: int = Field(default=4, ge=1)
+    prefix_len: int = Field(default=256, ge=1)
+    # ids: send token ids (exact lengths); text: decode them and send text (for servers that
+    # do not accept token-id prompts; lengths then change on re-tokenization)
+    prompt_format: Literal["ids", "text"] = "ids"
+    # The tokenizer for random / shared_prefix prompts; null = the model's (MODEL / model.path).
+    tokenizer: str | None = None
+    # -- arrivals ------------------------------------------------------------------------
+    # requests/s; inf = all at once
+    rate: float = Field(default=float("inf"), gt=0)
+    # poisson: exponential gaps of mean 1/rate; constant: exactly 1/rate apart; burst: all at 0
+    arrival: Literal["poisson", "constant", "burst"] = "poisson"
+    # at most this many requests in flight (null = no cap)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    # stop after this many seconds: unsent requests are dropped, those in flight cancelled
+    max_duration_s: float | None = Field(default=None, gt=0)
+    # bench serve: untimed requests sent one by one before the run (a fresh server's first
+    # request pays one-off start-up costs); their prompts share no prefix with the workload's
+    warmup_requests: int = Field(default=1, ge=0)
+    seed: int = 0
+    # -- sampling of every request --------------------------------------------------------
+    ignore_eos: bool = True
+    temperature: float = Field(default=0.0, ge=0)
+    # -- offline benchmarks (throughput / latency) ------------------------------------------
+    # throughput: also run this baseline on the same model and prompts and print the ratio
+    # (latency: llamacpp only)
+    baseline: Literal["none", "hf", "llamacpp"] = "none"
+    # llamacpp baseline: the folder holding llama-bench and llama-batched-bench (a llama.cpp
+    # build's bin/), and llama-bench's repetitions
+    llamacpp_bin_dir: str | None = None
+    llamacpp_reps: int = Field(default=3, ge=1)
+    # hf baseline: prompts sorted by length, in batches of at most this many (padded left)
+    hf_batch_size: int = Field(default=32, ge=1)
+    # latency: one batch of this many requests, timed num_iters times after the warm-up
+    batch_size: int = Field(default=8, ge=1)
+    num_iters: int = Field(default=3, ge=1)
+    num_iters_warmup: int = Field(default=1, ge=0)
+    # -- output ---------------------------------------------------------------------------
+    output_dir: str = "bench_results"
+    # the result's file stem; null = "<kind>-<swept values>" in a sweep, else "<kind>-<time>"
+    result_name: str | None = None
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _dataset_needs(self) -> "BenchConfig":
+        if self.dataset == "jsonl" and not self.dataset_path:
+            raise ValueError("bench.dataset_path (a JSONL file) is required when bench.dataset "
+                             "is jsonl")
+        return self
+
+
+class ProxyConfig(_Strict):
+    """``llmkit proxy``: an OpenAI-compatible front for disaggregated serving
+    (``llmkit/entrypoints/proxy.py``). Each request is prefilled on one of ``prefill_urls``
+    (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode": true}``) and decoded on one
+    of ``decode_urls`` with the producer's ``kv_transfer_params``; both round-robin."""
+
+    prefill_urls: list[str] = Field(default_factory=list)
+    decode_urls: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class SloConfig(_Strict):
+    """Service-level objectives for goodput (ms; null = no objective on that metric). A
+    request counts toward goodput only if it succeeded and meets every objective that is set."""
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2el_ms: float | None = Field(default=None, gt=0)
+
+
+class HardwareEfficiency(_Strict):
+    """Fractions of a device's peaks that real kernels reach (the simulator's cost model). Fixed
+    per hardware profile, each with its public source in the profile's YAML."""
+
+    compute: float = Field(gt=0, le=1)  # of peak_tflops, for the step's matmuls + attention
+    memory: float = Field(gt=0, le=1)  # of memory_bandwidth_gbs, for weights + KV traffic
+    link: float = Field(default=1.0, gt=0, le=1)  # of link_bandwidth_gbs, for all-reduce
+
+
+class HardwareConfig(_Strict):
+    """One accelerator as ``llmkit sim`` models it (group ``hardware``: ``conf/hardware/``).
+
+    Decimal units, as vendors print them: GB = 1e9 bytes, TFLOP/s = 1e12."""
+
+    name: str
+    description: str = ""
+    # Dense peak per dtype (float32, bfloat16, float16, fp8, int8), TFLOP/s.
+    peak_tflops: dict[str, float]
+    memory_gb: float = Field(gt=0)
+    memory_bandwidth_gbs: float = Field(gt=0)
+    # Per device, per direction, for tensor-parallel all-reduce; 0 = no fast link.
+    link_bandwidth_gbs: float = Field(default=0.0, ge=0)
+    # Fixed cost of one all-reduce (launch + synchronisation), microseconds.
+    link_latency_us: float = Field(default=0.0, ge=0)
+    efficiency: HardwareEfficiency
+    # Per-step costs that neither FLOPs nor bytes explain: once per step (CPU: scheduling,
+    # input preparation, sampling) and once per layer (short kernels: norms, rotary, ...).
+    step_overhead_ms: float = Field(default=0.0, ge=0)
+    layer_overhead_us: float = Field(default=0.0, ge=0)
+    # Fitted by `llmkit sim calibrate engine` on CPUs, 0 on GPU profiles: per request in a step,
+    # per token computed, per token of context attended (see llmkit/sim/cost_model.py).
+    seq_overhead_us: float = Field(default=0.0, ge=0)
+    token_overhead_us: float = Field(default=0.0, ge=0)
+    context_overhead_ns: float = Field(default=0.0, ge=0)
+    # Where the serving front end (API server, detokenisation, and when benchmarking, the
+    # client) shares the engine's CPU cores: the engine time it takes per token it streams; at
+    # R tokens/s streamed a step takes 1 / (1 - R * frontend_token_us * 1e-6) as long. 0 on GPU
+    # profiles. `llmkit sim calibrate engine sim.calibrate_trace=PATH` fits it to a served run.
+    frontend_token_us: float = Field(default=0.0, ge=0)
+    # model.dtype=auto with a checkpoint that names no dtype
+    default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Set by `llmkit sim calibrate` (measured on this machine); informational.
+    calibrated_at: str | None = None
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _known_dtypes(cls, v: dict[str, float]) -> dict[str, float]:
+        known = ("float32", "bfloat16", "float16", "fp8", "int8")
+        for k, x in v.items():
+            if k not in known:
+                raise ValueError(f"dtype {k!r} is not one of: {', '.join(known)}")
+            if not x > 0:
+                raise ValueError(f"peak_tflops.{k} must be > 0, got {x}")
+        return v
+
+
+class SimConfig(_Strict):
+    """``llmkit sim``: replay a ``bench`` workload on modelled hardware (``hardware=NAME``)."""
+
+    # The model to simulate: a named shape (llmkit/sim/shapes/NAME.json, e.g. llama-2-7b), a
+    # config.json, an HF folder or a .gguf (no weights are read). null = MODEL / model.path.
+    model: str | None = None
+    # With sim.model: the context limit (null = the shape's max_position_embeddings). Without
+    # it, model.max_model_len applies as for a real engine.
+    max_model_len: int | None = Field(default=None, ge=1)
+    # auto = model.dtype if set, else the checkpoint's torch_dtype, else hardware.default_dtype
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # vLLM's name: the fraction of device memory the engine may use (weights + activations +
+    # KV pool); the KV pool gets what is left after the weights and activations.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # Stop after this many engine steps (a guard; null = run the workload to the end).
+    max_steps: int | None = Field(default=None, ge=1)
+    # `llmkit sim calibrate` writes the cpu-local profile here, and `hardware=cpu-local` reads
+    # it from here when it exists. null = <llmkit cache>/hardware/cpu-local.yaml
+    calibrate_output: str | None = None
+    # calibrate: the square GEMM size and the buffer (MiB) of the bandwidth test
+    calibrate_gemm_size: int = Field(default=1024, ge=64)
+    calibrate_buffer_mib: int = Field(default=256, ge=8)
+    # calibrate engine: a step trace (observability.trace_file) of `llmkit serve` running the
+    # same model under load; its steps, priced by the fitted profile, give frontend_token_us.
+    calibrate_trace: str | None = None
+
+
+class EvalConfig(_Strict):
+    """``llmkit eval ppl`` (``llmkit/eval/perplexity.py``)."""
+
+    # null = the public-domain text shipped in llmkit/eval/texts/
+    text_file: str | None = None
+    # tokens per window (request)
+    window: int = Field(default=512, ge=2)
+    # sliding: a window starts every `stride` tokens (null = window / 2); llamacpp: must be null
+    stride: int | None = Field(default=None, ge=1)
+    # sliding: Hugging Face's strided perplexity; llamacpp: what llama-perplexity computes
+    # (non-overlapping windows, the second half of each scored)
+    mode: Literal["sliding", "llamacpp"] = "sliding"
+
+
+class ToolConfig(_Strict):
+    """A tool's config: the engine's inside, the tool's own sections beside it."""
+
+    engine: EngineConfig
+
+    def flat_dump(self, **kwargs) -> dict:
+        """The config as ``llmkit config`` and result files show it: the engine's sections
+        and the tool's side by side, keyed as on the command line (``model_dump`` kwargs)."""
+        data = self.engine.model_dump(**kwargs)
+        for name in type(self).model_fields:
+            if name != "engine":
+                value = getattr(self, name)
+                data[name] = value.model_dump(**kwargs) if value is not None else None
+        return data
+
+
+class BenchToolConfig(ToolConfig):
+    """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
+    takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+
+
+class ProxyToolConfig(ToolConfig):
+    """``llmkit proxy``: the proxy's section (the engine's is composed but unused)."""
+
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+
+
+class EvalToolConfig(ToolConfig):
+    """``llmkit eval ppl``: the engine that scores the text and the evaluation's settings."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class SimToolConfig(BenchToolConfig):
+    """``llmkit sim``: a ``bench serve`` workload (``bench``, ``slo``) replayed through the
+    engine's scheduler and KV cache on a modelled accelerator (group ``hardware``)."""
+
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+
+
+class ComposedConfig(EngineConfig):
+    """What ``conf/config.yaml`` composes to: the engine's sections and every tool's. Used to
+    validate a composition (every key, whichever command runs) and to name keys in errors;
+    nothing past the composer receives it."""
+
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    # `llmkit sim`: the modelled accelerator (group `hardware`) and the simulation's settings
+    hardware: HardwareConfig | None = None
+    sim: SimConfig = Field(default_factory=SimConfig)
+    # `llmkit eval ppl`
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    # `llmkit proxy`
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's part (already validated: no second validation)."""
+        fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
+        return EngineConfig.model_construct(
+            _fields_set=self.model_fields_set & set(fields), **fields)
+
+    def tool_config(self, tool: type[ToolConfig]) -> ToolConfig:
+        sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
+        return tool(engine=self.engine_config(), **sections)
+
+
+#: The top-level sections of the composed document that belong to tools, not to the engine.
+TOOL_SECTIONS = tuple(n for n in ComposedConfig.model_fields if n not in EngineConfig.model_fields)
