@@ -211,13 +211,16 @@ class ModelRunner:
         b = self.batch
         for h in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(h, None)
-        for rid in so.finished_req_ids:
+        # Sorted: a set's order follows the process's string hashing, and every tensor-parallel
+        # rank must lay out its rows alike (the same removals in the same order), or the ranks'
+        # sampled drafts part.
+        for rid in sorted(so.finished_req_ids):
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
             self._mrope.pop(rid, None)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
-        for rid in so.preempted_req_ids:
+        for rid in sorted(so.preempted_req_ids):
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
             self._mrope.pop(rid, None)
