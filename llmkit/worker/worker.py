@@ -86,8 +86,8 @@ class Worker:
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        # Several ranks load float layers (a quantized checkpoint is dequantized at load): the
-        # quantized methods' packed blocks are not sliced per rank.
+        # Several ranks keep float linear methods (model.quantization is not passed on): the
+        # quantized methods' packed blocks are not sliced per rank yet.
         linear, quantization = linear_method_factory(
             config.model, platform, dtype, source.quantization if single else "none")
         lora = None
