@@ -32,9 +32,11 @@ from llmkit.executor.base import StepFuture
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
 from llmkit.executor.rank_reports import RankedExecutor, output_rank
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
-from llmkit.executor.worker_proc import (OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR, TAG_KV_READY,
-                                         TAG_OUTPUT, TAG_READY, WorkerSpec,
-                                         encode_init_kv, run_worker)
+from llmkit.executor.worker_proc import (OP_ADD_LORA, OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR,
+                                         TAG_KV_READY, TAG_LORA, TAG_OUTPUT, TAG_READY,
+                                         WorkerSpec, encode_init_kv, encode_remove_lora,
+                                         run_worker)
+from llmkit.lora.request import LoRALoadError, LoRARequest
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -76,6 +78,10 @@ def cpu_slices(cpus: list[int], world_size: int) -> list[tuple[int, ...] | None]
 
 
 class MultiprocExecutor(RankedExecutor):
+    # every rank holds its slice of each adapter, cut like its base layers (pipeline stages
+    # are refused by check_pipeline_parallel)
+    supports_lora = True
+
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
@@ -132,6 +138,22 @@ class MultiprocExecutor(RankedExecutor):
         self._broadcast(encode_init_kv(num_blocks))
         for w in self.workers:
             self._recv(w, TAG_KV_READY)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_call(OP_ADD_LORA + pickle.dumps(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_call(encode_remove_lora(lora_id))
+
+    def _lora_call(self, message: bytes):
+        """Every rank runs the call; the first refusal raises ``LoRALoadError`` (the ranks
+        check the same files, so they agree)."""
+        self._broadcast(message)
+        replies = [pickle.loads(self._recv(w, TAG_LORA)[1:]) for w in self.workers]
+        for ok, value in replies:
+            if not ok:
+                raise LoRALoadError(value)
+        return replies[0][1]
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | StepFuture:
