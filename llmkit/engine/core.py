@@ -174,7 +174,7 @@ class EngineCore:
         if not getattr(executor, "supports_lora", False):
             raise ConfigError("lora.enabled", True, "", message=(
                 f"executor {type(executor).__name__} does not serve LoRA adapters; use "
-                "executor=uniproc or lora.enabled=false"))
+                "executor=uniproc, executor=multiproc or lora.enabled=false"))
         import inspect
 
         params = inspect.signature(sched_cls).parameters

@@ -28,12 +28,15 @@ from typing import Any
 
 from llmkit.config.schema import EngineConfig
 from llmkit.distributed.shm_broadcast import ShmRingBuffer
-from llmkit.executor.base import BackendInfo, Executor, ModelFacts, StepFuture
+from llmkit.executor.base import StepFuture
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
+from llmkit.executor.rank_reports import RankedExecutor, output_rank
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
-from llmkit.executor.worker_proc import (OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR, TAG_KV_READY,
-                                         TAG_OUTPUT, TAG_READY, WorkerReady, WorkerSpec,
-                                         encode_init_kv, run_worker)
+from llmkit.executor.worker_proc import (OP_ADD_LORA, OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR,
+                                         TAG_KV_READY, TAG_LORA, TAG_OUTPUT, TAG_READY,
+                                         WorkerSpec, encode_init_kv, encode_remove_lora,
+                                         run_worker)
+from llmkit.lora.request import LoRALoadError, LoRARequest
 from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -74,16 +77,18 @@ def cpu_slices(cpus: list[int], world_size: int) -> list[tuple[int, ...] | None]
     return [tuple(cpus[r * per:(r + 1) * per]) for r in range(world_size)]
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
+    # every rank holds its slice of each adapter, cut like its base layers (pipeline stages
+    # are refused by check_pipeline_parallel)
+    supports_lora = True
+
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         super().__init__(config, platform)
         source = model_source or resolve_model_source(config.model)
         check_parallel_config(config, source.hf_config, platform)
         self.world_size = config.parallel.world_size
-        self._pp = config.parallel.pipeline_parallel_size
-        # the first rank of the last pipeline stage answers each step
-        self.output_rank = self.world_size - config.parallel.tensor_parallel_size
+        self.output_rank = output_rank(config)
         # steps sent and results taken, counted from 0 (results come back in order)
         self._num_sent = self._num_received = 0
         self._results: dict[int, ModelRunnerOutput] = {}
@@ -124,35 +129,31 @@ class MultiprocExecutor(Executor):
             raise
         logger.info("multiproc executor: worker pids %s",
                     " ".join(f"rank{w.rank}={w.proc.pid}" for w in self.workers))
-        first: WorkerReady = ready[self.output_rank]
-        self._facts: ModelFacts = first.model_facts
-        self._backend: BackendInfo = first.backend_info
-        # Every rank holds its own KV heads of its own layers for every block: a block costs
-        # the sum.
-        self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
+        self._take_reports(ready)
         #: The CPUs each rank runs on (its affinity as it reported it).
         self.worker_cpus: list[tuple[int, ...]] = [r.cpus for r in ready]
 
     # -- the executor interface ------------------------------------------------------------
-    @property
-    def model_facts(self) -> ModelFacts:
-        return self._facts
-
-    @property
-    def backend_info(self) -> BackendInfo:
-        return self._backend
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self._kv_bytes
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(encode_init_kv(num_blocks))
         for w in self.workers:
             self._recv(w, TAG_KV_READY)
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._pp
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_call(OP_ADD_LORA + pickle.dumps(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_call(encode_remove_lora(lora_id))
+
+    def _lora_call(self, message: bytes):
+        """Every rank runs the call; the first refusal raises ``LoRALoadError`` (the ranks
+        check the same files, so they agree)."""
+        self._broadcast(message)
+        replies = [pickle.loads(self._recv(w, TAG_LORA)[1:]) for w in self.workers]
+        for ok, value in replies:
+            if not ok:
+                raise LoRALoadError(value)
+        return replies[0][1]
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | StepFuture:

@@ -71,10 +71,6 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     moe = moe_shape(hf_config)
     check_expert_parallel(config, hf_config)
-    spec = config.speculative
-    if spec.enabled or spec.target:
-        raise ConfigError("speculative.name", spec.name, "none with several workers "
-                          "(speculative decoding under tensor parallel is not implemented yet)")
     if pp > 1:
         check_pipeline_parallel(config, hf_config)
     if distributed_backend(config, platform) == "nccl" and platform.device.type != "cuda":
@@ -88,15 +84,49 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
                           else "parallel.tensor_parallel_size", pp if over_pp else tp,
                           f"at most {limit} ranks in all on this machine ({why}); "
                           f"tensor_parallel_size * pipeline_parallel_size = {world}")
+    _check_attention_split(hf_config, tp)
+    _check_mlp_split(hf_config, moe, tp, par.enable_expert_parallel)
+    if tp > 1:
+        check_speculative_split(config)
+
+
+def _check_attention_split(hf_config, tp: int, owner: str = "model's", note: str = "") -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
-        raise ConfigError("parallel.tensor_parallel_size", tp,
-                          f"a divisor of the model's {heads} attention heads ({_divisors(heads)})")
+        raise ConfigError("parallel.tensor_parallel_size", tp, f"a divisor of the {owner} "
+                          f"{heads} attention heads ({_divisors(heads)}){note}")
     if kv_heads % tp and tp % kv_heads:
         raise ConfigError("parallel.tensor_parallel_size", tp,
-                          f"a divisor or a multiple of the model's {kv_heads} KV heads")
-    _check_mlp_split(hf_config, moe, tp, par.enable_expert_parallel)
+                          f"a divisor or a multiple of the {owner} {kv_heads} KV heads{note}")
+
+
+def check_speculative_split(config: EngineConfig) -> None:
+    """A draft model or EAGLE head is split over the tensor-parallel ranks like the target
+    (every rank runs it, with the rank's group): its heads and MLP must divide too."""
+    spec = config.speculative
+    if not spec.enabled or spec.target or spec.name not in ("draft_model", "eagle"):
+        return
+    if spec.name == "draft_model":
+        from llmkit.spec_decode.draft_model import resolve_draft_source
+        hf_config = resolve_draft_source(spec.model, 1).hf_config
+        owner = "draft model's"
+    else:
+        from pathlib import Path
+
+        from transformers import AutoConfig
+        folder = Path(spec.model).expanduser()
+        if not (folder / "config.json").is_file():
+            return  # the proposer's own check names what is wrong
+        hf_config = AutoConfig.from_pretrained(str(folder))
+        owner = "EAGLE head's"
+    tp = config.parallel.tensor_parallel_size
+    note = f" (speculative.model={spec.model})"
+    _check_attention_split(hf_config, tp, owner, note)
+    inter = getattr(hf_config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise ConfigError("parallel.tensor_parallel_size", tp,
+                          f"a divisor of the {owner} intermediate_size {inter}{note}")
 
 
 def check_pipeline_parallel(config: EngineConfig, hf_config) -> None:
@@ -113,8 +143,14 @@ def check_pipeline_parallel(config: EngineConfig, hf_config) -> None:
     layers = hf_config.num_hidden_layers
     if pp > layers:
         raise ConfigError(key, pp, f"at most the model's {layers} layers (one per stage)")
-    # LoRA's slots are built for every layer in one runner. (Speculative decoding is refused
-    # above for any several workers; KV connectors are refused by kv_connector_class.)
+    # LoRA's slots are built for every layer in one runner; a proposer runs every layer of
+    # its draft after the target's last one. (KV connectors are refused by
+    # kv_connector_class.)
+    spec = config.speculative
+    if spec.enabled or spec.target:
+        raise ConfigError("speculative.name", spec.target or spec.name, "none with several "
+                          f"workers in pipeline stages ({key}={pp}; speculative decoding runs "
+                          "under tensor parallel, not across stages)")
     if config.lora.enabled:
         raise ConfigError("lora.enabled", True, f"false with {key}={pp} (LoRA adapters are "
                           "not served across pipeline stages)")

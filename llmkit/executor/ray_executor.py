@@ -16,9 +16,10 @@ import os
 from typing import Any
 
 from llmkit.config.schema import EngineConfig
-from llmkit.executor.base import BackendInfo, Executor, ModelFacts, StepFuture
+from llmkit.executor.base import StepFuture
 from llmkit.executor.multiproc import WorkerDiedError, threads_per_rank
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
+from llmkit.executor.rank_reports import RankedExecutor, output_rank
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
 from llmkit.executor.worker_proc import WorkerReady, WorkerSpec, build_worker
 from llmkit.models.loader import ModelSource, resolve_model_source
@@ -58,7 +59,7 @@ class RayWorker:
         return self._encoder.encode_output(out) if self.worker.is_output_rank else None
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankedExecutor):
     def __init__(self, config: EngineConfig, platform: Platform,
                  model_source: ModelSource | None = None) -> None:
         import ray
@@ -107,32 +108,13 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        out = world - config.parallel.tensor_parallel_size  # the output rank
-        self._output_rank = out
-        self._pp = config.parallel.pipeline_parallel_size
-        self._facts: ModelFacts = ready[out].model_facts
-        self._backend: BackendInfo = ready[out].backend_info
-        self._kv_bytes = sum(r.kv_cache_bytes_per_block for r in ready)
+        self._output_rank = output_rank(config)
+        self._take_reports(ready)
         logger.info("ray executor: %d actors (%s each), cluster %s", world, device,
                     address or "local")
 
-    @property
-    def model_facts(self) -> ModelFacts:
-        return self._facts
-
-    @property
-    def backend_info(self) -> BackendInfo:
-        return self._backend
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self._kv_bytes
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._get([a.initialize_kv_cache.remote(num_blocks) for a in self.actors])
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._pp
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | StepFuture:

@@ -2,10 +2,13 @@
 runs a :class:`Worker` and reads every step from the shared-memory ring.
 
 Messages on the ring start with an opcode byte: ``E`` a step (``SchedulerOutput`` as msgpack),
-``K`` allocate the KV cache (8-byte block count), ``S`` stop. Replies go back on the rank's
-own pipe, first byte a tag: ``R`` ready (pickled facts, once), ``O`` the output rank's step
-output (msgpack; the output rank is the first of the last pipeline stage), ``k`` KV cache
-allocated, ``X`` an error (the worker exits after it).
+``K`` allocate the KV cache (8-byte block count), ``L`` add a LoRA adapter (a pickled
+``LoRARequest``), ``D`` remove one (its id, 8 bytes), ``S`` stop. Replies go back on the
+rank's own pipe, first byte a tag: ``R`` ready (pickled facts, once), ``O`` the output rank's
+step output (msgpack; the output rank is the first of the last pipeline stage), ``k`` KV cache
+allocated, ``l`` a LoRA call's result (pickled ``(ok, value)``: the return value, or the
+message of the ``ValueError`` that refused the adapter; the worker serves on), ``X`` an error
+(the worker exits after it).
 """
 from __future__ import annotations
 
@@ -19,12 +22,27 @@ from dataclasses import dataclass
 from typing import Any
 
 OP_EXECUTE, OP_INIT_KV, OP_SHUTDOWN = b"E", b"K", b"S"
+OP_ADD_LORA, OP_REMOVE_LORA = b"L", b"D"
 TAG_READY, TAG_OUTPUT, TAG_KV_READY, TAG_ERROR = b"R", b"O", b"k", b"X"
+TAG_LORA = b"l"
 _BLOCKS = struct.Struct("<q")
 
 
 def encode_init_kv(num_blocks: int) -> bytes:
     return OP_INIT_KV + _BLOCKS.pack(num_blocks)
+
+
+def encode_remove_lora(lora_id: int) -> bytes:
+    return OP_REMOVE_LORA + _BLOCKS.pack(lora_id)
+
+
+def _lora_call(call) -> bytes:
+    """Run a worker's LoRA call; a refused adapter (``LoRALoadError``, a ``ValueError``) is
+    the reply, not the end of the worker."""
+    try:
+        return TAG_LORA + pickle.dumps((True, call()))
+    except ValueError as e:
+        return TAG_LORA + pickle.dumps((False, str(e)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +138,12 @@ def _serve(spec: WorkerSpec, ring_handle, conn) -> None:
             elif op == OP_INIT_KV:
                 worker.initialize_kv_cache(_BLOCKS.unpack_from(msg, 1)[0])
                 conn.send_bytes(TAG_KV_READY)
+            elif op == OP_ADD_LORA:
+                request = pickle.loads(memoryview(msg)[1:])
+                conn.send_bytes(_lora_call(lambda: worker.add_lora(request)))
+            elif op == OP_REMOVE_LORA:
+                lora_id = _BLOCKS.unpack_from(msg, 1)[0]
+                conn.send_bytes(_lora_call(lambda: worker.remove_lora(lora_id)))
             elif op == OP_SHUTDOWN:
                 break
             else:

@@ -26,14 +26,33 @@ import torch
 from torch import nn
 
 from llmkit.linear.base import LinearMethodFactory
-from llmkit.lora.base import (NO_SLOT, LoRAAdapter, LoRALoadError, LoRAMapping, LoRARequest,
-                              RowSlots)
+from llmkit.linear.parallel import ColumnParallelLinearMethod, RowParallelLinearMethod
+from llmkit.lora.base import (NO_SLOT, LoRAAdapter, LoRALayerWeights, LoRALoadError,
+                              LoRAMapping, LoRARequest, RowSlots)
 from llmkit.lora.layers import LoRALinearMethod, LoRAVocabEmbedding
 from llmkit.lora.peft import LoRATarget, load_peft_adapter
 from llmkit.lora.punica import TorchLoRAOps
 from llmkit.lora.request import id_taken_message
 
 logger = logging.getLogger(__name__)
+
+_Split = ColumnParallelLinearMethod | RowParallelLinearMethod
+
+
+def shard_lora_weights(split: _Split, shard: int, w: LoRALayerWeights) -> LoRALayerWeights:
+    """A whole adapter pair cut like its tensor-parallel base layer: a column-parallel layer
+    keeps B's rows of this rank's output slice (a padded vocabulary tail gets zero rows), a
+    row-parallel one A's columns of its input slice (its partial delta joins the layer's
+    all-reduce)."""
+    if isinstance(split, RowParallelLinearMethod):
+        cols = split.local.in_features
+        return LoRALayerWeights(w.lora_a.narrow(-1, split.tp.rank * cols, cols).contiguous(),
+                                w.lora_b)
+    local, start, held = split.parts[split.full.shard_ids[shard]]
+    b = w.lora_b.narrow(0, start, held)
+    if held < local:
+        b = torch.cat([b, b.new_zeros((local - held, b.shape[1]))])
+    return LoRALayerWeights(w.lora_a, b.contiguous())
 
 
 def lora_linear_method_factory(base: LinearMethodFactory, *,
@@ -84,14 +103,26 @@ class LoRAManager:
         self.targets: dict[str, LoRATarget] = {}
         self._linear_methods: list[LoRALinearMethod] = []
         self._embeddings: list[tuple[str, LoRAVocabEmbedding]] = []
+        # tensor parallel: the split around each LoRA method (it sees the rank's slice)
+        self._splits: dict[int, _Split] = {}
         for name, module in model.named_modules():
             method = getattr(module, "method", None)
+            split = None
+            if isinstance(method, (ColumnParallelLinearMethod, RowParallelLinearMethod)):
+                split, method = method, method.inner
             if isinstance(method, LoRALinearMethod):
                 self._linear_methods.append(method)
-                spec = method.spec
-                for i, (part, rows) in enumerate(zip(method.module_names, spec.output_sizes)):
+                # adapters are checked against the whole layer
+                in_features, sizes = method.spec.in_features, method.spec.output_sizes
+                if isinstance(split, ColumnParallelLinearMethod):
+                    sizes = split.full.output_sizes
+                elif split is not None:
+                    in_features *= split.tp.size
+                if split is not None:
+                    self._splits[id(method)] = split
+                for i, (part, rows) in enumerate(zip(method.module_names, sizes)):
                     self._layers.setdefault(part, []).append((method, i))
-                    self.targets[part] = LoRATarget(part, spec.in_features, rows)
+                    self.targets[part] = LoRATarget(part, in_features, rows)
             elif isinstance(module, LoRAVocabEmbedding):
                 self._embeddings.append((name, module))
                 self._layers.setdefault(name, []).append((module, 0))
@@ -207,6 +238,10 @@ class LoRAManager:
                 done.add(id(layer))
                 if isinstance(layer, LoRALinearMethod):
                     shards = [adapter.layers.get(part) for part in layer.module_names]
+                    split = self._splits.get(id(layer))
+                    if split is not None:
+                        shards = [None if w is None else shard_lora_weights(split, i, w)
+                                  for i, w in enumerate(shards)]
                     layer.set_slot(slot, shards)
                     written.update(p for p in layer.module_names if p in adapter.layers)
                 else:

@@ -183,55 +183,22 @@ class ModelRunner:
                     " (codes + a float32 scale per token and KV head)" if fmt else "", mine,
                     theirs, str(model_dtype).removeprefix("torch."), theirs / mine, num_blocks)
 
-    @torch.inference_mode()
-    def time_decode_step(self, num_rows: int, context_len: int = 256) -> float:
-        """Seconds of one decode step of ``num_rows`` rows over ``context_len`` tokens of KV
-        each, with a logits row per row (what a verify step of drafts costs: each drafted
-        token is a decode row), through the step graphs when they cover it, as real steps
-        run. Writes no KV (slots -1) and reads the first blocks of the pool whatever they
-        hold: for timing only, at start-up."""
-        import time
-
-        n = num_rows
-        blocks = max(1, min(-(-context_len // self.block_size), self.num_kv_blocks))
-        context_len = min(context_len, blocks * self.block_size)
-        block_table = torch.arange(blocks, dtype=torch.int32).repeat(n, 1)
-        seq_lens = torch.full((n,), context_len, dtype=torch.int32)
-        slots = torch.full((n,), -1, dtype=torch.int64)
-        input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        positions = torch.full((n,), context_len - 1, dtype=torch.int64, device=self.device)
-        t0 = time.perf_counter()
-        if self.step_graphs is not None and self.step_graphs.covers(n):
-            width = self.batch.block_table.shape[1]
-            table = torch.zeros((n, width), dtype=torch.int32)
-            table[:, :blocks] = block_table[:, :width]
-            hidden = self.step_graphs.run(input_ids, positions, slots.to(self.device),
-                                          table.to(self.device), seq_lens.to(self.device))
-        else:
-            query_start_loc = np.arange(n + 1)
-            metadata = self.attn_backend.build_metadata(AttentionMetadata(
-                num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=context_len,
-                query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-                seq_lens=seq_lens, block_table=block_table, slot_mapping=slots,
-                query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=[context_len] * n,
-                block_size=self.block_size))
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        self.model.compute_logits(hidden).cpu()
-        return time.perf_counter() - t0
-
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
         for h in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(h, None)
-        for rid in so.finished_req_ids:
+        # Sorted: a set's order follows the process's string hashing, and every tensor-parallel
+        # rank must lay out its rows alike (the same removals in the same order), or the ranks'
+        # sampled drafts part.
+        for rid in sorted(so.finished_req_ids):
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
             if self._mrope is not None:
                 self._mrope.remove_request(rid)
             self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
-        for rid in so.preempted_req_ids:
+        for rid in sorted(so.preempted_req_ids):
             b.remove_request(rid)
             self._mm_features.pop(rid, None)
             if self._mrope is not None:
