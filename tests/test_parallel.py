@@ -152,12 +152,17 @@ def test_a_killed_worker_fails_the_engine_within_seconds(tiny_model_dir):
      "a divisor of the model's 4 attention heads (1, 2, 4)"),
     ({"tensor_parallel_size": 64}, "auto", "parallel.tensor_parallel_size", "at most"),
     ({"tensor_parallel_size": 2}, "uniproc", "executor.name", "multiproc, ray or auto"),
+    # quantized weights are not split over ranks: an explicit quantization is refused
+    ({"tensor_parallel_size": 2, "model.quantization": "int8"}, "auto", "model.quantization",
+     "auto or none with several workers"),
     # pipeline parallel's own errors: tests/test_pipeline_parallel.py
 ])
 def test_parallel_config_errors_at_start_up(tiny_model_dir, parallel, executor, key, text):
+    parallel = dict(parallel)
+    quantization = parallel.pop("model.quantization", "auto")
     with pytest.raises(ConfigError) as err:
         LLM(str(tiny_model_dir("llama")), dtype="float32", parallel=parallel,
-            executor=executor)
+            executor=executor, quantization=quantization)
     assert err.value.key == key
     assert text in str(err.value)
     assert "\n" not in str(err.value)

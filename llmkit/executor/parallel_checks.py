@@ -71,6 +71,11 @@ def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     moe = moe_shape(hf_config)
     check_expert_parallel(config, hf_config)
+    quant = config.model.quantization
+    if quant not in ("auto", "none"):
+        raise ConfigError("model.quantization", quant, "auto or none with several workers "
+                          "(quantized weights are not split over ranks yet; auto dequantizes a "
+                          "quantized checkpoint, with a warning)")
     if pp > 1:
         check_pipeline_parallel(config, hf_config)
     if distributed_backend(config, platform) == "nccl" and platform.device.type != "cuda":

@@ -86,8 +86,14 @@ class Worker:
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
         attn = attention_backend_class(config.attention, platform)(ops)
-        # Several ranks keep float linear methods (model.quantization is not passed on): the
-        # quantized methods' packed blocks are not sliced per rank yet.
+        # Several ranks keep float linear methods: the quantized methods' packed blocks are
+        # not sliced per rank yet (said at start: the fast path is lost, not silently).
+        # (an explicit model.quantization is refused before any rank starts: parallel_checks)
+        if not single and source.quantization != "none":
+            if tp.rank == 0 and pp.rank == 0:
+                logger.warning("model.quantization=auto: the checkpoint is quantized (%s) but "
+                               "several ranks serve it; dequantizing it to %s on every rank",
+                               source.quantization, str(dtype).removeprefix("torch."))
         linear, quantization = linear_method_factory(
             config.model, platform, dtype, source.quantization if single else "none")
         lora = None
