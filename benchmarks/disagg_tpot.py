@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
+
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact").split()
@@ -52,17 +54,8 @@ class Proc:
                                   cwd=REPO, stdout=self._f, stderr=subprocess.STDOUT, env=env)
 
     def wait(self, timeout: float = 300) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{self.log} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.log}: not ready after {timeout} s")
+        wait_healthy(self.p, self.url, lambda: f"{self.log}:\n{self.log.read_text()[-3000:]}",
+                     timeout, interval=0.5)
 
     def stop(self) -> None:
         if self.p.poll() is None:

@@ -49,6 +49,8 @@ from typing import Any
 
 import httpx
 
+from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
+
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -79,18 +81,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
-                                   f"{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.log()[-3000:]}")
+        wait_healthy(self.proc, self.base_url, lambda: self.log()[-3000:], timeout)
 
     def engine_pid(self) -> int:
         stats = httpx.get(self.base_url + "/v1/engine/stats", headers=AUTH, timeout=10).json()

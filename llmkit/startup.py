@@ -54,13 +54,9 @@ class _CurrentStderrHandler(logging.StreamHandler):
     the tests do); a stream captured at install time may be closed by then.
     """
 
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # under the handler's lock (Handler.handle)
+        super().emit(record)
 
 
 def show_startup_progress(stream=None) -> None:

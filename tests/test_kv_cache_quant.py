@@ -68,12 +68,11 @@ def test_rows_hold_codes_and_their_scale(fmt):
 # -- C++ CPU kernels ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cpu_ops():
-    from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+    # The C++ kernels are part of the package (built on first use): a build failure fails these
+    # tests rather than skipping them.
+    from llmkit.kernels.cpu_native import load_cpu_kernels
 
-    try:
-        return load_cpu_kernels()
-    except CpuKernelBuildError as e:  # pragma: no cover - a machine without a compiler
-        pytest.skip(f"llmkit's C++ kernels cannot be built on this machine (no compiler?): {e}")
+    return load_cpu_kernels()
 
 
 CACHE_KINDS = ["int8", "fp8_e4m3", "bfloat16"]

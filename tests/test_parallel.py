@@ -184,7 +184,6 @@ def test_executor_ray_without_ray_is_a_config_error(tiny_model_dir, monkeypatch)
 
 
 def test_executor_ray_tensor_parallel_2_on_a_local_cluster(tiny_model_dir):
-    pytest.importorskip("ray", reason="ray is not installed (it is in the test extra: pip install -e .[test])")
     path = str(tiny_model_dir("llama"))
     single = LLM(path, dtype="float32")
     try:

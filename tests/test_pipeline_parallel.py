@@ -128,7 +128,6 @@ def test_pipeline_parallel_matches_the_single_process_engine(tiny_model_dir, arc
 
 @pytest.mark.slow
 def test_executor_ray_pipeline_parallel_2_on_a_local_cluster(tiny_model_dir):
-    pytest.importorskip("ray", reason="ray is not installed (it is in the test extra)")
     path = str(tiny_model_dir("llama"))
     single = LLM(path, dtype="float32", scheduler=SCHEDULER)
     try:
