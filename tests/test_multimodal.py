@@ -110,7 +110,7 @@ def test_repeated_image_is_encoded_once_and_shares_blocks(llava_dir):
     assert other_text.num_cached_tokens == 0
     stats = llm.engine.scheduler.stats().encoder_cache
     runner = llm.engine.executor.runner
-    assert stats.num_encoder_runs == 1 and runner.num_encoder_runs == 1
+    assert stats.num_encoder_runs == 1 and runner.mm.num_encoder_runs == 1
     assert stats.hits == 1 and stats.num_cached_tokens == NUM_IMAGE_TOKENS
     # Same text, same image: the whole prompt's full blocks are shared.
     n_prompt = len(first.prompt_token_ids)
@@ -134,7 +134,7 @@ def test_encoder_cache_evicts_within_its_size(llava_dir):
         llm.generate(_prompt(text, [im]), SamplingParams(max_tokens=2), use_tqdm=False)
     stats = llm.engine.scheduler.stats().encoder_cache
     assert stats.num_encoder_runs == 3 and stats.num_cached_tokens == NUM_IMAGE_TOKENS
-    assert len(llm.engine.executor.runner.encoder_cache) == 1
+    assert len(llm.engine.executor.runner.mm.encoder_cache) == 1
 
 
 def test_bad_multimodal_inputs_fail_before_the_engine(llava_dir, tiny_model_dir):

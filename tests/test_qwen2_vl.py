@@ -160,7 +160,7 @@ def test_repeated_image_is_encoded_once_and_shares_blocks(model_dirs):
     assert again.num_cached_tokens == (n_prompt - 1) // 4 * 4
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     stats = llm.engine.scheduler.stats().encoder_cache
-    assert stats.num_encoder_runs == 1 and llm.engine.executor.runner.num_encoder_runs == 1
+    assert stats.num_encoder_runs == 1 and llm.engine.executor.runner.mm.num_encoder_runs == 1
     # Same text, another image: only the blocks before the image's first token are shared.
     pad = llm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     image_start = first.prompt_token_ids.index(pad)

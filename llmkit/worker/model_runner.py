@@ -28,6 +28,7 @@ from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
 from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
+from llmkit.worker.mm_inputs import MultimodalInputs
 from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
@@ -97,11 +98,9 @@ class ModelRunner:
         self.step_graphs: StepGraphs | None = None
         # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
         self.lora_manager: LoRAManager | None = None
-        # Multimodal: encoder outputs by image content hash (what the scheduler's
-        # EncoderCacheManager accounts for), and each running request's images.
-        self.encoder_cache: dict[str, torch.Tensor] = {}
-        self._mm_features: dict[str, list] = {}
-        self.num_encoder_runs = 0  # images encoded since start-up
+        # Multimodal: each running request's images and the encoder outputs by image content
+        # hash (what the scheduler's EncoderCacheManager accounts for).
+        self.mm = MultimodalInputs(device)
         # M-RoPE (Qwen2-VL): the positions of each running request with images.
         self.uses_mrope = supports_mrope(model)
         self._mrope = MRoPEPositions(model) if self.uses_mrope else None
@@ -186,27 +185,23 @@ class ModelRunner:
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
-        for h in so.free_encoder_mm_hashes:
-            self.encoder_cache.pop(h, None)
+        self.mm.free(so.free_encoder_mm_hashes)
         # Sorted: a set's order follows the process's string hashing, and every tensor-parallel
         # rank must lay out its rows alike (the same removals in the same order), or the ranks'
-        # sampled drafts part.
-        for rid in sorted(so.finished_req_ids):
+        # sampled drafts part. A preempted request keeps its RNG (preemption does not replay
+        # its draws); its prompt logprobs are recomputed from scratch on resumption.
+        for rid, finished in [(r, True) for r in sorted(so.finished_req_ids)] + \
+                [(r, False) for r in sorted(so.preempted_req_ids)]:
             b.remove_request(rid)
-            self._mm_features.pop(rid, None)
+            self.mm.remove_request(rid)
             if self._mrope is not None:
                 self._mrope.remove_request(rid)
-            self._generators.pop(rid, None)
+            if finished:
+                self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
-        for rid in sorted(so.preempted_req_ids):
-            b.remove_request(rid)
-            self._mm_features.pop(rid, None)
-            if self._mrope is not None:
-                self._mrope.remove_request(rid)
-            self._prompt_logprobs.pop(rid, None)  # recomputed from scratch on resumption
         for new in so.scheduled_new_reqs:
             if new.mm_features:
-                self._mm_features[new.req_id] = new.mm_features
+                self.mm.add_request(new.req_id, new.mm_features)
                 if self._mrope is not None:
                     self._mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_features)
             sp = new.sampling_params
@@ -344,8 +339,10 @@ class ModelRunner:
                  ) -> ModelRunnerOutput | IntermediateTensors:
         conn = self.kv_connector
         if so.scheduled_encoder_inputs:
-            self._execute_mm_encoder(so)
-        inputs_embeds = self._gather_mm_embeddings(inputs) if self._mm_features else None
+            self.mm.encode(self.model, so.scheduled_encoder_inputs)
+        inputs_embeds = self.mm.embeddings(
+            self.model, inputs.input_ids, inputs.req_ids, inputs.computed, inputs.num_scheduled,
+            inputs.query_starts) if self.mm else None
         hidden = self._forward(inputs, inputs_embeds, intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden  # a pipeline stage before the last: nothing samples here
@@ -417,53 +414,6 @@ class ModelRunner:
                   torch.tensor(d, device=self.device)] = 1.0
             start += n
         return q
-
-    # -- multimodal -------------------------------------------------------------------------
-    def _execute_mm_encoder(self, so: SchedulerOutput) -> None:
-        """Encode the step's scheduled images (batched by pixel shape) into the encoder cache."""
-        by_shape: dict[tuple, dict] = {}
-        for rid, input_ids in so.scheduled_encoder_inputs.items():
-            features = self._mm_features[rid]
-            for i in input_ids:
-                f = features[i]
-                if f.identifier not in self.encoder_cache:
-                    key = (tuple(f.shape), tuple(f.grid_thw))
-                    by_shape.setdefault(key, {})[f.identifier] = f
-        for (_, grid), group in by_shape.items():
-            pixels = torch.cat([f.pixel_tensor() for f in group.values()]).to(self.device)
-            # A patch-grid encoder (Qwen2-VL) takes the group's grid; a fixed-size one none.
-            embeds = self.model.embed_multimodal(pixels, grid) if grid else \
-                self.model.embed_multimodal(pixels)
-            for f, e in zip(group.values(), embeds):
-                if e.shape[0] != f.length:
-                    raise RuntimeError(f"image {f.identifier}: the encoder gave {e.shape[0]} "
-                                       f"embeddings for {f.length} placeholder tokens")
-                self.encoder_cache[f.identifier] = e
-            self.num_encoder_runs += len(group)
-
-    def _gather_mm_embeddings(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's ``inputs_embeds``: token embeddings with each scheduled image
-        placeholder's row replaced by its slice of the image's (cached) encoder output; None
-        when the step computes no image token. A chunk may start or end inside an image."""
-        rows_idx: list[torch.Tensor] = []
-        parts: list[torch.Tensor] = []
-        for i, rid in enumerate(inputs.req_ids):
-            features = self._mm_features.get(rid)
-            if not features:
-                continue
-            start, n = int(inputs.computed[i]), int(inputs.num_scheduled[i])
-            qs = int(inputs.query_starts[i])
-            for f in features:
-                lo, hi = max(start, f.offset), min(start + n, f.offset + f.length)
-                if lo >= hi:
-                    continue
-                parts.append(self.encoder_cache[f.identifier][lo - f.offset:hi - f.offset])
-                rows_idx.append(torch.arange(qs + lo - start, qs + hi - start))
-        if not parts:
-            return None
-        embeds = self.model.embed_input_ids(inputs.input_ids.to(self.device))
-        embeds[torch.cat(rows_idx).to(self.device)] = torch.cat(parts).to(embeds.dtype)
-        return embeds
 
     def _forward(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None = None,
                  intermediate_tensors: IntermediateTensors | None = None
