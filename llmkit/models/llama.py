@@ -233,8 +233,9 @@ class LlamaModel(nn.Module):
         hook = attn_metadata.kv_layer_hook
         # kv_caches holds this stage's layers only, in order (KV connectors run without
         # pipeline stages, so a hook's layer index is the model's)
-        for i, (layer, kv_cache) in enumerate(
-                zip(self.layers[self.start_layer:self.end_layer], kv_caches)):
+        # (indexed, not sliced: a ModuleList slice builds a new ModuleList every forward)
+        for i, kv_cache in enumerate(kv_caches[:self.end_layer - self.start_layer]):
+            layer = self.layers[self.start_layer + i]
             if hook is not None:  # a KV connector: layer i's loads land before it runs
                 hook.wait_for_layer_load(i)
             x, residual = layer(x, residual, rope, kv_cache, attn_metadata)

@@ -15,7 +15,7 @@ from llmkit.attention.base import AttentionMetadata
 from llmkit.linear.base import copy_weight
 from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.interfaces import SupportsMultiModal
-from llmkit.models.llama import LlamaForCausalLM
+from llmkit.models.llama import LlamaForCausalLM, raise_if_missing
 
 _LM_PREFIX = "language_model."
 
@@ -81,7 +81,4 @@ class VisionLanguageModel(CausalLM, SupportsMultiModal):
                 loaded.add(name)
 
         self.language_model.load_weights(text_weights())
-        missing = sorted(set(own) - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weight(s) of the model: "
-                             f"{', '.join(missing[:8])}")
+        raise_if_missing({(n, None) for n in own}, {(n, None) for n in loaded})

@@ -64,12 +64,15 @@ class AcceptanceEstimate:
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """One verify step's drafted rows: drafts each had, and how many were accepted."""
-        k = len(self.tried)
-        pos = np.arange(1, k + 1)
-        for d, a in zip(np.asarray(num_drafts).tolist(), np.asarray(num_accepted).tolist()):
-            tried = (pos <= d) & (pos <= a + 1)
-            self.tried = self.tried * self.decay + tried
-            self.accepted = self.accepted * self.decay + (tried & (pos <= a))
+        d = np.asarray(num_drafts)[:, None]
+        a = np.asarray(num_accepted)[:, None]
+        pos = np.arange(1, len(self.tried) + 1)[None, :]
+        tried = (pos <= d) & (pos <= a + 1)  # [rows, K]: position j was verified
+        # the rows one after another: row i's counts decayed by the rows after it
+        m = len(d)
+        weights = self.decay ** np.arange(m - 1, -1, -1, dtype=np.float64)
+        self.tried = self.tried * self.decay ** m + weights @ tried
+        self.accepted = self.accepted * self.decay ** m + weights @ (tried & (pos <= a))
 
     def rates(self) -> np.ndarray:
         rates = np.empty(len(self.tried))

@@ -109,6 +109,11 @@ class Proposer(ABC):
             return k
         return self.length_policy.num_drafts(k, num_rows, num_running)
 
+    @property
+    def observes_acceptance(self) -> bool:
+        """Whether ``observe_acceptance`` has a use (adaptive K from measured step costs)."""
+        return self.length_policy is not None and self.length_policy.step_costs is not None
+
     def observe_acceptance(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """A step's verified rows: the drafts each had and how many were accepted (adaptive K
         estimates the acceptance from them)."""

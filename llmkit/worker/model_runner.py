@@ -363,7 +363,8 @@ class ModelRunner:
                 meta.spec.draft_probs = self._draft_probs(layout, logits.shape[-1])
             out = self.sampler.sample(logits.float(), meta)
             sampled_by_row = self._record(layout, out, logprobs)
-            if so.scheduled_spec_tokens and self.proposer is not None:
+            if so.scheduled_spec_tokens and self.proposer is not None and \
+                    self.proposer.observes_acceptance:
                 self._observe_acceptance(so.scheduled_spec_tokens, sampled_by_row)
         drafts = {}
         if self.proposer is not None:
