@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,17 +30,13 @@ from pathlib import Path
 
 import httpx
 
+from llmkit.bench.metrics import percentile
+from llmkit.executor.multiproc import free_port
 from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -68,7 +63,7 @@ class Proc:
 
 
 def _serve(tmp: Path, name: str, *overrides: str) -> Proc:
-    port = _free_port()
+    port = free_port()
     return Proc(["serve", f"server.port={port}", "platform.num_threads=1", *overrides],
                 tmp / f"{name}.log", port)
 
@@ -127,11 +122,6 @@ def _run(url: str, seconds: float, decoders: int, long_words: int, decode_tokens
     return tpots, ttfts
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=20.0, help="per setup and round")
@@ -156,7 +146,7 @@ def main() -> None:
     try:
         for p in procs.values():
             p.wait()
-        port = _free_port()
+        port = free_port()
         proxy = Proc(["proxy", f"proxy.prefill_urls=[{procs['prefill'].url}]",
                       f"proxy.decode_urls=[{procs['decode'].url}]", f"proxy.port={port}"],
                      tmp / "proxy.log", port)
@@ -184,8 +174,8 @@ def main() -> None:
             ratio = f"  x{med / base:.2f} of colocated" if base else ""
             long_ttft = (f"  long-prompt TTFT median {statistics.median(tt) * 1e3:.0f} ms "
                          f"({len(tt)} requests)") if tt else ""
-            print(f"  {name:14s} TPOT median {med * 1e3:7.1f} ms (p10 {_pct(tp, .1) * 1e3:.1f}, "
-                  f"p90 {_pct(tp, .9) * 1e3:.1f}; {len(tp)} requests){ratio}{long_ttft}")
+            print(f"  {name:14s} TPOT median {med * 1e3:7.1f} ms (p10 {percentile(tp, 10) * 1e3:.1f}, "
+                  f"p90 {percentile(tp, 90) * 1e3:.1f}; {len(tp)} requests){ratio}{long_ttft}")
         # The split really moved KV: the decode engine's tokens loaded from the prefill one.
         metrics = httpx.get(procs["decode"].url + "/metrics", timeout=10).text
         remote = [line for line in metrics.splitlines()

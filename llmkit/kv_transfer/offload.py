@@ -325,7 +325,7 @@ class OffloadingConnector(KVConnectorBase):
                 self.disk.put(h, data)
         for h, tier in meta.drops:
             if tier == HOST:
-                self.host.blocks.pop(h, None)
+                self.host.discard(h)
             elif self.disk is not None:
                 self.disk.remove(h)
         for load in meta.async_loads:

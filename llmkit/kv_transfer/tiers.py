@@ -64,10 +64,6 @@ class TierIndex:
     def remove(self, block_hash: bytes) -> None:
         self.used_bytes -= self.entries.pop(block_hash)
 
-    def discard(self, block_hash: bytes) -> None:
-        if block_hash in self.entries:
-            self.remove(block_hash)
-
     def over_capacity(self, protected: set[bytes]) -> list[bytes]:
         """Pop least recently used entries (never ``protected`` ones) until under the cap."""
         out: list[bytes] = []
@@ -103,6 +99,10 @@ class HostStore:
         encoded = self.blocks.pop(block_hash, None)
         return None if encoded is None else self.codec.decode(encoded)
 
+    def discard(self, block_hash: bytes) -> None:
+        """Drop the block without decoding it."""
+        self.blocks.pop(block_hash, None)
+
 
 class DiskStore:
     """Blocks as files ``<folder>/<hash hex>.kv``; the folder is per fingerprint.
@@ -124,7 +124,6 @@ class DiskStore:
         self._lock = threading.Lock()
         self._writer: ThreadPoolExecutor | None = None
         self._last_write: Future | None = None
-        self.num_bad_files = 0  # vanished, truncated or corrupt at a load
 
     def path(self, block_hash: bytes) -> Path:
         return self.folder / f"{block_hash.hex()}.kv"
@@ -175,7 +174,6 @@ class DiskStore:
         try:
             raw = p.read_bytes()
         except OSError:
-            self.num_bad_files += 1
             return None
         h = self.header_len
         if (raw[:h - 4] != MAGIC + self.fingerprint + block_hash
@@ -183,7 +181,6 @@ class DiskStore:
                 or zlib.crc32(memoryview(raw)[h:]) != int.from_bytes(raw[h - 4:h], "little")):
             logger.warning("kv_offload: %s is truncated, corrupt or not a block of this "
                            "model/config; removed", p)
-            self.num_bad_files += 1
             p.unlink(missing_ok=True)
             return None
         buf = torch.frombuffer(bytearray(raw[h:]), dtype=torch.uint8)

@@ -62,7 +62,6 @@ def llava_num_image_tokens(hf_config) -> int:
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
-    supports_kv_layer_hook = True  # its language model's layer loop calls it
     weight_prefixes = _WEIGHT_PREFIXES
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:

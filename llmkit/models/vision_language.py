@@ -25,6 +25,7 @@ class VisionLanguageModel(CausalLM, SupportsMultiModal):
     builds its encoder, calls :meth:`_build_language_model` and implements
     ``embed_multimodal``."""
 
+    supports_kv_layer_hook = True  # the language model's layer loop calls it (LLaVA, Qwen2-VL)
     #: Checkpoint name prefixes -> this model's (the first that matches renames a weight):
     #: transformers versions save the same model under different prefixes.
     weight_prefixes: tuple[tuple[str, str], ...] = ()
