@@ -15,21 +15,9 @@ from llmkit.config.errors import ConfigError
 from llmkit.kv_transfer.compression import BlockCodec
 
 # the pool, prompts and helpers of the offload tests (one definition)
-from test_kv_offload import BLOCK, SMALL_POOL, _assert_no_leak, _gen, _llm, _prompts  # noqa: E402,F401
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    a, b = _prompts()
-    llm = _llm(model, num_blocks=64)
-    out = {"a": _gen(llm, a), "b": _gen(llm, b)}
-    llm.shutdown()
-    return out
+# (and its fixtures: the tiny model, and greedy tokens computed without eviction)
+from test_kv_offload import (BLOCK, SMALL_POOL, _assert_no_leak, _gen, _llm,  # noqa: E402,F401
+                             _prompts, model, reference)
 
 
 def _damage(path, how: str) -> None:
