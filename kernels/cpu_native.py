@@ -213,6 +213,10 @@ def _register_fakes() -> None:
     def _lora_add(y, x, lora_a, lora_b, row_slots, ranks, out_offsets):
         return None
 
+    @fake(f"{lib}::lora_embedding_add_")
+    def _lora_embedding_add(y, ids, lora_a, lora_b, row_slots, ranks):
+        return None
+
     @fake(f"{lib}::paged_decode_attention")
     def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale):
         return q.new_empty(q.shape)

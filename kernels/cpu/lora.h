@@ -182,4 +182,54 @@ inline void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora
   });
 }
 
+// The token embedding's LoRA delta for decoding-sized batches: y[r] += A[s][id_r] B[s]^T with
+// s = row_slots[r] (-1: untouched). A is stored transposed ([slots, vocab, R]), so the shrink
+// is a row lookup (exact); the expand is lora_expand_tile's, so eager steps and step graphs
+// (which call this same op) give the same bits on every CPU.
+inline void lora_embedding_add_(at::Tensor& y, const at::Tensor& ids, const at::Tensor& lora_a,
+                                const at::Tensor& lora_b, const at::Tensor& row_slots,
+                                const at::Tensor& ranks) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "lora_embedding_add_: y must be [rows, hidden] "
+              "with contiguous rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.numel() == y.size(0) &&
+              (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
+              "lora_embedding_add_: ids must be int64 or int32 [rows]");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.scalar_type() == y.scalar_type(),
+              "lora_embedding_add_: lora_a must be A^T [slots, vocab, R] contiguous, of y's dtype");
+  TORCH_CHECK(lora_b.dim() == 3 && lora_b.is_contiguous() && lora_b.size(0) == lora_a.size(0) &&
+              lora_b.size(1) == lora_a.size(2) && lora_b.size(2) == y.size(1) &&
+              lora_b.scalar_type() == y.scalar_type(),
+              "lora_embedding_add_: lora_b must be B^T [slots, R, hidden] contiguous, of y's dtype");
+  TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.is_contiguous() &&
+              row_slots.numel() == y.size(0), "lora_embedding_add_: row_slots must be int32 [rows]");
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() &&
+              ranks.numel() == lora_a.size(0), "lora_embedding_add_: ranks must be int32 [slots, 1]");
+  const int64_t rows = y.size(0), vocab = lora_a.size(1), R = lora_a.size(2), hidden = y.size(1);
+  const int64_t num_slots = lora_a.size(0);
+  const int32_t* slot_of = row_slots.const_data_ptr<int32_t>();
+  const int32_t* rank_of = ranks.const_data_ptr<int32_t>();
+  const at::Tensor ids64 = ids.to(at::kLong).contiguous();
+  const int64_t* id_of = ids64.const_data_ptr<int64_t>();
+  LLMKIT_DISPATCH_FLOAT(y.scalar_type(), "lora_embedding_add_", [&] {
+    const scalar_t* ap = lora_a.const_data_ptr<scalar_t>();
+    const scalar_t* bp = lora_b.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    std::vector<float> t(R);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t slot = slot_of[r];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "lora_embedding_add_: row ", r, " names slot ", slot,
+                  " of ", num_slots);
+      TORCH_CHECK(id_of[r] >= 0 && id_of[r] < vocab, "lora_embedding_add_: token id ",
+                  id_of[r], " outside the vocabulary of ", vocab);
+      const int64_t rank = rank_of[slot];
+      if (rank == 0) continue;
+      const scalar_t* a_row = ap + (slot * vocab + id_of[r]) * R;
+      for (int64_t j = 0; j < rank; ++j) t[j] = static_cast<float>(a_row[j]);
+      lora_expand_tile(t.data(), R, 1, rank, bp + slot * R * hidden, hidden, 0, hidden, yp,
+                       y.stride(0), &r);
+    }
+  });
+}
+
 }  // namespace llmkit_cpu

@@ -25,6 +25,8 @@ TORCH_LIBRARY(llmkit_cpu, m) {
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
         "Tensor ranks, int[] out_offsets) -> ()");
+  m.def("lora_embedding_add_(Tensor(a!) y, Tensor ids, Tensor lora_a, Tensor lora_b, "
+        "Tensor row_slots, Tensor ranks) -> ()");
   // Quantized weights (quant_*.h): repack GGUF blocks / int8 / fp8 rows into the packed x8
   // layout, read it back as floats, and multiply with it.
   m.def("quant_repack(Tensor raw, str format, int in_features) -> Tensor");
@@ -45,6 +47,7 @@ TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
   m.impl("lora_add_", &llmkit_cpu::lora_add_);
+  m.impl("lora_embedding_add_", &llmkit_cpu::lora_embedding_add_);
   m.impl("quant_repack", &llmkit_cpu::quant::quant_repack);
   m.impl("quant_dequantize", &llmkit_cpu::quant::quant_dequantize);
   m.impl("quant_linear", &llmkit_cpu::quant::quant_linear);

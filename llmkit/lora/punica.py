@@ -155,15 +155,18 @@ class CpuLoRAOps(TorchLoRAOps):
         state, so a step graph can hold it."""
         self.kernels.lora_add_(y, x, w.a, w.b, slots, w.ranks_device, list(w.out_offsets))
 
-    @staticmethod
-    def add_embedding_lora_slots(y: torch.Tensor, ids: torch.Tensor, w: StackedLoRA,
+    def add_embedding_lora(self, y: torch.Tensor, ids: torch.Tensor, w: StackedLoRA,
+                           rows: RowSlots) -> None:
+        if rows.num_rows <= self.small_batch_max_rows and y.dtype == w.a.dtype:
+            self.add_embedding_lora_slots(y, ids, w, rows.tensor)
+            return
+        super().add_embedding_lora(y, ids, w, rows)
+
+    def add_embedding_lora_slots(self, y: torch.Tensor, ids: torch.Tensor, w: StackedLoRA,
                                  slots: torch.Tensor) -> None:
-        """The embedding's delta from tensors alone (for step graphs: a few rows): each row
-        gathers its slot's A column and B (unused slots and ranks are zeros)."""
-        s = slots.clamp(min=0).long()
-        t = w.a[s, ids]  # [rows, R]
-        delta = torch.bmm(t.unsqueeze(1), w.b[s]).squeeze(1)  # [rows, hidden]
-        y.add_(delta * (slots >= 0).unsqueeze(1).to(delta.dtype))
+        """The embedding's delta with the slots as a tensor, by the C++ kernel: the same call
+        (and so the same bits) in eager steps and in step graphs."""
+        self.kernels.lora_embedding_add_(y, ids, w.a, w.b, slots, w.ranks_device)
 
 
 class TritonLoRAOps(TorchLoRAOps):
