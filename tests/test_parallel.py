@@ -14,6 +14,7 @@ import pytest
 
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
+from llmkit.config.openmp_env import WAIT_POLICY_VARS, wait_policy_env
 from llmkit.distributed.shm_broadcast import ShmRingBuffer
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
 from llmkit.sampling.params import StructuredOutputsParams
@@ -130,6 +131,13 @@ def test_a_killed_worker_fails_the_engine_within_seconds(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32",
               parallel={"tensor_parallel_size": 2}, executor="multiproc")
     try:
+        # Each worker started with the OpenMP wait policy in its environment (torch loads
+        # before run_worker runs): PASSIVE on the CPU, or the user's own choice.
+        want = wait_policy_env(llm.engine.platform.device.type == "cpu")
+        for w in llm.engine.executor.workers:
+            with open(f"/proc/{w.proc.pid}/environ", "rb") as f:
+                items = [e.decode().partition("=") for e in f.read().split(b"\0") if e]
+            assert {k: v for k, _, v in items if k in WAIT_POLICY_VARS} == want
         assert _tokens(llm)  # healthy first
         victim = llm.engine.executor.workers[1].proc
         os.kill(victim.pid, signal.SIGKILL)
@@ -190,14 +198,20 @@ def test_executor_ray_tensor_parallel_2_on_a_local_cluster(tiny_model_dir):
         want = _tokens(single)
     finally:
         single.engine.shutdown()
+    import ray
+
     # executor.ray_address=null: the executor starts a local Ray cluster and stops it after
     llm = LLM(path, dtype="float32", parallel={"tensor_parallel_size": 2}, executor="ray")
     try:
         assert type(llm.engine.executor).__name__ == "RayExecutor"
         assert _tokens(llm) == want
+        # The actors' processes started with the OpenMP wait policy (their runtime_env)
+        policy = wait_policy_env(llm.engine.platform.device.type == "cpu")
+        for actor in llm.engine.executor.actors:
+            assert ray.get(actor.__ray_call__.remote(lambda _: {
+                k: os.environ[k] for k in WAIT_POLICY_VARS if k in os.environ})) == policy
     finally:
         llm.engine.shutdown()
-    import ray
     assert not ray.is_initialized()
 
 

@@ -185,8 +185,8 @@ def test_model_sampling_defaults_fill_unset_fields(server, client, model):
 
 
 def test_engine_process_waits_passively(server):
-    """The engine-core process set its OpenMP wait policy before torch loaded (unless the
-    environment had one)."""
+    """The engine-core process started with the OpenMP wait policy that ``llmkit serve`` set
+    before torch loaded (unless the environment had one), and logged it."""
     if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
         assert "OpenMP: OMP_WAIT_POLICY=PASSIVE" in server.log()
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import msgspec
 import zmq
 
+from llmkit.config.openmp_env import likely_cuda, openmp_env_for_children
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreOutputs,
                                      EngineCoreRequest, EngineFailed, EngineMessage,
@@ -190,7 +191,10 @@ class MPClient(EngineCoreHandlers):
         # Whatever happens to the owner, the engine process goes with it at interpreter exit
         # (before multiprocessing's own atexit hook, which would wait for it forever).
         atexit.register(self.shutdown)
-        self.proc.start()
+        # The child may load torch before run_engine_core runs (spawn re-imports the parent's
+        # __main__), so its OpenMP wait policy must be in the environment it starts with.
+        with openmp_env_for_children(not likely_cuda(config.platform.name)):
+            self.proc.start()
         self.ready: EngineReady | None = None
         self._reader: threading.Thread | None = None
         if wait:

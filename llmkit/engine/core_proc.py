@@ -374,10 +374,10 @@ def run_engine_core(config: dict, input_address: str, output_address: str,
         os.environ.update(env)
     if cpus:
         os.sched_setaffinity(0, cpus)  # the executor's workers inherit it
-    # Before torch loads (EngineCore below imports it): this process computes, and its
-    # OpenMP threads must not spin against whatever else runs on the cores.
-    from llmkit.config.openmp_env import apply_engine_openmp_env
-    omp_env = apply_engine_openmp_env(config.get("platform", {}).get("name", "auto"))
+    # The OpenMP wait policy came with the environment (its spawner set it before this
+    # process started: llmkit.config.openmp_env); logged so that a run shows it.
+    from llmkit.config.openmp_env import WAIT_POLICY_VARS
+    omp_env = {k: os.environ[k] for k in WAIT_POLICY_VARS if k in os.environ}
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(levelname)s %(asctime)s [engine-core"
                                f"{'' if engine_index is None else engine_index} "

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from llmkit.config.compose import build_config
+from llmkit.config.openmp_env import warn_if_threads_spin
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
 from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
@@ -65,6 +66,11 @@ class LLM:
             self.engine: EngineCore | DataParallelEngine = DataParallelEngine(config)
         else:
             self.engine = EngineCore(config, model_source=source)
+            # This process computes, and llmkit loaded torch before it could set the wait
+            # policy (llmkit.config.openmp_env): say what the user must export. The sim
+            # executor computes nothing.
+            warn_if_threads_spin(self.engine.platform.device.type == "cpu"
+                                 and config.executor.name != "sim")
         self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
                                              config)
         self._processor = OutputProcessor(self.tokenizer)

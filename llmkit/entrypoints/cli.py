@@ -24,6 +24,9 @@ BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
 SIM_SUBCOMMANDS = ("calibrate",)
 EVAL_SUBCOMMANDS = ("ppl",)
 EXIT_USAGE = 2
+# The commands that compute in this process or in processes it spawns: their OpenMP wait
+# policy is set before anything imports torch. config and proxy compute nothing.
+COMPUTE_COMMANDS = ("generate", "chat", "serve", "bench", "sim", "eval")
 
 USAGE = """\
 usage: llmkit <command> [MODEL] [--prompt TEXT] [key=value ...] [-m]
@@ -199,10 +202,10 @@ def _cmd_config(args: CliArgs) -> int:
     return 0
 
 
-def _set_engine_openmp_env(args: CliArgs) -> None:
-    """generate and chat run the engine in this process: its OpenMP wait policy must be in the
-    environment before torch loads (``llmkit.config.openmp_env``), i.e. before the config is
-    validated (which imports the components)."""
+def _set_openmp_env(args: CliArgs) -> None:
+    """The OpenMP wait policy of a command that computes (``llmkit.config.openmp_env``): in
+    the environment before torch loads, i.e. before the config is validated (which imports
+    the components), and before this process spawns any other."""
     from llmkit.config.openmp_env import apply_engine_openmp_env
 
     platform = "auto"
@@ -235,7 +238,6 @@ def _cmd_generate(args: CliArgs) -> int:
     if args.prompt is None:
         raise UsageError("generate needs --prompt TEXT")
     _no_multirun(args)
-    _set_engine_openmp_env(args)
     _show_progress()
     for path in args.images:
         if not os.path.isfile(path):
@@ -248,7 +250,6 @@ def _cmd_generate(args: CliArgs) -> int:
 
 def _cmd_chat(args: CliArgs) -> int:
     _no_multirun(args)
-    _set_engine_openmp_env(args)
     _show_progress()
     cfg = load_config(args)
     return int(_offline("run_chat")(cfg) or 0)
@@ -354,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args is None:
             (sys.stdout if argv else sys.stderr).write(USAGE)
             return 0 if argv else EXIT_USAGE
+        if args.command in COMPUTE_COMMANDS:
+            _set_openmp_env(args)
         return HANDLERS[args.command](args)
     except UsageError as e:
         return _report_error(e, EXIT_USAGE)

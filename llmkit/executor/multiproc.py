@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
+from llmkit.config.openmp_env import openmp_env_for_children
 from llmkit.config.schema import EngineConfig
 from llmkit.distributed.shm_broadcast import ShmRingBuffer
 from llmkit.executor.base import StepFuture
@@ -111,18 +112,22 @@ class MultiprocExecutor(RankedExecutor):
                     "bound to CPUs " + " | ".join(",".join(map(str, c)) for c in slices)
                     if slices[0] is not None else "unbound")
         payload = config.model_dump(mode="json", by_alias=True)
+        # A worker loads torch before run_worker runs (unpickling its target imports
+        # llmkit.executor), so its OpenMP wait policy must be in the environment it starts with.
         try:
-            for rank in range(self.world_size):
-                parent_end, child_end = spawn.Pipe(duplex=False)
-                spec = WorkerSpec(rank, self.world_size, payload, init_method,
-                                  distributed_backend(config, platform), threads, os.getpid(),
-                                  logging.getLogger("llmkit").getEffectiveLevel(),
-                                  cpus=slices[rank])
-                proc = spawn.Process(target=run_worker, args=(spec, self.ring.handle, child_end),
-                                     name=f"llmkit-worker-{rank}", daemon=True)
-                proc.start()
-                child_end.close()
-                self.workers.append(_WorkerHandle(rank, proc, parent_end))
+            with openmp_env_for_children(platform.device.type == "cpu"):
+                for rank in range(self.world_size):
+                    parent_end, child_end = spawn.Pipe(duplex=False)
+                    spec = WorkerSpec(rank, self.world_size, payload, init_method,
+                                      distributed_backend(config, platform), threads,
+                                      os.getpid(), logging.getLogger("llmkit").getEffectiveLevel(),
+                                      cpus=slices[rank])
+                    proc = spawn.Process(target=run_worker,
+                                         args=(spec, self.ring.handle, child_end),
+                                         name=f"llmkit-worker-{rank}", daemon=True)
+                    proc.start()
+                    child_end.close()
+                    self.workers.append(_WorkerHandle(rank, proc, parent_end))
             ready = [pickle.loads(self._recv(w, TAG_READY)[1:]) for w in self.workers]
         except BaseException:
             self.shutdown()

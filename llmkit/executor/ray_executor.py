@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Any
 
+from llmkit.config.openmp_env import wait_policy_env
 from llmkit.config.schema import EngineConfig
 from llmkit.executor.base import StepFuture
 from llmkit.executor.multiproc import WorkerDiedError, threads_per_rank
@@ -92,11 +93,16 @@ class RayExecutor(RankedExecutor):
             self._pg = placement_group([{device: 1}] * world, strategy="PACK")
             ray.get(self._pg.ready(), timeout=120)
             actor_cls = ray.remote(RayWorker)
+            # An actor's process imports torch with the actor's class: its OpenMP wait policy
+            # goes in the environment Ray starts it with (merged into the job's env_vars),
+            # on a local cluster or a remote one.
+            omp_env = wait_policy_env(device == "CPU")
             self.actors = [
                 actor_cls.options(
                     num_cpus=1 if device == "CPU" else 0, num_gpus=1 if device == "GPU" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self._pg, placement_group_bundle_index=rank)).remote()
+                        self._pg, placement_group_bundle_index=rank),
+                    **({"runtime_env": {"env_vars": omp_env}} if omp_env else {})).remote()
                 for rank in range(world)]
             init_method = ray.get(self.actors[0].address.remote())
             payload = config.model_dump(mode="json", by_alias=True)
