@@ -34,3 +34,6 @@ class BackendInfo:
     # None when decode steps run eagerly.
     step_graphs: str | None = None
     step_graphs_max_rows: int = 0
+    # True while they still compile in the background (decode steps run eagerly until then;
+    # as of when this was asked: a worker process reports it once, when it is ready).
+    step_graphs_pending: bool = False

@@ -12,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Engines in tests run eagerly unless a test asks for step graphs: a cold compile in every
 # fresh environment would cost minutes (conf/compilation/default.yaml reads this).
 os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
+# A test that asks for step graphs gets them before its first step (the tests of the background
+# capture, tests/test_step_graphs_background.py, ask for it).
+os.environ.setdefault("LLMKIT_COMPILATION_BACKGROUND", "false")
 
 from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 

@@ -24,6 +24,10 @@ class StepGraphs(ABC):
 
     #: Shown in the start-up log.
     name: str = "base"
+    #: Whether :meth:`capture` may run on another thread while the engine runs eager steps
+    #: (the runner's background capture): it must write no KV and run nothing the engine
+    #: thread runs. A CUDA graph capture may not (it records the device's stream).
+    capture_in_background: bool = False
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                  max_rows: int) -> None:
@@ -41,6 +45,11 @@ class StepGraphs(ABC):
         """The eager decode step the graphs are made of: final hidden states ``[rows, H]``."""
         metadata = self.attn_backend.decode_metadata(slot_mapping, block_table, seq_lens)
         return self.model(input_ids, positions, self.kv_caches, metadata)
+
+    def load_saved(self, block_table_width: int) -> bool:
+        """Make ready what an earlier start saved (seconds, where capturing takes minutes);
+        whether every bucket is ready, so that :meth:`capture` has nothing left to do."""
+        return False
 
     @abstractmethod
     def capture(self, block_table_width: int) -> float:

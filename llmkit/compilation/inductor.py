@@ -159,6 +159,7 @@ class _DecodeStep:
 
 class InductorStepGraphs(StepGraphs):
     name = "inductor"
+    capture_in_background = True
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_rows: int,
                  *, cpp_wrapper: bool = True, cache_dir: str | None = None,
@@ -182,6 +183,8 @@ class InductorStepGraphs(StepGraphs):
         #: How the graphs of the latest capture() came: graph name -> loaded, traced, or
         #: compiled (the plain torch.compile path, when AOT compilation failed).
         self.origins: dict[str, str] = {}
+        # The block-table width load_saved() last ran for (None: not yet).
+        self._width: int | None = None
 
     def _variants(self) -> list[tuple[str, int]]:
         variants = [("one", 1)]
@@ -189,25 +192,48 @@ class InductorStepGraphs(StepGraphs):
             variants.append(("many", self.max_rows))
         return variants
 
-    def capture(self, block_table_width: int) -> float:
-        t0 = time.perf_counter()
+    def _key(self, block_table_width: int) -> str:
+        return graph_key(self.model, self.kv_caches, max_rows=self.max_rows,
+                         block_table_width=block_table_width,
+                         options=sorted(self.options.items()), kernels=self.kernels_key,
+                         # a graph guards on torch's thread count: one saved graph per count
+                         num_threads=torch.get_num_threads())
+
+    def load_saved(self, block_table_width: int) -> bool:
+        """Load (and warm up) the graphs an earlier start saved; whether every one was there
+        and still fits. What is missing, :meth:`capture` traces."""
         self._graphs.clear()
         self.origins.clear()
-        key = graph_key(self.model, self.kv_caches, max_rows=self.max_rows,
-                        block_table_width=block_table_width, options=sorted(self.options.items()),
-                        kernels=self.kernels_key,
-                        # a graph guards on torch's thread count: one saved graph per count
-                        num_threads=torch.get_num_threads())
+        self._width = block_table_width
+        if self.graph_dir is None:
+            return False
+        key = self._key(block_table_width)
         with torch.inference_mode():
             for variant, rows in self._variants():
-                inputs = self.dummy_inputs(rows, block_table_width)
-                path = self.graph_dir / f"{key}-{variant}.bin" if self.graph_dir else None
-                graph = self._load(path, inputs) if path is not None else None
+                graph = self._load(self.graph_dir / f"{key}-{variant}.bin",
+                                   self.dummy_inputs(rows, block_table_width))
                 if graph is not None:
                     self.origins[variant] = "loaded"
-                else:
-                    graph = self._trace(path, inputs)
-                self._graphs[variant] = graph
+                    self._graphs[variant] = graph
+                    self.run(*self.dummy_inputs(rows, block_table_width))  # warm up
+        return len(self._graphs) == len(self._variants())
+
+    def capture(self, block_table_width: int) -> float:
+        """Load what :meth:`load_saved` has not loaded yet (unless it ran for this width just
+        before), trace the rest. The warm-up runs write no KV (the dummy slots are -1) and
+        read block 0, so this may run beside eager steps on another thread (the runner's
+        background capture); the graphs are not run by anyone else until it returns."""
+        t0 = time.perf_counter()
+        if self._width != block_table_width:
+            self.load_saved(block_table_width)
+        key = self._key(block_table_width)
+        with torch.inference_mode():
+            for variant, rows in self._variants():
+                if variant in self._graphs:
+                    continue
+                path = self.graph_dir / f"{key}-{variant}.bin" if self.graph_dir else None
+                self._graphs[variant] = self._trace(path, self.dummy_inputs(rows,
+                                                                            block_table_width))
                 self.run(*self.dummy_inputs(rows, block_table_width))  # warm up
         if self.origins:
             logger.info("step graphs: %s", ", ".join(f"{v} {o}" for v, o in self.origins.items()))

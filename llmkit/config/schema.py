@@ -374,6 +374,12 @@ class CompilationConfig(_Strict):
     # CPU: inductor's C++ wrapper (the graph's op calls from C++, not Python): ~3x less
     # overhead per op, a longer first compile.
     cpp_wrapper: bool = True
+    # Graphs that must be compiled (none saved in cache_dir fits) compile on a background
+    # thread while decode steps run eagerly, and are swapped in when ready (a cold CPU start
+    # would otherwise wait minutes); false: the start waits for them (benchmarks that time
+    # the graphs from the first step; the test suite, through LLMKIT_COMPILATION_BACKGROUND).
+    # Saved graphs load before serving either way (seconds).
+    background: bool = True
 
 
 class SamplingDefaults(_Strict):

@@ -26,6 +26,7 @@ from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
+from llmkit.startup import startup_step
 from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.mm_inputs import MultimodalInputs
@@ -33,6 +34,7 @@ from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
+from llmkit.worker.step_graph_capture import BackgroundCapture, capture_now
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,11 @@ class ModelRunner:
         # Step graphs (compilation.mode=graphs): made once the KV cache exists.
         self.make_step_graphs: Callable[[torch.nn.Module, list[torch.Tensor]],
                                         StepGraphs | None] | None = None
-        self.step_graphs: StepGraphs | None = None
+        self.step_graphs: StepGraphs | None = None  # set once they are ready to run
+        # Compile step graphs on a daemon thread when nothing saved covers them, stepping
+        # eagerly meanwhile (compilation.background; the worker turns it off where it must).
+        self.capture_in_background = False
+        self.pending_graphs: BackgroundCapture | None = None
         # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
         self.lora_manager: LoRAManager | None = None
         # Multimodal: each running request's images and the encoder outputs by image content
@@ -163,11 +169,39 @@ class ModelRunner:
                 _zeros(self._cache_shape(num_blocks, h, d), self.kv_cache_dtype, self.device)
                 for h, d in draft_layers])
         if self.make_step_graphs is not None:
-            self.step_graphs = self.make_step_graphs(self.model, self.kv_caches)
-        if self.step_graphs is not None:
-            seconds = self.step_graphs.capture(self.batch.block_table.shape[1])
-            logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
-                        self.step_graphs.name, self.step_graphs.max_rows, seconds)
+            graphs = self.make_step_graphs(self.model, self.kv_caches)
+            if graphs is not None:
+                self._prepare_step_graphs(graphs)
+
+    def _prepare_step_graphs(self, graphs: StepGraphs) -> None:
+        """Graphs saved by an earlier start are loaded now (seconds); graphs to compile are
+        compiled on a daemon thread when allowed (``llmkit/worker/step_graph_capture.py``),
+        else now, with a progress line either way."""
+        width = self.batch.block_table.shape[1]
+        if self.capture_in_background and graphs.capture_in_background:
+            with startup_step(f"loading the saved decode step graphs ({graphs.name}; "
+                              "compilation.mode=eager skips them)"):
+                loaded = graphs.load_saved(width)
+            if loaded:
+                self.step_graphs = graphs
+                logger.info("step graphs (%s) for decode steps of 1-%d rows loaded",
+                            graphs.name, graphs.max_rows)
+            else:
+                self.pending_graphs = BackgroundCapture(graphs, width).start()
+            return
+        seconds = capture_now(graphs, width)
+        self.step_graphs = graphs
+        logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
+                    graphs.name, graphs.max_rows, seconds)
+
+    def _poll_step_graphs(self) -> None:
+        """Swap in the background capture's graphs once ready: between steps, on the engine
+        thread, so a step runs wholly eager or wholly through the graphs."""
+        pending = self.pending_graphs
+        if pending is None or not pending.done:
+            return
+        self.pending_graphs = None
+        self.step_graphs = pending.poll()
 
     def _log_kv_cache(self, num_blocks: int) -> None:
         """Start-up says what a quantized (or narrower) cache buys: blocks in the same memory."""
@@ -312,6 +346,8 @@ class ModelRunner:
                       ) -> ModelRunnerOutput | IntermediateTensors:
         """The step's output; a pipeline stage before the last returns the tensors the next
         stage continues from (``intermediate_tensors``: what the previous stage sent)."""
+        if self.pending_graphs is not None:
+            self._poll_step_graphs()
         self._update_states(so)
         conn = self.kv_connector
         if conn is not None:

@@ -69,8 +69,10 @@ def describe_backend(runner: ModelRunner, attention: str, ops: str, dtype: torch
     methods = sorted({m.method.describe() for m in runner.model.modules()
                       if isinstance(m, Linear)}
                      | {m.describe() for m in runner.model.modules() if isinstance(m, FusedMoE)})
-    graphs = runner.step_graphs
+    pending = runner.pending_graphs
+    graphs = runner.step_graphs or (pending.graphs if pending is not None else None)
     return BackendInfo(attention=attention, ops=ops, linear_methods=tuple(methods),
                        dtype=str(dtype).removeprefix("torch."), device=str(platform.device),
                        step_graphs=graphs.name if graphs is not None else None,
-                       step_graphs_max_rows=graphs.max_rows if graphs is not None else 0)
+                       step_graphs_max_rows=graphs.max_rows if graphs is not None else 0,
+                       step_graphs_pending=pending is not None)

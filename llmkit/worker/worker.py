@@ -131,6 +131,14 @@ class Worker:
         if single:
             self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
                 model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
+            # Only a single rank builds graphs, so no rank can switch to them at another
+            # step than its peers (their collectives would part). Adaptive K times the
+            # graphs' steps at start-up, so it waits for them.
+            spec = config.speculative
+            times_steps = self.runner.proposer is not None and spec.adaptive and \
+                spec.ridge_tokens is None
+            self.runner.capture_in_background = config.compilation.background and \
+                not times_steps
         elif config.compilation.mode == "graphs":
             logger.warning("compilation.mode=graphs: step graphs are not built under tensor or "
                            "pipeline parallel yet (their collectives, sends and receives); "

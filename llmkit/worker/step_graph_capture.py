@@ -1,0 +1,92 @@
+"""Step graphs made ready without making the first start wait for them.
+
+A cold start on the CPU compiles the decode step graphs for minutes (dynamo's trace and
+inductor's C++ build); a warm start loads them from the compile cache in seconds. So the
+runner loads what was saved at once, and when something is left to compile, compiles it on a
+daemon thread while the engine serves every step eagerly; between two steps, on the engine
+thread, the runner swaps the graphs in (:meth:`BackgroundCapture.poll`). The graphs compute
+eager's bits, so a request that spans the swap gets the tokens it would have got either way.
+
+Why this is safe beside live steps: the capture's warm-up runs write no KV (their slots are
+-1) and read block 0 only, and no graph is run by the engine thread before ``poll`` hands it
+over (the thread never touches one after). A capture that fails is logged and the engine
+stays eager; one still running when the engine exits dies with the process (a daemon thread).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+import torch
+
+from llmkit.compilation.base import StepGraphs
+from llmkit.startup import startup_step
+
+__all__ = ["BackgroundCapture", "capture_now", "compile_step_what"]
+
+logger = logging.getLogger(__name__)
+
+
+def compile_step_what(graphs: StepGraphs, background: bool) -> str:
+    """The progress line of a capture: what it is, what runs meanwhile, how to skip it."""
+    meanwhile = "in the background; decode steps run eagerly until they are ready" \
+        if background else "before serving"
+    return (f"compiling the decode step graphs ({graphs.name}, 1-{graphs.max_rows} rows) "
+            f"{meanwhile} (compilation.mode=eager skips this)")
+
+
+def capture_now(graphs: StepGraphs, block_table_width: int) -> float:
+    """Capture on this thread, saying so when it takes more than a second; the seconds."""
+    with startup_step(compile_step_what(graphs, background=False)):
+        return graphs.capture(block_table_width)
+
+
+class BackgroundCapture:
+    """``graphs.capture(block_table_width)`` on a daemon thread; :meth:`poll` hands the graphs
+    over once they are ready."""
+
+    def __init__(self, graphs: StepGraphs, block_table_width: int) -> None:
+        self.graphs = graphs
+        self.block_table_width = block_table_width
+        self.started_s = time.perf_counter()
+        self.failed = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._capture, name="llmkit-step-graphs",
+                                        daemon=True)
+
+    def start(self) -> BackgroundCapture:
+        self._thread.start()
+        return self
+
+    def _capture(self) -> None:
+        try:
+            # inference mode is per thread: the graphs are traced as the engine runs them
+            with torch.inference_mode(), startup_step(compile_step_what(self.graphs, True)):
+                self.graphs.capture(self.block_table_width)
+        except BaseException:  # noqa: BLE001 - any failure leaves the engine eager, running
+            self.failed = True
+            if not sys.is_finalizing():  # an exit while compiling is no failure to report
+                logger.warning("step graphs (%s): compiling failed; decode steps keep running "
+                               "eagerly", self.graphs.name, exc_info=True)
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the capture has ended (tests, benchmarks); whether it has."""
+        return self._done.wait(timeout)
+
+    def poll(self) -> StepGraphs | None:
+        """The graphs once the capture has succeeded, else None (still running, or failed:
+        see :attr:`done` and :attr:`failed`). Called by the engine thread between steps."""
+        if not self._done.is_set() or self.failed:
+            return None
+        logger.info("step graphs (%s) for decode steps of 1-%d rows ready after %.1f s; decode "
+                    "steps use them from now on", self.graphs.name, self.graphs.max_rows,
+                    time.perf_counter() - self.started_s)
+        return self.graphs
