@@ -1,4 +1,4 @@
-"""llmkit's C++ kernels for CPUs (sources in ``cpu/``), registered as ``torch.ops.llmkit_cpu``.
+"""llmkit's C++ kernels for CPUs (sources in ``cpu/``), registered as ``torch.ops.llmkit_cpu_<tier>``.
 
 Eager torch spends most of a small model's decode step outside its matmuls: a Llama layer is
 ~50 small ops (RMSNorm alone is eight), each paying Python and dispatcher overhead, and small
@@ -25,7 +25,9 @@ torch's version, the include paths, the compiler, the flags, Python), so that en
 sharing a home folder each keep their own build instead of rebuilding each other's (torch's
 ``build.ninja`` names the environment's include paths); later processes load the built
 library in milliseconds. The platform decides whether they are used
-(``platform.native_kernels``).
+(``platform.native_kernels``) and which instruction-set tier is built (``platform.isa``,
+``llmkit.kernels.cpu_isa``): one library per tier, each under its own op namespace
+``torch.ops.llmkit_cpu_<tier>``.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from pathlib import Path
 import torch
 
 from llmkit.config.paths import cache_dir
+from llmkit.config import cpu_isa
+from llmkit.config.cpu_isa import cpu_flags  # noqa: F401  (re-exported: callers read it here)
 from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
@@ -55,28 +59,22 @@ class CpuKernelBuildError(RuntimeError):
     """The C++ kernels could not be built or loaded here (the message says why)."""
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this machine's CPU (``/proc/cpuinfo``; empty elsewhere).
-    The kernels are compiled for them, and the ``cpu`` platform reads them too."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        return frozenset()
-    return frozenset()
-
-
-def compile_flags() -> list[str]:
-    """``-ffp-contract=off``: no fused multiply-adds where torch's element-wise ops round the
-    product first (the kernels must round where the op sequence they replace rounds). AVX2
-    vectors where the CPU has them (ATen's ``Vectorized`` otherwise falls back to plain loops)."""
-    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
-    if {"avx2", "fma"} <= cpu_flags():
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+def compile_flags(tier: str | None = None) -> list[str]:
+    """The build's flags for ``tier`` (default: this CPU's best; ``cpu_isa``).
+    ``-ffp-contract=off``: no fused multiply-adds where torch's element-wise ops round the
+    product first (the kernels must round where the op sequence they replace rounds). Without
+    AVX2 ATen's ``Vectorized`` falls back to plain loops. ``LLMKIT_OPS`` names the tier's op
+    namespace, so that builds of several tiers can be loaded in one process."""
+    tier = cpu_isa.best_tier() if tier is None else tier
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", f"-DLLMKIT_OPS={op_namespace(tier)}"]
+    if tier is not None:
+        flags += cpu_isa.compile_flags(tier)
     return flags
+
+
+def op_namespace(tier: str | None) -> str:
+    """``torch.ops.<this>``: the op library of ``tier``'s build."""
+    return f"{LIBRARY}_{tier or 'generic'}"
 
 
 LINK_FLAGS = ["-fopenmp"]
@@ -134,45 +132,68 @@ def _first_error(exc: BaseException) -> str:
     return (errors or lines or [repr(exc)])[0 if errors else -1]
 
 
-@functools.cache
-def kernels_build_key() -> str:
-    """The key of the kernels this process builds or loads (their sources, torch, compiler,
-    flags): what a compiled graph calling them depends on."""
-    return _build_key(build_inputs(compile_flags()))
+def kernels_build_key(tier: str | None = None) -> str:
+    """The key of the kernels this process builds or loads for ``tier`` (default: the CPU's
+    best; their sources, torch, compiler, flags): what a compiled graph calling them depends
+    on."""
+    return _tier_build_key(cpu_isa.best_tier() if tier is None else tier)
 
 
 @functools.cache
-def load_cpu_kernels():
-    """``torch.ops.llmkit_cpu`` once the library is built (or found in the cache) and loaded.
+def _tier_build_key(tier: str | None) -> str:
+    return _build_key(build_inputs(compile_flags(tier)))
+
+
+def load_cpu_kernels(tier: str | None = None):
+    """``torch.ops.llmkit_cpu_<tier>`` once the tier's library is built (or found in the
+    cache) and loaded; ``tier`` defaults to this CPU's best (``cpu_isa.best_tier``).
 
     Raises ``CpuKernelBuildError`` with the reason when it cannot be built here.
     """
+    return _load_tier(cpu_isa.best_tier() if tier is None else tier)
+
+
+@functools.cache  # per tier: a library's op namespace can be registered once per process
+def _load_tier(tier: str | None):
     from torch.utils import cpp_extension
 
-    key = kernels_build_key()
+    key = kernels_build_key(tier)
     directory = build_directory(key)
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        with startup_step("building llmkit's C++ CPU kernels (once per environment; "
-                          "20-40 s on 2 cores)"):
+        with startup_step(f"building llmkit's C++ CPU kernels for {tier or 'generic x86'} "
+                          "(once per environment and tier; 20-40 s on 2 cores)"):
             cpp_extension.load(
                 name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
-                extra_cflags=compile_flags(), extra_ldflags=LINK_FLAGS,
+                extra_cflags=compile_flags(tier), extra_ldflags=LINK_FLAGS,
                 extra_include_paths=[str(SOURCE_DIR)], build_directory=str(directory),
                 is_python_module=False, with_cuda=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error
-        raise CpuKernelBuildError(f"building llmkit's CPU kernels in {directory} failed: "
-                                  f"{_first_error(exc)}") from exc
-    logger.info("llmkit CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
-    _register_fakes()
-    return getattr(torch.ops, LIBRARY)
+        raise CpuKernelBuildError(f"building llmkit's CPU kernels ({tier}) in {directory} "
+                                  f"failed: {_first_error(exc)}") from exc
+    logger.info("llmkit CPU kernels (%s) ready in %.1f s (%s)", tier,
+                time.perf_counter() - t0, directory)
+    namespace = op_namespace(tier)
+    _register_fakes(namespace)
+    _LOADED.append(tier)
+    return getattr(torch.ops, namespace)
 
 
-def _register_fakes() -> None:
-    """Output shapes of each op for tracing (fake tensors): what ``torch.compile`` needs to
-    treat the kernels as opaque calls in a graph."""
-    lib = LIBRARY
+#: Tiers loaded in this process, in load order.
+_LOADED: list[str | None] = []
+
+
+def any_loaded_cpu_kernels():
+    """The kernels of the first tier this process loaded (else the CPU's best): for the
+    layout ops (repacking, dequantizing) that compute the same bits in every tier, so that a
+    process running a forced tier does not build a second one for them."""
+    return load_cpu_kernels(_LOADED[0] if _LOADED else None)
+
+
+def _register_fakes(lib: str) -> None:
+    """Output shapes of each op of namespace ``lib`` for tracing (fake tensors): what
+    ``torch.compile`` needs to treat the kernels as opaque calls in a graph."""
     fake = torch.library.register_fake
 
     @fake(f"{lib}::rms_norm")

@@ -37,3 +37,6 @@ class BackendInfo:
     # True while they still compile in the background (decode steps run eagerly until then;
     # as of when this was asked: a worker process reports it once, when it is ready).
     step_graphs_pending: bool = False
+    # The instruction-set tier of the CPU kernels (platform.isa resolved: avx2 ... avx512_bf16);
+    # None off the CPU or without the kernels.
+    isa: str | None = None

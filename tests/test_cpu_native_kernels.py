@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmkit.config.cpu_isa import supported_tiers
 from llmkit.config.schema import PlatformConfig
 from llmkit.kernels import cpu_native
 from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
@@ -19,9 +20,11 @@ from llmkit.platforms import CpuPlatform, CudaPlatform
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return load_cpu_kernels()
+@pytest.fixture(scope="module", params=supported_tiers())
+def ops(request):
+    """Every kernel test runs against each instruction-set tier this CPU supports (the lower
+    ones forced), so that AVX2's code stays tested on an AVX-512 machine."""
+    return load_cpu_kernels(request.param)
 
 
 def randn(*shape, dtype, scale=1.0, seed=0):
@@ -272,6 +275,49 @@ def test_wrong_dtype_is_a_clear_error(ops):
 
 
 # -- the platform switch -------------------------------------------------------------------
+def cpu_platform_native_bf16(platform: CpuPlatform) -> bool:
+    from llmkit.platforms.cpu import has_native_bf16
+    return has_native_bf16(platform.isa)
+
+
+def test_isa_tiers_resolve_and_refuse_what_the_cpu_lacks(monkeypatch):
+    """platform.isa: auto is the best supported tier; a lower one is forced; one the CPU
+    lacks is a config error naming the key, the value and what is allowed here."""
+    from llmkit.config import cpu_isa
+
+    epyc = frozenset({"avx2", "fma", "f16c"})
+    assert cpu_isa.supported_tiers(epyc) == ("avx2",)
+    xeon = epyc | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni"}
+    assert cpu_isa.supported_tiers(xeon) == ("avx2", "avx2_vnni", "avx512", "avx512_vnni")
+    cascade = xeon - {"avx_vnni"}  # AVX-512 VNNI without AVX-VNNI: the VNNI tier still runs
+    assert cpu_isa.best_tier(cascade) == "avx512_vnni"
+    assert cpu_isa.best_tier(frozenset({"sse4_2"})) is None
+    assert "-mavxvnni" not in cpu_isa.compile_flags("avx512_vnni")
+    assert "-mavx512vnni" in cpu_isa.compile_flags("avx512_bf16")
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: epyc)
+    assert CpuPlatform(PlatformConfig(name="cpu")).isa == "avx2"
+    with pytest.raises(ValueError, match=r"a tier this CPU supports: auto, avx2 \(it lacks "
+                                         r"avx512_vnni, avx512bw, avx512dq, avx512f, avx512vl"):
+        PlatformConfig(name="cpu", isa="avx512_vnni")
+    with pytest.raises(ValueError, match="platform.isa: got 'avx512'; allowed: a tier this CPU"):
+        cpu_isa.resolve_tier("avx512")
+    with pytest.raises(ValueError, match=r"none of amx's own yet"):
+        PlatformConfig(name="cpu", isa="amx")
+
+
+def test_llmkit_config_refuses_a_tier_the_cpu_lacks(monkeypatch):
+    """The same error from the config alone (``llmkit config``), before anything is built."""
+    from llmkit.config import cpu_isa
+    from llmkit.config.compose import compose_config
+    from llmkit.config.errors import ConfigError
+
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(ConfigError, match=r"platform.isa: got 'avx512'; allowed: a tier this "
+                                          r"CPU supports: auto, avx2 \(it lacks avx512bw"):
+        compose_config(["platform.isa=avx512"])
+
+
+
 def test_cpu_platform_hands_out_the_kernels_unless_off():
     assert CpuPlatform(PlatformConfig(name="cpu")).native_kernels(torch.bfloat16) is not None
     off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off"))
@@ -287,7 +333,7 @@ def test_cpu_platform_hands_out_the_kernels_unless_off():
 
 
 def test_a_failed_build_warns_under_auto_and_fails_under_on(monkeypatch, caplog):
-    def fail():
+    def fail(tier=None):
         raise CpuKernelBuildError("building llmkit's CPU kernels failed: no compiler")
 
     monkeypatch.setattr(cpu_native, "load_cpu_kernels", fail)
@@ -337,26 +383,28 @@ def test_cache_folder_has_one_variable_and_the_old_name_warns(tmp_path, monkeypa
 
 
 def test_auto_dtype_is_the_platforms_one_choice(monkeypatch):
-    """model.dtype=auto: bf16 with native bf16, or with the C++ kernels on an AVX2 CPU (their
-    linear decodes bf16); float32 when the kernels are off or cannot be built."""
-    from llmkit.platforms import cpu as cpu_platform
+    """model.dtype=auto follows the tier in use (platform.isa), not the CPU's best: bf16 with
+    native bf16 (AVX512-BF16), or with the C++ kernels on an AVX2 tier (their linear decodes
+    bf16); float32 when the kernels are off, cannot be built, or the CPU has no AVX2."""
+    from llmkit.config import cpu_isa
 
-    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
-    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.bfloat16
-    off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off"))
+    avx2 = CpuPlatform(PlatformConfig(name="cpu", isa="avx2"))
+    assert avx2.isa == "avx2" and not cpu_platform_native_bf16(avx2)
+    assert avx2.preferred_dtype() == torch.bfloat16
+    off = CpuPlatform(PlatformConfig(name="cpu", isa="avx2", native_kernels="off"))
     assert off.preferred_dtype() == torch.float32
+    if "avx512_bf16" in supported_tiers():
+        native = CpuPlatform(PlatformConfig(name="cpu", isa="avx512_bf16", native_kernels="off"))
+        assert native.preferred_dtype() == torch.bfloat16  # native bf16: no kernels needed
 
-    def fail():
+    def fail(tier=None):
         raise CpuKernelBuildError("no compiler")
 
     monkeypatch.setattr(cpu_native, "load_cpu_kernels", fail)
-    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
-    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: True)
-    assert off.preferred_dtype() == torch.bfloat16
-    monkeypatch.setattr(cpu_platform, "cpu_flags", lambda: frozenset({"sse4_2"}))
-    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: False)
-    assert CpuPlatform(PlatformConfig(name="cpu")).preferred_dtype() == torch.float32
+    assert CpuPlatform(PlatformConfig(name="cpu", isa="avx2")).preferred_dtype() == torch.float32
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    no_avx2 = CpuPlatform(PlatformConfig(name="cpu"))
+    assert no_avx2.isa is None and no_avx2.preferred_dtype() == torch.float32
     from llmkit.worker.model_setup import resolve_dtype
     assert resolve_dtype("auto", off) == torch.float32
     assert resolve_dtype("bfloat16", off) == torch.bfloat16

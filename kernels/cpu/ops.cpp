@@ -1,4 +1,5 @@
-// llmkit's CPU kernels, registered as torch.ops.llmkit_cpu.*: built on first use by
+// llmkit's CPU kernels, registered as torch.ops.<LLMKIT_OPS>.* (llmkit_cpu_<tier>: one library
+// per instruction-set tier, llmkit.kernels.cpu_isa): built on first use by
 // llmkit.kernels.cpu_native (torch's C++ extension builder) and cached on disk.
 #include <torch/library.h>
 
@@ -13,7 +14,11 @@
 #include "quant_repack.h"
 #include "rotary.h"
 
-TORCH_LIBRARY(llmkit_cpu, m) {
+#ifndef LLMKIT_OPS
+#define LLMKIT_OPS llmkit_cpu_generic
+#endif
+
+TORCH_LIBRARY(LLMKIT_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -38,7 +43,7 @@ TORCH_LIBRARY(llmkit_cpu, m) {
   m.def("quantize_activations_q8(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(llmkit_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {
   m.impl("rms_norm", &llmkit_cpu::rms_norm);
   m.impl("fused_add_rms_norm", &llmkit_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &llmkit_cpu::silu_and_mul);

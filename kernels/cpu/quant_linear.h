@@ -5,7 +5,8 @@
 //
 // Integer formats (q4_0, q4_1, q4_k, q6_k, q8_0, int8) take the activations quantized to eight
 // bits per 32-input block (quant_activation.h) and multiply them with the weights' integers by
-// AVX2's u8 x s8 -> i16 pair products (maddubs) and i16 -> i32 pair sums (madd); a block's
+// AVX2's u8 x s8 -> i16 pair products (maddubs) and i16 -> i32 pair sums (madd), or VNNI's
+// u8 x s8 -> i32 quad sums (vpdpbusd) in the tiers that have it (the same integers); a block's
 // integer sum is then scaled in float32 once per block for all eight rows at once; Q4_1's and
 // Q4_K's minimums multiply the block's sum of the quantized inputs. So every integer format
 // computes the dot product of the exact (GGUF-dequantized) weights with the quantized
@@ -180,11 +181,42 @@ inline __m256 u8x8_to_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+#if defined(LLMKIT_VNNI)
+// u8 x s8 products summed four at a time into int32 lanes, added to acc (vpdpbusd). The
+// operands here never reach maddubs' int16 saturation, so these are exactly the sums of the
+// maddubs + madd pairs below: the tiers give the same bits.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
 // Eight rows' integer sums of one 4-bit block (Q4_0 order) for MR activation rows: isum[i]
 // lane r = sum over the block's 32 inputs of q * qx (kCentre: of (q - 8) * qx).
 template <int MR, bool kCentre>
 inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
+#if defined(LLMKIT_VNNI)
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+  LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    const __m256i lo = _mm256_and_si256(raw, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = rows.q[i] + blk * kBlock;
+      isum[i] = dot_u8s8(isum[i], lo, bcast4(xq + 4 * j));
+      isum[i] = dot_u8s8(isum[i], hi, bcast4(xq + 16 + 4 * j));
+      LLMKIT_KEEP(isum[i]);
+    }
+  }
+  if constexpr (kCentre) {
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i)
+      isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(rows.meta[i][blk].sum8));
+  }
+#else
   __m256i s16[MR];
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
   LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
@@ -205,6 +237,7 @@ inline void q4_isums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m25
     isum[i] = _mm256_madd_epi16(s16[i], ones);
     if constexpr (kCentre) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(m.sum8));
   }
+#endif
 }
 
 // Float activations: lane r = sum of (q - 8) * x over the block, in portable::q4_fsum's order.
@@ -231,14 +264,18 @@ inline void q4_fsums(const uint8_t* qs, const TileRows& rows, int64_t blk, __m25
 // Signed int8 weights (eight rows x 32 inputs, quad-major) times int8 activations.
 template <int MR>
 inline void q8_isums(const int8_t* qs, const TileRows& rows, int64_t blk, __m256i* isum) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
     const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (as unsigned: -128 -> 128)
     LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
       const __m256i sx = _mm256_sign_epi8(bcast4(rows.q[i] + blk * kBlock + 4 * j), w);
+#if defined(LLMKIT_VNNI)
+      isum[i] = dot_u8s8(isum[i], aw, sx);
+#else
       isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+#endif
       LLMKIT_KEEP(isum[i]);
     }
   }

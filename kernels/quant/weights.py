@@ -1,4 +1,4 @@
-"""Packed quantized weights and the linears over them (``torch.ops.llmkit_cpu.quant_*``).
+"""Packed quantized weights and the linears over them (``torch.ops.llmkit_cpu_<tier>.quant_*``).
 
 A ``PackedWeight`` is an ``[out_features, in_features]`` weight in one of the kernels' packed
 layouts (``kernels/cpu/quant_blocks.h``): GGUF blocks repacked eight rows at a time
@@ -33,8 +33,8 @@ class PackedWeight:
 
 
 def _ops():
-    from llmkit.kernels.cpu_native import load_cpu_kernels
-    return load_cpu_kernels()  # functools.cache: a dict lookup after the first call
+    from llmkit.kernels.cpu_native import any_loaded_cpu_kernels
+    return any_loaded_cpu_kernels()  # layout ops: the same bits in every tier
 
 
 def pack_gguf(raw: torch.Tensor | np.ndarray, fmt: str, in_features: int) -> PackedWeight:

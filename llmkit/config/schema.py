@@ -224,6 +224,22 @@ class PlatformConfig(_Component):
     # built on first use and cached. auto: use them if they build here (warn and use torch ops
     # if not); on: fail at start-up if they cannot be built; off: torch ops only.
     native_kernels: Literal["auto", "on", "off"] = "auto"
+    # CPU: the instruction-set tier of llmkit's C++ kernels and of the choices llmkit makes from
+    # the CPU's flags (model.dtype=auto, the bf16 linear path). auto: the best this CPU
+    # supports; a named tier forces it (one the CPU lacks is refused at start-up). Lowest first:
+    # avx2 < avx2_vnni < avx512 < avx512_vnni < avx512_bf16 (llmkit.kernels.cpu_isa).
+    isa: Literal["auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16",
+                 "amx"] = "auto"
+
+    @field_validator("isa")
+    @classmethod
+    def _isa_on_this_cpu(cls, value: str) -> str:
+        from llmkit.config.cpu_isa import why_unsupported
+
+        problem = None if value == "auto" else why_unsupported(value)
+        if problem is not None:
+            raise ValueError(problem)  # e.g. a tier this CPU lacks
+        return value
 
 
 class LoRAConfig(_Strict):

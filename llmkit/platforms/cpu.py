@@ -8,8 +8,7 @@ import torch
 from llmkit.compilation.base import StepGraphs
 from llmkit.config.paths import cache_dir
 from llmkit.config.schema import CompilationConfig
-from llmkit.kernels.cpu_native import cpu_flags
-from llmkit.config.paths import cache_dir
+from llmkit.config import cpu_isa
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
@@ -19,9 +18,11 @@ from llmkit.platforms.base import Platform
 logger = logging.getLogger(__name__)
 
 
-def has_native_bf16() -> bool:
-    """AMX or AVX-512-BF16: bf16 matmuls run at least as fast as float32."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+def has_native_bf16(tier: str | None = None) -> bool:
+    """AMX or AVX-512-BF16 in ``tier`` (default: this CPU's best): bf16 matmuls run at least
+    as fast as float32."""
+    tier = cpu_isa.best_tier() if tier is None else tier
+    return tier is not None and cpu_isa.tier(tier).native_bf16
 
 
 class CpuPlatform(Platform):
@@ -33,6 +34,9 @@ class CpuPlatform(Platform):
     def __init__(self, config) -> None:
         super().__init__(config)
         self._native: dict[torch.dtype, object] = {}
+        #: The instruction-set tier of the kernels and of every choice made from the CPU's
+        #: flags (``platform.isa``; None: no AVX2, so no kernels).
+        self.isa = cpu_isa.resolve_tier(getattr(config, "isa", "auto"))
 
     # -- model.dtype=auto --------------------------------------------------------------------
     def preferred_dtype(self) -> torch.dtype:
@@ -43,7 +47,7 @@ class CpuPlatform(Platform):
         batches and prefill compute bf16 layers in float32 (packed copies): the same GEMMs
         as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
         (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
-        if has_native_bf16():
+        if has_native_bf16(self.isa):
             return torch.bfloat16
         if self._native_bf16_linear_available():
             logger.info("model.dtype=auto: bfloat16 (llmkit's C++ kernels decode bf16 on this "
@@ -54,7 +58,7 @@ class CpuPlatform(Platform):
         return torch.float32
 
     def _native_bf16_linear_available(self) -> bool:
-        if self.config.native_kernels == "off" or not {"avx2", "fma", "f16c"} <= cpu_flags():
+        if self.config.native_kernels == "off" or self.isa is None:
             return False
         return self.native_kernels(torch.bfloat16) is not None
 
@@ -66,7 +70,7 @@ class CpuPlatform(Platform):
         kernels = self.native_kernels(dtype)
         if kernels is None:
             return ModelOps()
-        widen = dtype == torch.bfloat16 and not has_native_bf16()  # MoE experts' GEMMs
+        widen = dtype == torch.bfloat16 and not has_native_bf16(self.isa)  # MoE experts' GEMMs
         return CpuNativeOps(kernels, widen_bf16=widen)
 
     def linear_method_factory(self, dtype: torch.dtype) -> LinearMethodFactory:
@@ -75,7 +79,7 @@ class CpuPlatform(Platform):
         # float32 (same products, float32 accumulation, outputs rounded to bf16).
         kernels = self.native_kernels(dtype)
         pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
-        widen = pack and dtype == torch.bfloat16 and not has_native_bf16()
+        widen = pack and dtype == torch.bfloat16 and not has_native_bf16(self.isa)
         return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen)
 
     def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
@@ -108,7 +112,7 @@ class CpuPlatform(Platform):
         return InductorStepGraphs(model, kv_caches,
                                   min(CpuLinearMethod.small_batch_max_rows, max_num_seqs),
                                   cpp_wrapper=config.cpp_wrapper, cache_dir=cache,
-                                  kernels_key=kernels_build_key())
+                                  kernels_key=kernels_build_key(self.isa))
 
     def native_kernels(self, dtype: torch.dtype):
         # Asked by ops() and linear_method_factory(): build (or warn about a failed build) once.
@@ -127,8 +131,15 @@ class CpuPlatform(Platform):
             return None
         from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 
+        if self.isa is None:
+            exc = CpuKernelBuildError("llmkit's CPU kernels need AVX2, FMA and F16C, which "
+                                      "this CPU lacks")
+            if mode == "on":
+                raise ValueError(f"platform.native_kernels=on: {exc}")
+            logger.warning("%s; computing with torch ops instead", exc)
+            return None
         try:
-            return load_cpu_kernels()
+            return load_cpu_kernels(self.isa)
         except CpuKernelBuildError as exc:
             if mode == "on":
                 raise ValueError(f"platform.native_kernels=on: {exc}") from exc

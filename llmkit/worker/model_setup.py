@@ -75,4 +75,5 @@ def describe_backend(runner: ModelRunner, attention: str, ops: str, dtype: torch
                        dtype=str(dtype).removeprefix("torch."), device=str(platform.device),
                        step_graphs=graphs.name if graphs is not None else None,
                        step_graphs_max_rows=graphs.max_rows if graphs is not None else 0,
-                       step_graphs_pending=pending is not None)
+                       step_graphs_pending=pending is not None,
+                       isa=getattr(platform, "isa", None) if ops != "torch" else None)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmkit.distributed.group import TensorParallelGroup
+from llmkit.kernels.cpu_native import any_loaded_cpu_kernels
 from llmkit.linear.base import copy_weight
 from llmkit.linear.quantized import GGUFRows
 
@@ -49,6 +50,8 @@ class VocabEmbedding(nn.Module):
                 raise ValueError("kept GGUF blocks are not split for tensor parallel: use "
                                  "model.quantization=none with parallel.tensor_parallel_size > 1")
             self.packed = loaded.pack()
+            # the op of the loaded kernels' tier (a layout op: the same bits in every tier)
+            self._dequantize = any_loaded_cpu_kernels().quant_dequantize
             # The parameter object stays (a tied LM head holds it); its dense storage goes.
             self.weight.data = torch.empty(0, self.embedding_dim, dtype=self.dtype)
             return
@@ -63,9 +66,8 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             p = self.packed
-            rows = torch.ops.llmkit_cpu.quant_dequantize(p.data, p.format, p.out_features,
-                                                         p.in_features, p.scales,
-                                                         input_ids.reshape(-1))
+            rows = self._dequantize(p.data, p.format, p.out_features, p.in_features, p.scales,
+                                    input_ids.reshape(-1))
             return rows.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
