@@ -13,6 +13,7 @@ from llmkit.attention import ATTENTION_BACKENDS
 from llmkit.attention.cpu_backend import (CpuAttentionBackend, CpuAttentionMetadata,
                                           paged_decode_attention)
 from llmkit.attention.torch_backend import TorchAttentionBackend
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.platforms import CpuPlatform
 from attention_cases import attention_case, engine_greedy_tokens
 
@@ -23,11 +24,11 @@ def test_registered_and_cpu_default():
 
 
 @pytest.fixture(params=["compiled", "gathered"])
-def decode_path(request, monkeypatch):
-    """Run decode rows through the compiled paged kernel, or the small-batch gather path."""
+def decode_path(request):
+    """Run decode rows through the compiled paged kernel, or the small-batch gather path
+    (``(name, dispatch table)``)."""
     rows = 1 if request.param == "compiled" else 1000
-    monkeypatch.setattr(CpuAttentionBackend, "min_compiled_decode_rows", rows)
-    return request.param
+    return request.param, CpuDispatch(attention_min_compiled_decode_rows=rows)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
@@ -42,10 +43,11 @@ def test_forward_matches_torch_backend(q_lens, ctx_lens, num_heads, num_kv_heads
     q, k, v, cache, cache_ref, meta, scale = (
         case.q, case.k, case.v, case.cache, case.cache_ref, case.meta, case.scale)
 
-    backend = CpuAttentionBackend()
+    path, dispatch = decode_path
+    backend = CpuAttentionBackend(dispatch=dispatch)
     cmeta = backend.build_metadata(meta)
     assert isinstance(cmeta, CpuAttentionMetadata)
-    assert cmeta.all_decode == (max(q_lens) == 1 and decode_path == "compiled")
+    assert cmeta.all_decode == (max(q_lens) == 1 and path == "compiled")
     out = backend.forward(q, k, v, cache, cmeta, scale)
     expected = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, scale)
     m = meta.num_actual_tokens
@@ -66,7 +68,7 @@ def test_decode_kernel_in_bfloat16_matches_float32_math():
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-2)
 
 
-def test_engine_greedy_cpu_equals_torch(tiny_model_dir, monkeypatch):
+def test_engine_greedy_cpu_equals_torch(tiny_model_dir):
     """Greedy tokens of a tiny random Llama (float32) are identical with attention=cpu and
     attention=torch, with chunked prefills next to decodes and prefix-cache hits."""
     model_dir = tiny_model_dir("llama")
@@ -76,9 +78,8 @@ def test_engine_greedy_cpu_equals_torch(tiny_model_dir, monkeypatch):
     prompts += [shared + [7, 8], shared + [9]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     groups = dict(kv_cache={"num_blocks": 48, "block_size": 4},
-                  scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 4})
-
-    monkeypatch.setattr(CpuAttentionBackend, "min_compiled_decode_rows", 2)
+                  scheduler={"max_num_batched_tokens": 24, "max_num_seqs": 4},
+                  platform={"dispatch": {"attention_min_compiled_decode_rows": 2}})
     expected, _ = engine_greedy_tokens(model_dir, "torch", prompts, params, **groups)
     got, cached = engine_greedy_tokens(model_dir, "cpu", prompts, params, **groups)
     assert cached > 0

@@ -124,8 +124,8 @@ def test_top_p_candidate_path_keeps_the_same_tokens_as_a_full_sort(scale):
         assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
 
 
-def _top_p_one_too_few(logits, top_k, top_p):
-    out = REAL_TOP_K_TOP_P(logits, top_k, top_p)
+def _top_p_one_too_few(logits, top_k, top_p, candidates=None):
+    out = REAL_TOP_K_TOP_P(logits, top_k, top_p, candidates)
     kept = torch.isfinite(out)
     smallest = out.masked_fill(~kept, float("inf")).argmin(dim=-1, keepdim=True)
     drop = kept.sum(dim=-1, keepdim=True) > 1
@@ -133,10 +133,10 @@ def _top_p_one_too_few(logits, top_k, top_p):
                                                  out.gather(-1, smallest)))
 
 
-def _keep_one_more(logits, top_k, top_p):
+def _keep_one_more(logits, top_k, top_p, candidates=None):
     """Keeps the best token the real filter removed: top-p or top-k off by one upwards."""
     original = logits.clone()
-    out = REAL_TOP_K_TOP_P(logits, top_k, top_p)
+    out = REAL_TOP_K_TOP_P(logits, top_k, top_p, candidates)
     removed = ~torch.isfinite(out)
     best_removed = original.masked_fill(~removed, float("-inf")).argmax(dim=-1, keepdim=True)
     return out.scatter(-1, best_removed, original.gather(-1, best_removed))

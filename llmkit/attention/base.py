@@ -76,6 +76,12 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @classmethod
+    def for_platform(cls, platform, ops: ModelOps | None = None) -> "AttentionBackend":
+        """This backend as ``platform`` (a ``llmkit.platforms.Platform``) builds it: with its
+        ``ops`` and, for backends that read it, its dispatch table (``platform.dispatch``)."""
+        return cls(ops)
+
+    @classmethod
     def check_available(cls, platform) -> str | None:
         """Why this backend cannot run on ``platform`` (a ``llmkit.platforms.Platform``), or
         ``None`` when it can. Asked when the engine is assembled, so that an unusable choice

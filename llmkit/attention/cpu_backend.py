@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
                                             gathered_decode_attention)
 from llmkit.kernels.kv_quant import format_of, read_rows
@@ -117,20 +118,30 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    name = "cpu"
-    # Below this many decode rows the compiled kernel has too little to spread over the threads
-    # and the torch path (gather + SDPA, whose gather then fits in cache) is a little faster.
-    min_compiled_decode_rows = 8
-    # With the C++ kernels, rows of at most this many query tokens run as decode rows, one
-    # per token (speculative verification: 1 + K tokens).
-    max_expanded_query_len = 16
+    """Its two row-count choices come from the platform's dispatch table
+    (``llmkit.config.cpu_dispatch``); each picks between paths that give different bits, so
+    they are fixed per instruction-set tier, never timed."""
 
-    def __init__(self, ops: ModelOps | None = None) -> None:
+    name = "cpu"
+
+    def __init__(self, ops: ModelOps | None = None, dispatch: CpuDispatch | None = None) -> None:
         super().__init__(ops)
+        dispatch = dispatch if dispatch is not None else CpuDispatch()
+        # Below this many decode rows the compiled kernel has too little to spread over the
+        # threads and the torch path (gather + SDPA, whose gather then fits in cache) is a
+        # little faster.
+        self.min_compiled_decode_rows = dispatch.attention_min_compiled_decode_rows
+        # With the C++ kernels, rows of at most this many query tokens run as decode rows, one
+        # per token (speculative verification: 1 + K tokens).
+        self.max_expanded_query_len = dispatch.attention_max_expanded_query_len
         self._kernel = CompiledPagedDecode()
         # The ops read the block table in place at any batch size (the C++ kernels): they
         # take every decode row, and nothing is compiled at start-up.
         self._in_place = self.ops.paged_decode_in_place
+
+    @classmethod
+    def for_platform(cls, platform, ops: ModelOps | None = None) -> "CpuAttentionBackend":
+        return cls(ops, dispatch=platform.dispatch)
 
     def build_metadata(self, m: AttentionMetadata) -> CpuAttentionMetadata:
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size

@@ -212,6 +212,23 @@ class ParallelConfig(_Strict):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+class CpuDispatchConfig(_Strict):
+    """Overrides of the CPU dispatch table (``llmkit.config.cpu_dispatch.CpuDispatch``, which
+    documents each choice): the row counts at which the CPU components switch kernels. null =
+    the table's value for the instruction-set tier (``platform.isa``); ``llmkit config`` shows
+    the resolved table. Each path computes its own bits, so a change here can change outputs."""
+
+    linear_small_batch_max_rows: int | None = Field(default=None, ge=0)
+    linear_packed_max_rows: int | None = Field(default=None, ge=0)
+    lora_small_batch_max_rows: int | None = Field(default=None, ge=0)
+    attention_min_compiled_decode_rows: int | None = Field(default=None, ge=1)
+    attention_max_expanded_query_len: int | None = Field(default=None, ge=1)
+    # at most linear_small_batch_max_rows (checked when the platform resolves the table)
+    step_graph_max_rows: int | None = Field(default=None, ge=1)
+    top_p_candidates: int | None = Field(default=None, ge=1)
+    ranks_per_core: int | None = Field(default=None, ge=1)
+
+
 class PlatformConfig(_Component):
     name: str = "auto"
     # CPU threads for torch; 0 = all cores the process may use.
@@ -230,6 +247,9 @@ class PlatformConfig(_Component):
     # avx2 < avx2_vnni < avx512 < avx512_vnni < avx512_bf16 (llmkit.kernels.cpu_isa).
     isa: Literal["auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16",
                  "amx"] = "auto"
+    # CPU: the dispatch table's overrides (which kernel runs at which row count); null = the
+    # tier's defaults.
+    dispatch: CpuDispatchConfig = Field(default_factory=CpuDispatchConfig)
 
     @field_validator("isa")
     @classmethod

@@ -49,12 +49,23 @@ def validate_components(config: EngineConfig) -> None:
             raise ConfigError(f"{section}.name", comp.name, ", ".join(sorted(allowed)))
     _check_attention_available(config)
     _check_linear_method(config)
+    _check_cpu_dispatch(config)
     from llmkit.kv_transfer import kv_connector_class
 
     kv_connector_class(config)  # a connector that cannot work fails here, naming the key
     _check_speculative(config)
     _check_kv_connector_combinations(config)
     _check_kv_cache_dtype(config)
+
+
+def _check_cpu_dispatch(config: EngineConfig) -> None:
+    """The CPU dispatch table resolves (``platform.dispatch`` over the tier's defaults): a
+    value out of range for the resolved table (step graphs beyond the C++ linear's rows) fails
+    here, naming its key, not when the platform is built."""
+    from llmkit.config.cpu_dispatch import resolve_dispatch
+    from llmkit.config.cpu_isa import resolve_tier
+
+    resolve_dispatch(resolve_tier(config.platform.isa), config.platform.dispatch)
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:

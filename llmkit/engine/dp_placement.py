@@ -68,14 +68,19 @@ def plan_placements(config: EngineConfig) -> list[CorePlacement]:
     dp, world = par.data_parallel_size, par.world_size
     if likely_cuda(config.platform.name):
         return _cuda_placements(dp, world)
-    from llmkit.executor.parallel_checks import CPU_RANKS_PER_CORE
+    from llmkit.config.cpu_dispatch import resolve_dispatch
+    from llmkit.config.cpu_isa import resolve_tier
 
+    # the CPU platform's table (platform.dispatch.ranks_per_core), resolved from the config:
+    # no platform exists yet when the engine cores are placed
+    per_core = resolve_dispatch(resolve_tier(config.platform.isa),
+                                config.platform.dispatch).ranks_per_core
     cpus = sorted(os.sched_getaffinity(0))
-    limit = CPU_RANKS_PER_CORE * len(cpus)
+    limit = per_core * len(cpus)
     if dp * world > limit:
         raise ConfigError("parallel.data_parallel_size", dp,
                           f"at most {max(1, limit // world)} on this machine: "
-                          f"{CPU_RANKS_PER_CORE} ranks per usable CPU core ({len(cpus)}), "
+                          f"{per_core} ranks per usable CPU core ({len(cpus)}), "
                           f"{world} rank(s) per engine core "
                           "(tensor_parallel_size * pipeline_parallel_size)")
     threads_total = config.platform.num_threads or len(cpus)

@@ -191,7 +191,7 @@ def _cmd_config(args: CliArgs) -> int:
         else:
             # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
             # runs here: shown only when asked for, named in a closing hint.
-            text = config_to_yaml(tool_cfg.engine)
+            text = config_to_yaml(tool_cfg.engine) + _cpu_dispatch_comment(tool_cfg.engine)
             if tool_cfg.hardware is not None:
                 text += (f"# hardware ({tool_cfg.hardware.name}): what `llmkit sim` models; "
                          "`llmkit config hardware=NAME` shows it\n")
@@ -200,6 +200,26 @@ def _cmd_config(args: CliArgs) -> int:
         texts.append(text)
     sys.stdout.write("---\n".join(texts))
     return 0
+
+
+def _cpu_dispatch_comment(config) -> str:
+    """The CPU dispatch table the engine's platform resolves (``platform.dispatch`` over the
+    tier's defaults), as closing comment lines: which kernel runs at which row count is part
+    of what the config means on this machine. Nothing for a CUDA or plugin platform."""
+    platform = config.platform
+    if platform.name not in ("auto", "cpu") or platform.target:
+        return ""
+    import textwrap
+
+    from llmkit.config.cpu_dispatch import describe_dispatch, resolve_dispatch
+    from llmkit.config.cpu_isa import resolve_tier
+
+    tier = resolve_tier(platform.isa)
+    table = resolve_dispatch(tier, platform.dispatch)
+    head = (f"# CPU dispatch (tier {tier or 'none: no AVX2'}; platform.dispatch.KEY=N "
+            "overrides):\n")
+    return head + textwrap.fill(describe_dispatch(table), 96, initial_indent="#   ",
+                                subsequent_indent="#   ") + "\n"
 
 
 def _set_openmp_env(args: CliArgs) -> None:

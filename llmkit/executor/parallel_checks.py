@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.models.moe import MoeShape, moe_shape
 from llmkit.platforms.base import Platform
-
-#: CPU ranks allowed per usable core: ranks beyond the cores share them (tiny models in tests
-#: run TP=2 x PP=2 on two cores), more would only thrash.
-CPU_RANKS_PER_CORE = 2
-
 
 def distributed_backend(config: EngineConfig, platform: Platform) -> str:
     choice = config.parallel.distributed_backend
@@ -27,8 +23,10 @@ def max_ranks(platform: Platform) -> tuple[int, str]:
         import torch
         n = torch.cuda.device_count()
         return n, f"{n} CUDA device(s)"
+    # CPU ranks per usable core: the platform's dispatch table (platform.dispatch.ranks_per_core)
+    per_core = (platform.dispatch or CpuDispatch()).ranks_per_core
     cores = len(os.sched_getaffinity(0))
-    return CPU_RANKS_PER_CORE * cores, f"{CPU_RANKS_PER_CORE} per usable CPU core ({cores})"
+    return per_core * cores, f"{per_core} per usable CPU core ({cores})"
 
 
 def _divisors(n: int) -> str:

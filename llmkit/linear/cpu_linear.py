@@ -1,10 +1,10 @@
 """The CPU platform's linear method: one layer, three kernels, chosen by the step's row count.
 
-- up to ``small_batch_max_rows`` rows (decoding a few sequences): llmkit's C++ small-batch
-  linear (``torch.ops.llmkit_cpu.linear``), which streams the weight once in its own dtype and
+- up to ``dispatch.linear_small_batch_max_rows`` rows (decoding a few sequences): llmkit's C++
+  small-batch linear (``torch.ops.llmkit_cpu.linear``), which streams the weight once in its own dtype and
   sums each row in torch's GEMV order, so a row's bits do not depend on its batch;
-- up to ``packed_max_rows``: oneDNN's GEMM on a packed (blocked) copy of the weight, faster than
-  MKL on the plain layout for decoding-sized batches;
+- up to ``dispatch.linear_packed_max_rows``: oneDNN's GEMM on a packed (blocked) copy of the
+  weight, faster than MKL on the plain layout for decoding-sized batches;
 - beyond (prefill-sized batches): MKL on the plain weight, ~10% faster there.
 
 With ``widen_bf16`` (bf16 models on CPUs without native bf16, where torch emulates bf16 GEMMs
@@ -13,7 +13,9 @@ bf16 value is a float32 value), widen the input and round the output back to bf1
 products as a bf16 GEMM with float32 accumulation, in another order. One row without the C++
 kernel stays on torch's bf16 GEMV, which reads half the bytes.
 
-The crossovers were measured on this project's 2-core AVX2 machine
+The crossovers are the platform's dispatch table (``llmkit.config.cpu_dispatch``), handed to
+the method by the platform; the paths give different bits, so they are fixed per instruction-set
+tier, never timed at start-up. The defaults were measured on this project's 2-core AVX2 machine
 (``benchmarks/test_linear_methods_bench.py`` prints every path at each row count).
 """
 from __future__ import annotations
@@ -22,19 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.linear.base import LinearMethod
 
 
 class CpuLinearMethod(LinearMethod):
     name = "cpu"
-    #: Rows up to which the C++ small-batch linear runs (SmolLM2-135M's bf16 decode step at 4 /
-    #: 8 rows: 26 / 54 ms that way vs 45 / 74 ms through the packed float32 copies).
-    small_batch_max_rows = 8
-    #: Rows up to which the packed oneDNN weight is used (MKL on the plain one above).
-    packed_max_rows = 512
 
-    def __init__(self, kernels=None, *, pack: bool = True, widen_bf16: bool = False) -> None:
+    def __init__(self, kernels=None, *, pack: bool = True, widen_bf16: bool = False,
+                 dispatch: CpuDispatch | None = None) -> None:
         self.kernels = kernels  # torch.ops.llmkit_cpu, or None
+        dispatch = dispatch if dispatch is not None else CpuDispatch()
+        #: Rows up to which the C++ small-batch linear runs.
+        self.small_batch_max_rows = dispatch.linear_small_batch_max_rows
+        #: Rows up to which the packed oneDNN weight is used (MKL on the plain one above).
+        self.packed_max_rows = dispatch.linear_packed_max_rows
         self.pack = pack
         self.widen_bf16 = widen_bf16
         self.packed_weight: torch.Tensor | None = None

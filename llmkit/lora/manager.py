@@ -341,7 +341,8 @@ class LoRASetup:
         self.platform = platform
         self.dtype = dtype
         self.mapping = LoRAMapping(max_num_tokens, platform.device)
-        self.ops = lora_ops_for(platform.device, platform.native_kernels(dtype))
+        self.ops = lora_ops_for(platform.device, platform.native_kernels(dtype),
+                                platform.dispatch)
         self.packed = dict(getattr(get_model_class(source.hf_config), "packed_modules_mapping",
                                    {}))
 

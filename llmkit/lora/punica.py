@@ -6,8 +6,9 @@ implementations of the same arithmetic:
 
 - :class:`TorchLoRAOps`: one GEMM pair per (slot, shard) group with torch ops (the reference,
   CPUs without llmkit's kernels, and batches above the C++ kernel's limit);
-- :class:`CpuLoRAOps`: llmkit's C++ ``lora_add_`` for up to ``small_batch_max_rows`` rows:
-  every row and shard of a layer in one call;
+- :class:`CpuLoRAOps`: llmkit's C++ ``lora_add_`` for up to
+  ``dispatch.lora_small_batch_max_rows`` rows (the platform's table,
+  ``llmkit.config.cpu_dispatch``): every row and shard of a layer in one call;
 - :class:`TritonLoRAOps`: the SGMV kernels of ``llmkit.kernels.lora`` (GPUs; tested under
   ``TRITON_INTERPRET=1``).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.lora.base import RowSlots
 
 
@@ -125,20 +127,24 @@ class TorchLoRAOps:
 
 
 class CpuLoRAOps(TorchLoRAOps):
-    """The C++ kernel up to ``small_batch_max_rows`` rows, torch GEMMs above; inside step
-    graphs the kernel, with the slots as a tensor (``LoRAMapping.token_slots``)."""
+    """The C++ kernel up to ``dispatch.lora_small_batch_max_rows`` rows, torch GEMMs above;
+    inside step graphs the kernel, with the slots as a tensor (``LoRAMapping.token_slots``).
+
+    The two paths give different bits, so the crossover is fixed per instruction-set tier,
+    never timed. ``benchmarks/test_lora_ops_bench.py`` times both on SmolLM2-135M's layers
+    with four adapters interleaved: on this project's 2-core AVX2 machine the kernel was faster
+    at every row count measured (1 to 2048; the torch path's gathers, scatter-add and
+    per-group GEMMs cost more than their arithmetic), so by default only batches beyond the
+    default step budget (2048 tokens) take torch's GEMMs."""
 
     name = "cpu"
     supports_step_graphs = True
-    #: Rows up to which ``lora_add_`` runs. ``benchmarks/test_lora_ops_bench.py`` times both
-    #: paths on SmolLM2-135M's layers with four adapters interleaved: on this project's 2-core
-    #: AVX2 machine the kernel was faster at every row count measured (1 to 2048; the torch
-    #: path's gathers, scatter-add and per-group GEMMs cost more than their arithmetic), so
-    #: only batches beyond the default step budget (2048 tokens) take torch's GEMMs.
-    small_batch_max_rows = 2048
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, dispatch: CpuDispatch | None = None) -> None:
         self.kernels = kernels
+        #: Rows up to which ``lora_add_`` runs.
+        self.small_batch_max_rows = (dispatch if dispatch is not None
+                                     else CpuDispatch()).lora_small_batch_max_rows
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, w: StackedLoRA,
                  rows: RowSlots) -> None:
@@ -181,11 +187,13 @@ class TritonLoRAOps(TorchLoRAOps):
         add_lora(y, x, w.a, w.b, w.out_offsets_device, *rows.sorted_segments)
 
 
-def lora_ops_for(device: torch.device, kernels=None) -> TorchLoRAOps:
+def lora_ops_for(device: torch.device, kernels=None,
+                 dispatch: CpuDispatch | None = None) -> TorchLoRAOps:
     """The ops for a model on ``device``: Triton on CUDA, the C++ kernel on a CPU where
-    llmkit's kernels are built (``kernels``), else torch."""
+    llmkit's kernels are built (``kernels``; up to the rows of the platform's ``dispatch``),
+    else torch."""
     if device.type == "cuda":
         return TritonLoRAOps()
     if kernels is not None and hasattr(kernels, "lora_add_"):
-        return CpuLoRAOps(kernels)
+        return CpuLoRAOps(kernels, dispatch)
     return TorchLoRAOps()

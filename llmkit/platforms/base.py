@@ -15,6 +15,7 @@ import logging
 import torch
 
 from llmkit.compilation.base import StepGraphs
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.config.schema import CompilationConfig, PlatformConfig
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.torch_linear import TorchLinearMethod
@@ -29,6 +30,10 @@ class Platform(ABC):
     default_dtype: torch.dtype = torch.float32
     default_attention: str = "torch"
     dist_backend: str = "gloo"
+    #: The per-step fast-path choices handed to the components this platform's models are
+    #: built from (``llmkit.config.cpu_dispatch.CpuDispatch`` on the CPU); None: the
+    #: components' own defaults.
+    dispatch: CpuDispatch | None = None
 
     def __init__(self, config: PlatformConfig) -> None:
         self.config = config

@@ -9,6 +9,7 @@ from llmkit.compilation.base import StepGraphs
 from llmkit.config.paths import cache_dir
 from llmkit.config.schema import CompilationConfig
 from llmkit.config import cpu_isa
+from llmkit.config.cpu_dispatch import CpuDispatch, resolve_dispatch
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
@@ -37,13 +38,16 @@ class CpuPlatform(Platform):
         #: The instruction-set tier of the kernels and of every choice made from the CPU's
         #: flags (``platform.isa``; None: no AVX2, so no kernels).
         self.isa = cpu_isa.resolve_tier(getattr(config, "isa", "auto"))
+        #: The tier's dispatch table with ``platform.dispatch``'s overrides: every row count
+        #: at which a component this platform builds switches kernels.
+        self.dispatch: CpuDispatch = resolve_dispatch(self.isa, getattr(config, "dispatch", None))
 
     # -- model.dtype=auto --------------------------------------------------------------------
     def preferred_dtype(self) -> torch.dtype:
         """The faster dtype here for what llmkit runs (decode is bound by the bytes it reads,
         prefill and large batches by GEMMs): bf16 where the CPU computes it natively (AMX /
         AVX-512-BF16), and on AVX2 CPUs with llmkit's C++ kernels, whose linear streams bf16
-        weights for up to 8 rows (one-sequence decode ~2x float32's speed) while larger
+        weights for a few rows (``dispatch.linear_small_batch_max_rows``; one-sequence decode ~2x float32's speed) while larger
         batches and prefill compute bf16 layers in float32 (packed copies): the same GEMMs
         as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
         (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
@@ -80,7 +84,9 @@ class CpuPlatform(Platform):
         kernels = self.native_kernels(dtype)
         pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
         widen = pack and dtype == torch.bfloat16 and not has_native_bf16(self.isa)
-        return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen)
+        dispatch = self.dispatch
+        return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen,
+                                            dispatch=dispatch)
 
     def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
                                         ) -> LinearMethodFactory | str:
@@ -96,8 +102,9 @@ class CpuPlatform(Platform):
 
     def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                     config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
-        """Decode steps of up to the C++ linear's rows compiled by inductor (the graph needs
-        the C++ kernels: with torch ops the attention backend has no graph-safe decode)."""
+        """Decode steps of up to ``dispatch.step_graph_max_rows`` rows (at most the C++
+        linear's) compiled by inductor (the graph needs the C++ kernels: with torch ops the
+        attention backend has no graph-safe decode)."""
         if config.mode != "graphs":
             return None
         if not model.attn_backend.supports_step_graphs:
@@ -110,7 +117,7 @@ class CpuPlatform(Platform):
 
         cache = config.cache_dir or str(cache_dir() / "compile")
         return InductorStepGraphs(model, kv_caches,
-                                  min(CpuLinearMethod.small_batch_max_rows, max_num_seqs),
+                                  min(self.dispatch.step_graph_max_rows, max_num_seqs),
                                   cpp_wrapper=config.cpp_wrapper, cache_dir=cache,
                                   kernels_key=kernels_build_key(self.isa))
 

@@ -41,6 +41,12 @@ class SamplerOutput:
 
 
 class Sampler(ABC):
+    @classmethod
+    def for_platform(cls, platform, seed: int = 0) -> "Sampler":
+        """This sampler as ``platform`` (a ``llmkit.platforms.Platform``) builds it: samplers
+        that read its dispatch table (``platform.dispatch``) take their choices from it."""
+        return cls(seed=seed)
+
     @abstractmethod
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of float32 ``logits`` ``[R, V]`` (never modified); with
@@ -52,10 +58,17 @@ class Sampler(ABC):
 
 
 class TorchSampler(Sampler):
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, top_p_candidates: int | None = None) -> None:
         # Rows without their own seed draw from this engine-wide generator.
         self.seed = seed
+        # Top-p's first candidates (the platform's dispatch table; None: topk_topp's default).
+        self.top_p_candidates = top_p_candidates
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def for_platform(cls, platform, seed: int = 0) -> "TorchSampler":
+        table = platform.dispatch
+        return cls(seed, top_p_candidates=None if table is None else table.top_p_candidates)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -92,7 +105,8 @@ class TorchSampler(Sampler):
             def pick(t: torch.Tensor | None) -> torch.Tensor | None:
                 return None if t is None else t[idx]
             return self.filtered_probs(rows / meta.temperature[idx].unsqueeze(1),
-                                       pick(meta.top_k), pick(meta.top_p), pick(meta.min_p))
+                                       pick(meta.top_k), pick(meta.top_p), pick(meta.min_p),
+                                       top_p_candidates=self.top_p_candidates)
 
         return verify_drafts(logits, meta.temperature, meta.spec.draft_token_ids,
                              meta.spec.num_logits, meta.generators, probs,
@@ -120,7 +134,8 @@ class TorchSampler(Sampler):
                        top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                        min_p: torch.Tensor | None,
                        generators: dict[int, torch.Generator]) -> torch.Tensor:
-        probs = self.filtered_probs(logits / temperature.unsqueeze(1), top_k, top_p, min_p)
+        probs = self.filtered_probs(logits / temperature.unsqueeze(1), top_k, top_p, min_p,
+                                    top_p_candidates=self.top_p_candidates)
         # Exp(1) noise as -log(U), U ~ U[0, 1): ~4x faster than exponential_() on the CPU.
         # U = 0 gives inf: that token's p / inf = 0, never NaN.
         noise = torch.empty_like(probs)
@@ -133,10 +148,12 @@ class TorchSampler(Sampler):
     @staticmethod
     def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor | None = None,
                        top_p: torch.Tensor | None = None,
-                       min_p: torch.Tensor | None = None) -> torch.Tensor:
-        """Softmax of temperature-scaled ``logits`` after min-p, top-k and top-p (in place)."""
+                       min_p: torch.Tensor | None = None, *,
+                       top_p_candidates: int | None = None) -> torch.Tensor:
+        """Softmax of temperature-scaled ``logits`` after min-p, top-k and top-p (in place;
+        ``top_p_candidates``: see ``topk_topp.apply_top_k_top_p``)."""
         if min_p is not None:
             logits = topk_topp.apply_min_p(logits, min_p)
         if top_k is not None or top_p is not None:
-            logits = topk_topp.apply_top_k_top_p(logits, top_k, top_p)
+            logits = topk_topp.apply_top_k_top_p(logits, top_k, top_p, top_p_candidates)
         return logits.softmax(dim=-1)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from llmkit.config.cpu_dispatch import CpuDispatch
+
 _NEG_INF = float("-inf")
 
 
@@ -21,25 +23,28 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 # Top-p first looks for its cut among each row's most likely tokens: a full sort of a large
 # vocabulary costs ~20x a top-256 on the CPU, and real distributions put their mass in the
 # head. A fixed number (not one derived from the batch) keeps each row's result independent of
-# the other rows.
-TOP_P_CANDIDATES = 256
+# the other rows. The CPU platform hands the sampler its dispatch table's value (the same
+# number by default); this one serves callers without a table (CUDA, draft sampling).
+TOP_P_CANDIDATES = CpuDispatch().top_p_candidates
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+                      top_p: torch.Tensor | None,
+                      candidates: int | None = None) -> torch.Tensor:
     """Keep each row's ``top_k`` most likely tokens (0 = all), then the smallest prefix of
     those, by descending probability, whose mass reaches ``top_p`` (the most likely token
-    always stays)."""
+    always stays). ``candidates``: how many tokens the cut is first looked for among
+    (default ``TOP_P_CANDIDATES``)."""
+    c = TOP_P_CANDIDATES if candidates is None else candidates
     if top_p is None:
         if top_k is None:
             return logits
         return _apply_top_k_only(logits, top_k)
     vocab = logits.shape[-1]
-    if vocab <= TOP_P_CANDIDATES:
+    if vocab <= c:
         return _top_k_top_p_sorted(logits, top_k, top_p)
     k = _k_or_vocab(top_k, logits)
     off = (top_p >= 1.0) & (k >= vocab)  # nothing to filter in these rows
-    c = TOP_P_CANDIDATES
     values, ids = logits.topk(c, dim=-1)  # descending
     in_k = torch.arange(c, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
     values = values.masked_fill(~in_k, _NEG_INF)

@@ -85,7 +85,7 @@ class Worker:
         source = model_source or resolve_model_source(config.model)
         dtype = resolve_dtype(config.model.dtype, platform)
         ops = platform.ops(dtype)
-        attn = attention_backend_class(config.attention, platform)(ops)
+        attn = attention_backend_class(config.attention, platform).for_platform(platform, ops)
         # Several ranks keep float linear methods: the quantized methods' packed blocks are
         # not sliced per rank yet (said at start: the fast path is lost, not silently).
         # (an explicit model.quantization is refused before any rank starts: parallel_checks)
@@ -109,7 +109,8 @@ class Worker:
         model = build_model(source, ctx, platform.device)
         check_encoder_budget(model, config)
         self._hidden = (model.hidden_size, dtype, platform.device)
-        sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target)(seed=config.seed)
+        sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target).for_platform(
+            platform, seed=config.seed)
         self.model_facts = model_facts(source)
         self._dtype = dtype
         self._names = (attn.name, ops.name)

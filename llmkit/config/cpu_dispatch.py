@@ -1,0 +1,125 @@
+"""The CPU platform's dispatch table: every per-step fast-path choice, in one place per machine.
+
+Each CPU component picks between kernels by a row count (the C++ small-batch linear or
+oneDNN's GEMM, the LoRA kernel or torch's GEMMs, ...). The crossovers depend on the machine,
+so they are data: defaults per instruction-set tier (``llmkit.config.cpu_isa``), overridable
+by ``platform.dispatch.<field>``, resolved once by the platform and handed to the components
+it builds. ``llmkit config`` prints the resolved table.
+
+Rule: a choice that could be timed at start-up must never change outputs. The paths that
+``linear_*``, ``lora_*``, ``attention_*`` and ``top_p_candidates`` choose between compute
+different bits for a row (another kernel, another summation order), so those are fixed per
+tier, never timed. Step graphs compute the eager step's bits, but timing their row count
+means compiling graphs (minutes on a CPU): nothing here is calibrated yet.
+
+Lives in ``llmkit.config`` (below every layer) because the linear methods, the LoRA ops, the
+attention backend and the sampler take it in their constructors without seeing the platform.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from llmkit.config.cpu_isa import TIER_NAMES
+from llmkit.config.errors import ConfigError
+
+__all__ = ["CpuDispatch", "DISPATCH_KEY", "TIER_DEFAULTS", "dispatch_for_tier",
+           "describe_dispatch", "resolve_dispatch"]
+
+DISPATCH_KEY = "platform.dispatch"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuDispatch:
+    """The choices, by the component that reads them. The values below are the defaults of
+    every tier: they were measured on this project's 2-core AVX2 machine, and no other tier
+    has been measured yet (see each reader's docstring for the timings)."""
+
+    #: Rows up to which ``CpuLinearMethod`` runs llmkit's C++ small-batch linear (SmolLM2-135M's
+    #: bf16 decode step at 4 / 8 rows: 26 / 54 ms that way vs 45 / 74 ms through the packed
+    #: float32 copies). 0: never.
+    linear_small_batch_max_rows: int = 8
+    #: Rows up to which ``CpuLinearMethod`` uses the oneDNN-packed weight (MKL on the plain one
+    #: above: ~10% faster for prefill-sized batches). 0: never.
+    linear_packed_max_rows: int = 512
+    #: Rows up to which ``CpuLoRAOps`` runs the C++ ``lora_add_`` (faster at every row count
+    #: measured, 1 to 2048, by ``benchmarks/test_lora_ops_bench.py``). 0: never.
+    lora_small_batch_max_rows: int = 2048
+    #: Without the C++ kernels: decode rows from which ``CpuAttentionBackend`` runs its compiled
+    #: paged kernel (below, gather + SDPA is a little faster: the gather fits in cache).
+    attention_min_compiled_decode_rows: int = 8
+    #: With the C++ kernels: rows of at most this many query tokens (speculative verification,
+    #: small chunks) run as one decode row per token. 1: none.
+    attention_max_expanded_query_len: int = 16
+    #: Decode steps of up to this many rows become step graphs (``compilation.mode=graphs``);
+    #: at most ``linear_small_batch_max_rows`` (the graphs hold the C++ linear). Graphs compute
+    #: the eager step's bits; fewer rows compile fewer graphs.
+    step_graph_max_rows: int = 8
+    #: Top-p looks for its cut among this many most likely tokens before sorting a whole row
+    #: (a full sort of a large vocabulary costs ~20x a top-256 on the CPU).
+    top_p_candidates: int = 256
+    #: CPU ranks allowed per usable core (tensor / pipeline parallel): tiny models in tests run
+    #: TP=2 x PP=2 on two cores; more would only thrash.
+    ranks_per_core: int = 2
+
+
+#: The defaults of each tier (``None``: a CPU without AVX2, so without llmkit's kernels). Every
+#: tier has today's measured values until a machine of that tier is measured.
+TIER_DEFAULTS: dict[str | None, CpuDispatch] = {
+    name: CpuDispatch() for name in (*TIER_NAMES, None)}
+
+#: The smallest value each field takes (what ``platform.dispatch`` validates against).
+MINIMUMS: dict[str, int] = {
+    "linear_small_batch_max_rows": 0, "linear_packed_max_rows": 0,
+    "lora_small_batch_max_rows": 0, "attention_min_compiled_decode_rows": 1,
+    "attention_max_expanded_query_len": 1, "step_graph_max_rows": 1, "top_p_candidates": 1,
+    "ranks_per_core": 1}
+
+
+def dispatch_for_tier(tier: str | None) -> CpuDispatch:
+    """The defaults of ``tier`` (a ``cpu_isa.TIER_NAMES`` name, or None: no AVX2)."""
+    return TIER_DEFAULTS[tier]
+
+
+def resolve_dispatch(tier: str | None, overrides: Any = None) -> CpuDispatch:
+    """The tier's table with ``overrides`` (``platform.dispatch``: an object or mapping whose
+    non-null fields replace the tier's). An unset ``step_graph_max_rows`` follows the resolved
+    ``linear_small_batch_max_rows`` when the tier ties them, so raising the linear's rows
+    raises the graphs' too. Raises ``ConfigError`` naming the key for a value out of range."""
+    base = dispatch_for_tier(tier)
+    given = _given(overrides)
+    table = replace(base, **given)
+    for name, value in given.items():
+        low = MINIMUMS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{DISPATCH_KEY}.{name}", value, f"an integer >= {low} or null")
+    if "step_graph_max_rows" not in given and base.step_graph_max_rows == \
+            base.linear_small_batch_max_rows:
+        table = replace(table, step_graph_max_rows=max(1, table.linear_small_batch_max_rows))
+    if table.step_graph_max_rows > max(1, table.linear_small_batch_max_rows):
+        raise ConfigError(f"{DISPATCH_KEY}.step_graph_max_rows", table.step_graph_max_rows,
+                          f"an integer from 1 to {DISPATCH_KEY}.linear_small_batch_max_rows "
+                          f"({table.linear_small_batch_max_rows}: the graphs hold the C++ "
+                          f"linear) or null")
+    return table
+
+
+def describe_dispatch(table: CpuDispatch) -> str:
+    """``name=value`` pairs in field order, for ``llmkit config`` and start-up logs."""
+    return " ".join(f"{f.name}={getattr(table, f.name)}" for f in fields(table))
+
+
+def _given(overrides: Any) -> dict[str, int]:
+    if overrides is None:
+        return {}
+    items = overrides.items() if isinstance(overrides, dict) else (
+        (f.name, getattr(overrides, f.name, None)) for f in fields(CpuDispatch))
+    names = {f.name for f in fields(CpuDispatch)}
+    given = {}
+    for name, value in items:
+        if name not in names:
+            raise ConfigError(f"{DISPATCH_KEY}.{name}", value, "a key of platform.dispatch: "
+                              + ", ".join(sorted(names)))
+        if value is not None:
+            given[name] = value
+    return given

@@ -1,0 +1,141 @@
+"""The CPU dispatch table (``llmkit.config.cpu_dispatch``): its defaults per instruction-set tier
+are pinned, ``platform.dispatch`` overrides reach every component the platform builds, bad
+values are config errors naming the key, and ``llmkit config`` shows the resolved table."""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from llmkit.attention import attention_backend_class
+from llmkit.attention.cpu_backend import CpuAttentionBackend
+from llmkit.config.cpu_dispatch import (TIER_DEFAULTS, CpuDispatch, dispatch_for_tier,
+                                        resolve_dispatch)
+from llmkit.config.cpu_isa import TIER_NAMES
+from llmkit.config.errors import ConfigError
+from llmkit.config.schema import (AttentionConfig, CompilationConfig, CpuDispatchConfig,
+                                  PlatformConfig)
+from llmkit.entrypoints.cli import main
+from llmkit.executor.parallel_checks import max_ranks
+from llmkit.lora.punica import CpuLoRAOps, lora_ops_for
+from llmkit.platforms import CpuPlatform
+from llmkit.sampling import topk_topp
+from llmkit.sampling.sampler import SamplingMetadata, TorchSampler
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Today's values, measured on the project's 2-core AVX2 machine, are every tier's defaults.
+MEASURED = dict(linear_small_batch_max_rows=8, linear_packed_max_rows=512,
+                lora_small_batch_max_rows=2048, attention_min_compiled_decode_rows=8,
+                attention_max_expanded_query_len=16, step_graph_max_rows=8,
+                top_p_candidates=256, ranks_per_core=2)
+
+OVERRIDES = dict(linear_small_batch_max_rows=4, linear_packed_max_rows=64,
+                 lora_small_batch_max_rows=32, attention_min_compiled_decode_rows=3,
+                 attention_max_expanded_query_len=5, step_graph_max_rows=2,
+                 top_p_candidates=100, ranks_per_core=1)
+
+
+@pytest.mark.parametrize("tier", [*TIER_NAMES, None])
+def test_defaults_per_tier_are_pinned(tier):
+    assert asdict(dispatch_for_tier(tier)) == MEASURED
+    assert asdict(resolve_dispatch(tier)) == MEASURED
+    assert set(TIER_DEFAULTS) == {*TIER_NAMES, None}
+
+
+def test_config_section_and_yaml_list_every_field():
+    names = [f.name for f in fields(CpuDispatch)]
+    assert list(CpuDispatchConfig.model_fields) == names
+    for path in sorted((REPO / "conf" / "platform").glob("*.yaml")):
+        section = yaml.safe_load(path.read_text())["dispatch"]
+        assert section == dict.fromkeys(names), path.name
+
+
+def _platform(**dispatch) -> CpuPlatform:
+    return CpuPlatform(PlatformConfig(name="cpu", native_kernels="off", dispatch=dispatch))
+
+
+def test_overrides_reach_every_component(monkeypatch):
+    platform = _platform(**OVERRIDES)
+    assert asdict(platform.dispatch) == OVERRIDES
+
+    linear = platform.linear_method_factory(torch.float32)(None)
+    assert (linear.small_batch_max_rows, linear.packed_max_rows) == (4, 64)
+
+    fake_kernels = SimpleNamespace(lora_add_=None)
+    lora = lora_ops_for(torch.device("cpu"), fake_kernels, platform.dispatch)
+    assert isinstance(lora, CpuLoRAOps) and lora.small_batch_max_rows == 32
+
+    attn = attention_backend_class(AttentionConfig(name="auto"), platform).for_platform(platform)
+    assert isinstance(attn, CpuAttentionBackend)
+    assert (attn.min_compiled_decode_rows, attn.max_expanded_query_len) == (3, 5)
+
+    sampler = TorchSampler.for_platform(platform, seed=3)
+    assert (sampler.seed, sampler.top_p_candidates) == (3, 100)
+    seen = []
+    real = topk_topp.apply_top_k_top_p
+
+    def spy(logits, top_k, top_p, candidates=None):
+        seen.append(candidates)
+        return real(logits, top_k, top_p, candidates)
+
+    monkeypatch.setattr(topk_topp, "apply_top_k_top_p", spy)
+    meta = SamplingMetadata(temperature=torch.ones(2), all_greedy=False,
+                            top_p=torch.full((2,), 0.9))
+    sampler(torch.randn(2, 300), meta)
+    assert seen == [100]
+
+    limit, why = max_ranks(platform)
+    assert why.startswith("1 per usable CPU core")
+
+    import llmkit.compilation.inductor as inductor
+
+    captured = {}
+    monkeypatch.setattr(inductor, "InductorStepGraphs",
+                        lambda model, caches, rows, **kw: captured.setdefault("rows", rows))
+    model = SimpleNamespace(attn_backend=SimpleNamespace(supports_step_graphs=True))
+    platform.step_graphs(model, [], CompilationConfig(mode="graphs"), max_num_seqs=64)
+    assert captured["rows"] == 2
+
+
+def test_components_alone_take_the_defaults():
+    assert CpuAttentionBackend().max_expanded_query_len == 16
+    assert CpuLoRAOps(None).small_batch_max_rows == 2048
+    assert TorchSampler.for_platform(SimpleNamespace(dispatch=None)).top_p_candidates is None
+    linear = _platform().linear_method_factory(torch.float32)(None)
+    assert (linear.small_batch_max_rows, linear.packed_max_rows) == (8, 512)
+
+
+def test_step_graph_rows_follow_the_linear_unless_set():
+    assert resolve_dispatch("avx2", {"linear_small_batch_max_rows": 16}).step_graph_max_rows == 16
+    assert resolve_dispatch("avx2", {"linear_small_batch_max_rows": 16,
+                                     "step_graph_max_rows": 4}).step_graph_max_rows == 4
+    with pytest.raises(ConfigError, match=r"platform\.dispatch\.step_graph_max_rows: got 9"):
+        resolve_dispatch("avx2", {"step_graph_max_rows": 9})
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("platform.dispatch.linear_packed_max_rows=-1",
+     "platform.dispatch.linear_packed_max_rows: got -1; allowed: an integer >= 0"),
+    ("platform.dispatch.top_p_candidates=0",
+     "platform.dispatch.top_p_candidates: got 0; allowed: an integer >= 1"),
+    ("platform.dispatch.step_graph_max_rows=32",
+     "platform.dispatch.step_graph_max_rows: got 32; allowed: an integer from 1 to "
+     "platform.dispatch.linear_small_batch_max_rows (8"),
+])
+def test_a_bad_value_is_a_config_error_naming_the_key(capsys, override, expected):
+    assert main(["config", override]) != 0
+    assert expected in capsys.readouterr().err
+
+
+def test_llmkit_config_shows_the_resolved_table(capsys):
+    assert main(["config", "platform=cpu", "platform.dispatch.lora_small_batch_max_rows=64"]) == 0
+    out = capsys.readouterr().out
+    assert "# CPU dispatch (tier " in out
+    assert "lora_small_batch_max_rows=64" in out and "linear_small_batch_max_rows=8" in out
+    assert main(["config", "platform=cuda"]) == 0  # no CPU table for another platform
+    assert "# CPU dispatch" not in capsys.readouterr().out
