@@ -9,7 +9,7 @@ machine:
 
 - ``default``: libgomp's own (spin 300k, then sleep)
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once: a wake-up per region)
-- ``spin10k`` / ``spin100k``: ``GOMP_SPINCOUNT=10000`` / ``100000``
+- ``spin1k`` / ``spin10k`` / ``spin100k``: ``GOMP_SPINCOUNT=1000`` / ``10000`` / ``100000``
 - ``active``: ``OMP_WAIT_POLICY=ACTIVE`` (spin for ever, the worst case under load)
 
 Each policy runs in its own process (libgomp reads these when torch loads), which loads the
@@ -37,6 +37,7 @@ import time
 POLICIES = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},

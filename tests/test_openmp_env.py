@@ -41,15 +41,15 @@ def no_user_policy(monkeypatch):
 def test_engine_env_is_set_unless_the_user_chose():
     env: dict[str, str] = {}
     assert apply_engine_openmp_env("cpu", env) == dict(ENGINE_CPU_ENV)
-    assert env == dict(ENGINE_CPU_ENV) and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env == dict(ENGINE_CPU_ENV) and env["GOMP_SPINCOUNT"] == "1000"
     for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000000"}):
         env = dict(mine)
         assert apply_engine_openmp_env("cpu", env) == {} and env == mine
     assert apply_engine_openmp_env("cuda", env := {}) == {} and env == {}
 
 
-def test_children_get_the_user_choice_or_passive_on_the_cpu():
-    assert wait_policy_env(True, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+def test_children_get_the_user_choice_or_the_short_spin_on_the_cpu():
+    assert wait_policy_env(True, {}) == {"GOMP_SPINCOUNT": "1000"}
     assert wait_policy_env(False, {}) == {}
     mine = {"GOMP_SPINCOUNT": "10000", "PATH": "/bin"}
     assert wait_policy_env(True, mine) == wait_policy_env(False, mine) == {
@@ -85,14 +85,17 @@ import json, os, sys
 from llmkit.entrypoints import cli
 seen = {}
 def probe(args):
-    seen[args.command] = ["torch" in sys.modules, os.environ.get("OMP_WAIT_POLICY")]
+    seen[args.command] = ["torch" in sys.modules,
+                          {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                           if k in os.environ}]
     return 0
 cli.HANDLERS = {name: probe for name in cli.HANDLERS}
-user = os.environ.get("OMP_WAIT_POLICY")
+user = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
 for argv in json.loads(sys.argv[1]):
     assert cli.main([*argv, "platform=cpu"]) == 0
-    if user is None:
+    if not user:
         os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ.pop("GOMP_SPINCOUNT", None)
 print(json.dumps(seen))
 """
 
@@ -100,13 +103,13 @@ print(json.dumps(seen))
 @pytest.mark.parametrize("mine", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}])
 def test_each_command_has_it_in_its_environment_before_torch_loads(mine):
     """In a real process: when each command's handler starts, torch is not loaded yet and the
-    environment holds PASSIVE, or the user's own choice untouched."""
+    environment holds llmkit's short spin, or the user's own choice untouched."""
     env = {k: v for k, v in os.environ.items() if k not in WAIT_POLICY_VARS}
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(COMPUTING.values()))],
                          capture_output=True, text=True, env={**env, **mine}, timeout=120)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
-    want = mine.get("OMP_WAIT_POLICY") if mine else "PASSIVE"
+    want = mine or {"GOMP_SPINCOUNT": "1000"}
     assert seen == {name: [False, want] for name in COMPUTING}
 
 
@@ -132,12 +135,12 @@ def test_spawned_children_start_with_it_and_the_parent_env_is_left_as_it_was(no_
             proc.join()
         return {k: v for k, _, v in items if k in WAIT_POLICY_VARS}
 
-    assert child_env(True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert child_env(True) == {"GOMP_SPINCOUNT": "1000"}
     assert not set(WAIT_POLICY_VARS) & set(os.environ)
     assert child_env(False) == {}
-    os.environ["GOMP_SPINCOUNT"] = "10000"  # the user's: kept, nothing added
-    assert child_env(True) == {"GOMP_SPINCOUNT": "10000"}
-    assert os.environ["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in os.environ
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the user's: kept, nothing added
+    assert child_env(True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
 
 
 def _read(path: str) -> bytes:
@@ -168,7 +171,7 @@ def test_llm_warns_once_when_torch_spins(no_user_policy, monkeypatch, tiny_model
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", platform="cpu")
         llm.engine.shutdown()
         assert len(records.lines) == 1 and "\n" not in records.lines[0]
-        assert "export OMP_WAIT_POLICY=PASSIVE" in records.lines[0]
+        assert "export GOMP_SPINCOUNT=1000" in records.lines[0]
         assert not warn_if_threads_spin(True)  # once per process
         monkeypatch.setattr(openmp_env, "_warned", False)
         assert not warn_if_threads_spin(False)  # CUDA: nothing to say

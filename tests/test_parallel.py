@@ -132,7 +132,7 @@ def test_a_killed_worker_fails_the_engine_within_seconds(tiny_model_dir):
               parallel={"tensor_parallel_size": 2}, executor="multiproc")
     try:
         # Each worker started with the OpenMP wait policy in its environment (torch loads
-        # before run_worker runs): PASSIVE on the CPU, or the user's own choice.
+        # before run_worker runs): llmkit's short spin on the CPU, or the user's own choice.
         want = wait_policy_env(llm.engine.platform.device.type == "cpu")
         for w in llm.engine.executor.workers:
             with open(f"/proc/{w.proc.pid}/environ", "rb") as f:

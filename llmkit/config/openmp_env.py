@@ -5,9 +5,13 @@ policy once, when it loads (with torch): threads that finish a region spin for
 ``GOMP_SPINCOUNT`` iterations (300,000 by default) before they sleep. A small model's decode
 step is ~300 short regions; when another process takes one of the cores, spinning threads hold
 theirs while the thread they wait for is descheduled, and a step takes 10-25x as long
-(``benchmarks/cpu_contention_bench.py`` measures it). So the processes that compute make
-their threads sleep at once (``ENGINE_CPU_ENV``: ``OMP_WAIT_POLICY=PASSIVE``), and this module
-is the one place that decides it. Who applies it, always before torch is imported there:
+(``benchmarks/cpu_contention_bench.py`` measures it). Sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) costs a wake-up per region instead, which on an idle machine halves
+one-sequence decode. So the processes that compute spin briefly and then sleep
+(``ENGINE_CPU_ENV``: ``GOMP_SPINCOUNT=1000``, about a microsecond): a thread that is still
+running finds the next region without a wake-up, one that was descheduled costs its waiters
+little; the measured trade-off is in ``docs/cpu-speed.md``. This module is the one place that
+decides it. Who applies it, always before torch is imported there:
 
 - the ``llmkit`` CLI, at the top of command dispatch (``apply_engine_openmp_env``), for every
   command that computes: ``generate``, ``chat``, ``bench``, ``eval``, ``sim`` (they run an
@@ -29,8 +33,8 @@ Variables the user has set (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) are kept, a
 to the children. On CUDA the engine's CPU threads barely compute and nothing is set.
 
 ``LLM`` inside a user's own process cannot be helped: torch is loaded with llmkit, before it
-could set anything. Export ``OMP_WAIT_POLICY=PASSIVE`` before starting Python
-(``OMP_WAIT_POLICY=PASSIVE python app.py``); ``LLM`` on the CPU logs one warning
+could set anything. Export ``GOMP_SPINCOUNT=1000`` before starting Python
+(``GOMP_SPINCOUNT=1000 python app.py``); ``LLM`` on the CPU logs one warning
 (``warn_if_threads_spin``) when it finds torch loaded without a wait policy in the environment.
 """
 from __future__ import annotations
@@ -46,11 +50,9 @@ __all__ = ["ENGINE_CPU_ENV", "WAIT_POLICY_VARS", "apply_engine_openmp_env", "lik
 
 logger = logging.getLogger(__name__)
 
-# Measured with benchmarks/cpu_contention_bench.py (README, "Speed on the CPU"): on a shared
-# 2-core machine, one-sequence decode ran ~7x faster passive than with libgomp's default spin,
-# and lost 14% (not 66%) beside a busy-loop process; a short spin (GOMP_SPINCOUNT=10000) was
-# in between.
-ENGINE_CPU_ENV: Mapping[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+# A short spin, then sleep: benchmarks/cpu_contention_bench.py compares it with sleeping at once
+# (PASSIVE), libgomp's default spin and longer ones, alone and beside a busy process.
+ENGINE_CPU_ENV: Mapping[str, str] = {"GOMP_SPINCOUNT": "1000"}
 # Either one set by the user is their choice of wait policy.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -117,6 +119,6 @@ def warn_if_threads_spin(on_cpu: bool) -> bool:
     _warned = True
     logger.warning("torch's OpenMP threads spin after each parallel region (it was loaded "
                    "without a wait policy), so decode slows down many times over when another "
-                   "process shares the cores: export OMP_WAIT_POLICY=PASSIVE before starting "
-                   "Python")
+                   "process shares the cores: export GOMP_SPINCOUNT=1000 (a short spin, then "
+                   "sleep) before starting Python")
     return True
