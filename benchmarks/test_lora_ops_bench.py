@@ -4,7 +4,7 @@ at each row count, with the base layer's own GEMM (the CPU linear method) as the
 Four rank-16 adapters, rows assigned round robin (the worst case for grouping: no two adjacent
 rows share an adapter). Each (path, rows) is timed alternately with the others, repeatedly;
 the median per call is printed with the spread, and the LoRA time as a fraction of the base
-layer's. ``CpuLoRAOps.small_batch_max_rows`` is set from these crossovers. Run:
+layer's. The CPU dispatch table's ``lora_small_batch_max_rows`` is set from these crossovers. Run:
 ``pytest benchmarks/test_lora_ops_bench.py --benchmark-only -s`` (or ``python`` this file).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.lora.base import RowSlots
 from llmkit.lora.punica import CpuLoRAOps, StackedLoRA, TorchLoRAOps
 
@@ -99,9 +100,9 @@ def format_results(results: list[dict]) -> str:
 def test_lora_ops_crossover(benchmark):
     results = benchmark.pedantic(run, rounds=1, iterations=1)
     print("\n" + format_results(results))
-    # the C++ kernel must pay where it is used: up to small_batch_max_rows it is not slower
+    # the C++ kernel must pay where it is used: up to the table's rows it is not slower
     # than the torch groups (the median over layers and row counts of the per-case medians)
-    limit = CpuLoRAOps.small_batch_max_rows
+    limit = CpuDispatch().lora_small_batch_max_rows
     ratios = [r["median_us"]["c++"] / r["median_us"]["torch"] for r in results
               if r["rows"] <= limit]
     assert statistics.median(ratios) <= 1.0, format_results(results)

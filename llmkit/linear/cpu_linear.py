@@ -1,8 +1,8 @@
 """The CPU platform's linear method: one layer, three kernels, chosen by the step's row count.
 
 - up to ``dispatch.linear_small_batch_max_rows`` rows (decoding a few sequences): llmkit's C++
-  small-batch linear (``torch.ops.llmkit_cpu.linear``), which streams the weight once in its own dtype and
-  sums each row in torch's GEMV order, so a row's bits do not depend on its batch;
+  small-batch linear (``torch.ops.llmkit_cpu.linear``), which streams the weight once in its
+  own dtype and sums each row in torch's GEMV order, so a row's bits do not depend on its batch;
 - up to ``dispatch.linear_packed_max_rows``: oneDNN's GEMM on a packed (blocked) copy of the
   weight, faster than MKL on the plain layout for decoding-sized batches;
 - beyond (prefill-sized batches): MKL on the plain weight, ~10% faster there.

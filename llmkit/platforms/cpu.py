@@ -47,9 +47,9 @@ class CpuPlatform(Platform):
         """The faster dtype here for what llmkit runs (decode is bound by the bytes it reads,
         prefill and large batches by GEMMs): bf16 where the CPU computes it natively (AMX /
         AVX-512-BF16), and on AVX2 CPUs with llmkit's C++ kernels, whose linear streams bf16
-        weights for a few rows (``dispatch.linear_small_batch_max_rows``; one-sequence decode ~2x float32's speed) while larger
-        batches and prefill compute bf16 layers in float32 (packed copies): the same GEMMs
-        as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
+        weights for a few rows (``dispatch.linear_small_batch_max_rows``; one-sequence decode
+        ~2x float32's speed) while larger batches and prefill compute bf16 layers in float32
+        (packed copies): the same GEMMs as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
         (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
         if has_native_bf16(self.isa):
             return torch.bfloat16
