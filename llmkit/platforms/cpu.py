@@ -49,8 +49,8 @@ class CpuPlatform(Platform):
         AVX-512-BF16), and on AVX2 CPUs with llmkit's C++ kernels, whose linear streams bf16
         weights for a few rows (``dispatch.linear_small_batch_max_rows``; one-sequence decode
         ~2x float32's speed) while larger batches and prefill compute bf16 layers in float32
-        (packed copies): the same GEMMs as float32. float32 without those kernels: torch emulates bf16 matmuls on AVX2.
-        (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
+        (packed copies): the same GEMMs as float32. float32 without those kernels: torch
+        emulates bf16 matmuls on AVX2. (``benchmarks/cpu_dtype_bench.py`` compares the two.)"""
         if has_native_bf16(self.isa):
             return torch.bfloat16
         if self._native_bf16_linear_available():
