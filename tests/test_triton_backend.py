@@ -83,6 +83,37 @@ def test_triton_on_cpu_without_interpreter_fails_at_start(tiny_model_dir, monkey
     assert "TRITON_INTERPRET=1" in msg and "attention=torch" in msg
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter's case: a CPU without a GPU")
+def test_interpreted_triton_runs_eagerly_under_step_graphs(tiny_model_dir, interpret, caplog):
+    """attention=triton under TRITON_INTERPRET=1 on a CPU with compilation.mode=graphs (how the
+    README says to try the kernels): inductor cannot trace the interpreted kernels, so the
+    backend reports no graph-safe decode and decode steps run eagerly, with the platform's
+    warning, giving the torch backend's greedy tokens (before, dynamo failed in the first
+    decode step)."""
+    import logging
+
+    model_dir = tiny_model_dir("qwen2")
+    prompts = [[7, 42, 99, 5], [300, 12, 8, 64, 150, 33]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    groups = dict(kv_cache={"num_blocks": 16, "block_size": 16})
+    assert not TritonAttentionBackend().supports_step_graphs
+
+    expected, _ = engine_greedy_tokens(model_dir, "torch", prompts, params, **groups)
+    with caplog.at_level(logging.WARNING, logger="llmkit"):
+        got, _ = engine_greedy_tokens(model_dir, "triton", prompts, params,
+                                      compilation={"mode": "graphs"}, **groups)
+    assert got == expected
+    assert any("no graph-safe decode path" in r.getMessage() and "'triton'" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_compiled_triton_supports_step_graphs(monkeypatch):
+    """Without the interpreter (compiled kernels, CUDA) the backend keeps its graph-safe
+    decode."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert TritonAttentionBackend().supports_step_graphs
+
+
 def test_engine_greedy_triton_equals_torch(tiny_model_dir, interpret, split_decodes):
     """A few greedy tokens of a tiny random Llama (float32): identical with attention=triton and
     attention=torch. A small token budget makes steps with chunked prefills next to decodes."""

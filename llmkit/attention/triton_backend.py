@@ -71,7 +71,13 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, metadata: AttentionMetadata) -> TritonAttentionMetadata:
         return _extend(metadata)
 
-    supports_step_graphs = True
+    @property
+    def supports_step_graphs(self) -> bool:  # type: ignore[override]
+        # Under Triton's interpreter (TRITON_INTERPRET=1, a CPU) a kernel launch is Python
+        # that runs numpy on the tensors' storage: neither inductor's tracing nor a CUDA graph
+        # capture can take it in, so such a backend reports no graph-safe decode and the
+        # platform runs decode steps eagerly (with its warning). Compiled kernels can.
+        return not _jit.interpreter_enabled()
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor) -> TritonAttentionMetadata:
