@@ -30,7 +30,7 @@ def test_generate_prints_the_completion(model_dir):
     expected = LLM(str(model_dir), dtype="float32").generate(
         PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
     assert proc.stdout == expected + "\n"
-    assert "tokens/s" in proc.stderr
+    assert "tokens/s" in proc.stderr and "speculative" not in proc.stderr
 
 
 def test_generate_without_prompt_is_a_one_line_error(model_dir):
@@ -41,9 +41,11 @@ def test_generate_without_prompt_is_a_one_line_error(model_dir):
 
 def test_chat_streams_answers_and_keeps_history(model_dir):
     proc = run_cli("chat", str(model_dir), "model.dtype=float32", "chat.max_tokens=8",
-                   stdin="hi there\nand again\n\n")
+                   stdin="hi there\n\n/help\nand again\n/stats\n/quit\nnever read\n")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count(">>> ") == 3  # two turns, then the empty line ends the chat
+    # two turns, an empty line (ignored), /help, /stats, then /quit ends the chat
+    assert proc.stdout.count(">>> ") == 6
+    assert "/exit, Ctrl-D" in proc.stderr and "[speed: last reply" in proc.stderr
 
 
 def test_chat_says_when_a_reply_is_cut_history_is_dropped_or_reset(model_dir):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from llmkit.config.schema import EngineConfig
+from llmkit.entrypoints.reply_stats import spec_decode_line, spec_decode_reading
 from llmkit.sampling.params import SamplingParams
 
 
@@ -46,6 +47,7 @@ def run_generate(config: EngineConfig, prompt: str, images: Sequence[str] = ()) 
     llm = _start_llm(config)
     params = sampling_params_from(config)
     lora = cli_lora_request(llm, config)
+    spec_start = spec_decode_reading(llm)
     start = time.perf_counter()
     n = 0
     for out in llm.stream(request, params, lora_request=lora):
@@ -55,67 +57,17 @@ def run_generate(config: EngineConfig, prompt: str, images: Sequence[str] = ()) 
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s]", file=sys.stderr)
+    if spec_start is not None:
+        # Speculation keeps the outputs' distribution and changes only the speed: without
+        # this line a user cannot tell that it runs at all.
+        spec = spec_decode_reading(llm).since(spec_start)
+        print(f"[{spec_decode_line(spec, config.speculative)}]", file=sys.stderr)
     return 0
 
 
 def run_chat(config: EngineConfig) -> int:
-    import dataclasses
-
-    from llmkit.entrypoints.chat_history import ChatHistory
+    from llmkit.entrypoints.terminal_chat import run_chat_loop
 
     llm = _start_llm(config)
-    params = sampling_params_from(config)
-    lora = cli_lora_request(llm, config)
-    limit, max_reply = llm.max_model_len, config.chat.max_tokens
-    # A reply always has room for min(chat.max_tokens, half the context).
-    history = ChatHistory(llm.apply_chat_template, limit - min(max_reply, limit // 2))
-    name = config.model.served_name or config.model.name or "model"
-    if lora is not None:
-        name = f"{name} + LoRA adapter {lora.lora_name}"
-    print(f"llmkit chat with {name} — empty line or Ctrl-D to quit, /reset to forget "
-          f"(replies up to chat.max_tokens={max_reply} tokens).", file=sys.stderr)
-    while True:
-        try:
-            user = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not user.strip():
-            return 0
-        if user.strip() == "/reset":
-            history.clear()
-            print("[conversation forgotten: the next message starts a new one]",
-                  file=sys.stderr)
-            continue
-        history.add("user", user)
-        prompt = history.fit()
-        if prompt.dropped_turns:
-            print(f"[the conversation outgrew model.max_model_len={limit}: dropped the "
-                  f"oldest {prompt.dropped_turns} turn(s)]", file=sys.stderr)
-        if prompt.token_ids is None:
-            history.pop()
-            print(f"[this message alone is too long for model.max_model_len={limit}; "
-                  "shorten it]", file=sys.stderr)
-            continue
-        max_tokens = min(max_reply, limit - len(prompt.token_ids))
-        reply, finish = [], None
-        try:
-            for out in llm.stream(prompt.token_ids,
-                                  dataclasses.replace(params, max_tokens=max_tokens),
-                                  lora_request=lora):
-                piece = out.outputs[0].text
-                reply.append(piece)
-                finish = out.outputs[0].finish_reason or finish
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            finish = "interrupted"  # stop this answer, keep the conversation
-        sys.stdout.write("\n")
-        if finish == "length":
-            if max_tokens < max_reply:
-                print(f"[reply cut: the context is full (model.max_model_len={limit}); the "
-                      "oldest turns go next]", file=sys.stderr)
-            else:
-                print(f"[reply cut at chat.max_tokens={max_reply} tokens; raise "
-                      "chat.max_tokens for longer replies]", file=sys.stderr)
-        history.add("assistant", "".join(reply))
+    return run_chat_loop(llm, config, sampling_params_from(config),
+                         lora=cli_lora_request(llm, config))
