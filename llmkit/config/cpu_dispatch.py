@@ -32,18 +32,16 @@ DISPATCH_KEY = "platform.dispatch"
 @dataclass(frozen=True, slots=True)
 class CpuDispatch:
     """The choices, by the component that reads them. The values below are the defaults of
-    every tier: they were measured on this project's 2-core AVX2 machine, and no other tier
-    has been measured yet (see each reader's docstring for the timings)."""
+    every tier; the measurements behind them are in docs/cpu-speed.md ("The dispatch table")."""
 
-    #: Rows up to which ``CpuLinearMethod`` runs llmkit's C++ small-batch linear (SmolLM2-135M's
-    #: bf16 decode step at 4 / 8 rows: 26 / 54 ms that way vs 45 / 74 ms through the packed
-    #: float32 copies). 0: never.
+    #: Rows up to which ``CpuLinearMethod`` runs llmkit's C++ small-batch linear (it streams
+    #: the weight once in its dtype; above, the packed GEMM's reuse wins). 0: never.
     linear_small_batch_max_rows: int = 8
     #: Rows up to which ``CpuLinearMethod`` uses the oneDNN-packed weight (MKL on the plain one
-    #: above: ~10% faster for prefill-sized batches). 0: never.
+    #: above). 0: never.
     linear_packed_max_rows: int = 512
-    #: Rows up to which ``CpuLoRAOps`` runs the C++ ``lora_add_`` (faster at every row count
-    #: measured, 1 to 2048, by ``benchmarks/test_lora_ops_bench.py``). 0: never.
+    #: Rows up to which ``CpuLoRAOps`` runs the C++ ``lora_add_`` (``benchmarks/
+    #: test_lora_ops_bench.py`` times it against torch's GEMMs). 0: never.
     lora_small_batch_max_rows: int = 2048
     #: Without the C++ kernels: decode rows from which ``CpuAttentionBackend`` runs its compiled
     #: paged kernel (below, gather + SDPA is a little faster: the gather fits in cache).
@@ -56,7 +54,7 @@ class CpuDispatch:
     #: the eager step's bits; fewer rows compile fewer graphs.
     step_graph_max_rows: int = 8
     #: Top-p looks for its cut among this many most likely tokens before sorting a whole row
-    #: (a full sort of a large vocabulary costs ~20x a top-256 on the CPU).
+    #: (a full sort of a large vocabulary costs far more than a top-k of a few hundred).
     top_p_candidates: int = 256
     #: CPU ranks allowed per usable core (tensor / pipeline parallel): tiny models in tests run
     #: TP=2 x PP=2 on two cores; more would only thrash.
