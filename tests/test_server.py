@@ -181,6 +181,22 @@ def test_models_health_docs(env, client):
     for p in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
               "/detokenize", "/health", "/metrics"):
         assert p in paths
+    # the start-up line names the pages a browser opens, and each is there
+    base = env.server.base_url
+    line = next(ln for ln in env.server.log().splitlines() if "engine core process pid=" in ln)
+    for page in ("/", "/engine", "/docs"):
+        assert f"{base}{page}," in line or f"{base}{page})" in line, line
+        assert httpx.get(env.server.url(page)).status_code == 200, page
+
+
+def test_startup_line_names_the_pages():
+    from llmkit.entrypoints.serve import startup_line
+
+    line = startup_line([41, 42], "m", "::1", 8000)
+    assert line.startswith("engine core process pids 41,42; serving m on http://[::1]:8000 ")
+    assert line.endswith("(chat page http://[::1]:8000/, engine view http://[::1]:8000/engine, "
+                         "API docs http://[::1]:8000/docs)")
+    assert "pid=7;" in startup_line([7], "m", "127.0.0.1", 1)
 
 
 def test_lora_routes_absent_without_runtime_updates(env):

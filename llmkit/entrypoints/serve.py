@@ -52,6 +52,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def startup_line(pids: list[int], model_name: str, host: str, port: int) -> str:
+    """The line that says the server is up: where to point a browser (the chat page ``/``,
+    the engine view ``/engine``) and the API docs, not only the API's address."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    which = ("s " if len(pids) > 1 else "=") + ",".join(map(str, pids))
+    return (f"engine core process pid{which}; serving {model_name} on {base} (chat page "
+            f"{base}/, engine view {base}/engine, API docs {base}/docs)")
+
+
 def engine_core_states(engine) -> list:
     """Each data-parallel engine core's (alive, latest stats), for ``/metrics``'s per-engine
     series; empty with one engine core."""
@@ -134,9 +143,7 @@ def run_server(config: EngineConfig) -> int:
         app = build_app(engine, config, metrics=metrics, api_key=resolve_api_key(config),
                         engine_stop_timeout=5.0)
         pids = getattr(engine.engine_core, "pids", None) or [engine.engine_core.pid]
-        logger.info("engine core process pid%s; serving %s on http://%s:%d (docs at /docs)",
-                    ("s " if len(pids) > 1 else "=") + ",".join(map(str, pids)), model_name,
-                    srv.host, port)
+        logger.info("%s", startup_line(pids, model_name, srv.host, port))
         uv_config = uvicorn.Config(app, host=srv.host, port=port, log_level="info",
                                    timeout_graceful_shutdown=srv.shutdown_timeout,
                                    lifespan="on")
