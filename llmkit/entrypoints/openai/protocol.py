@@ -387,6 +387,22 @@ class ChatCompletionChunk(_Response):
 
 # --------------------------------------------------------------------------- models
 
+class SamplingDefaults(_Response):
+    """What the server applies to a request that leaves a sampling field out: the model's
+    recommended values (``model.generation_config``) over ``SamplingParams``' own -- so a
+    client (the chat page) can start its controls where the server starts."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    # The model's cap on a request's max_tokens; None: no cap but max_model_len.
+    max_tokens: int | None = None
+    # The fields above that the model states (the rest are SamplingParams' defaults).
+    from_model: list[str] = Field(default_factory=list)
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
@@ -396,6 +412,8 @@ class ModelCard(_Response):
     # A LoRA adapter's base model (vLLM's field); None for the base model itself.
     parent: str | None = None
     max_model_len: int | None = None
+    # llmkit's extension (an adapter shares its base model's defaults).
+    sampling_defaults: SamplingDefaults | None = None
 
 
 class ModelList(_Response):

@@ -3,7 +3,9 @@
 ``build_app(engine, config, metrics=..., api_key=...)`` wires an ``AsyncLLM`` into a FastAPI
 app; ``llmkit.entrypoints.serve.run_server`` runs it under uvicorn.
 
-Routes: ``GET /v1/models`` (the base model and its LoRA adapters, each with ``parent``),
+Routes: ``GET /v1/models`` (the base model and its LoRA adapters, each with ``parent`` and the
+``sampling_defaults`` a request that leaves a field out gets), ``GET /v1/models/{model}`` (one
+of them),
 ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (only with
 ``lora.allow_runtime_updates``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
 ``stream`` is true), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
@@ -45,7 +47,7 @@ from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
 from llmkit.entrypoints.openai.limits import RequestSizeLimit
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, ErrorResponse,
-                                                LoadLoRAAdapterRequest, ModelList,
+                                                LoadLoRAAdapterRequest, ModelCard, ModelList,
                                                 TokenizeRequest, UnloadLoRAAdapterRequest)
 from llmkit.entrypoints.openai.serving import OpenAIError, OpenAIServing
 from llmkit.entrypoints.openai.web import add_web_routes
@@ -226,6 +228,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models():
         return serving.list_models()
+
+    # `:path`: a model served under its folder's path has slashes in its id.
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model: str):
+        return serving.models.retrieve(model)
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request):

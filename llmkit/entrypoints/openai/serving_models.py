@@ -16,12 +16,25 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Any
 
 from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
-from llmkit.entrypoints.openai.protocol import ModelCard, ModelList
+from llmkit.entrypoints.openai.protocol import ModelCard, ModelList, SamplingDefaults
 from llmkit.lora.request import LoRARequest
+from llmkit.sampling.params import SamplingParams
+
+
+def sampling_defaults(model_fields: dict[str, Any]) -> SamplingDefaults:
+    """The values a request that leaves a field out gets (``to_sampling_params``' rule):
+    the model's ``model_fields`` (``AsyncLLM.default_sampling_fields``) over
+    ``SamplingParams``' defaults."""
+    base = SamplingParams()
+    values = {name: model_fields.get(name, getattr(base, name))
+              for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    return SamplingDefaults(**values, max_tokens=model_fields.get("max_tokens"),
+                            from_model=sorted(model_fields))
 
 
 class ServingModels:
@@ -50,11 +63,21 @@ class ServingModels:
 
     def list_models(self) -> ModelList:
         root = str(self.engine.model_source.path)
-        cards = [ModelCard(id=self.base_name, root=root, max_model_len=self.engine.max_model_len)]
+        defaults = sampling_defaults(self.engine.default_sampling_fields)
+        cards = [ModelCard(id=self.base_name, root=root, max_model_len=self.engine.max_model_len,
+                           sampling_defaults=defaults)]
         cards += [ModelCard(id=lr.lora_name, root=lr.lora_path, parent=self.base_name,
-                            max_model_len=self.engine.max_model_len)
+                            max_model_len=self.engine.max_model_len,
+                            sampling_defaults=defaults)
                   for lr in self.adapters.values()]
         return ModelList(data=cards)
+
+    def retrieve(self, name: str) -> ModelCard:
+        """``GET /v1/models/{model}`` (OpenAI's retrieve): the card of a base name (any of
+        its aliases) or an adapter; 404 in OpenAI's shape otherwise."""
+        adapter = self.resolve(name)
+        cards = self.list_models().data
+        return cards[0] if adapter is None else next(c for c in cards if c.id == name)
 
     # -- runtime updates --------------------------------------------------------------------
     def check_path(self, lora_path: str) -> str:

@@ -12,19 +12,41 @@
   // first from the settings box on every request.
   let conversation = [];
   let controller = null;
+  // The served models' cards (/v1/models) by id.
+  let cards = new Map();
 
   // -- settings ----------------------------------------------------------------------------
+  // Only the controls the user changed are kept: the others follow the server's defaults.
+  function savedSettings() {
+    try { return JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}"); } catch (_) { return {}; }
+  }
+
   function loadSettings() {
-    let saved = {};
-    try { saved = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}"); } catch (_) { }
+    const saved = savedSettings();
     for (const id of SETTINGS) if (saved[id] !== undefined && id !== "model") $(id).value = saved[id];
     return saved;
   }
 
-  function saveSettings() {
-    const values = {};
-    for (const id of SETTINGS) values[id] = $(id).value;
+  function saveSetting(id) {
+    const values = savedSettings();
+    values[id] = $(id).value;
     localStorage.setItem(SETTINGS_STORE, JSON.stringify(values));
+  }
+
+  // The sliders start where the server starts: a request that leaves temperature / top_p out
+  // gets the model's recommended values (its generation_config), which /v1/models lists as
+  // each card's `sampling_defaults`. A value the user set (kept in localStorage) wins.
+  function applyModelDefaults(card) {
+    const defaults = card && card.sampling_defaults;
+    if (!defaults) return;
+    const saved = savedSettings();
+    for (const [id, field] of [["temperature", "temperature"], ["top-p", "top_p"]]) {
+      const from = defaults.from_model.includes(field) ? "the model's default" : "the server's default";
+      $(id).title = `${from}: ${defaults[field]}`;
+      if (saved[id] === undefined) $(id).value = defaults[field];
+    }
+    showSliderValues();
+    document.body.dataset.samplingDefaults = card.id;
   }
 
   function showSliderValues() {
@@ -75,6 +97,7 @@
         return;
       }
       const models = (await resp.json()).data || [];
+      cards = new Map(models.map((m) => [m.id, m]));
       select.replaceChildren();
       for (const m of models) {
         const opt = document.createElement("option");
@@ -84,6 +107,7 @@
         select.appendChild(opt);
       }
       if (preferred && models.some((m) => m.id === preferred)) select.value = preferred;
+      applyModelDefaults(cards.get(select.value));
       llmkit.setStatus(`connected · ${models.length} model${models.length === 1 ? "" : "s"}`, "good");
     } catch (e) {
       llmkit.setStatus("server unreachable", "bad");
@@ -215,7 +239,8 @@
     try { conversation = JSON.parse(sessionStorage.getItem(CONVO_STORE) || "[]"); } catch (_) { }
     render();
     llmkit.bindApiKeyField($("api-key"), () => loadModels($("model").value));
-    for (const id of SETTINGS) $(id).addEventListener("change", saveSettings);
+    for (const id of SETTINGS) $(id).addEventListener("change", () => saveSetting(id));
+    $("model").addEventListener("change", () => applyModelDefaults(cards.get($("model").value)));
     $("temperature").addEventListener("input", showSliderValues);
     $("top-p").addEventListener("input", showSliderValues);
     $("composer").addEventListener("submit", (ev) => {
