@@ -42,6 +42,7 @@ __all__ = [
     "compose_tool_config",
     "config_to_yaml",
     "conf_dir",
+    "config_groups",
     "expand_overrides",
     "group_options",
     "model_presets",
@@ -102,6 +103,11 @@ def group_options(group: str) -> list[str]:
 def _groups() -> list[str]:
     return sorted([p.name for p in conf_dir().iterdir()
                    if p.is_dir() and any(p.glob("*.yaml"))] + [RECIPE_GROUP])
+
+
+def config_groups() -> list[str]:
+    """The config groups a command line can pick from (``conf/``'s and ``recipe``)."""
+    return _groups()
 
 
 def model_presets() -> list[str]:

@@ -50,6 +50,8 @@ key=value    Hydra overrides: scheduler.max_num_seqs=64 attention=triton recipe=
              +key=value adds a key, ~key deletes one
 -m           multirun: sweep over comma-separated values (key=a,b)
 
+llmkit <command> --help lists that command's config groups, its own keys and examples.
+
 examples:
   llmkit config recipe=cpu-default scheduler.max_num_seqs=32
   llmkit generate --prompt "Hello, world" sampling.max_tokens=32
@@ -79,6 +81,8 @@ class CliArgs:
     images: list[str] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     multirun: bool = False
+    # `llmkit <command> --help`: print that command's help (command_help.py), run nothing
+    help: bool = False
 
 
 def _is_override(word: str) -> bool:
@@ -89,7 +93,8 @@ def _is_override(word: str) -> bool:
 
 
 def parse_args(argv: Sequence[str]) -> CliArgs | None:
-    """Split argv; ``None`` means: print the usage (``--help``)."""
+    """Split argv; ``None`` means: print the general usage (``llmkit --help``); a command's
+    ``--help`` gives its ``CliArgs`` with ``help`` set."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         return None
@@ -102,6 +107,8 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
     elif command == "sim" and rest and rest[0] in SIM_SUBCOMMANDS:
         args.subcommand, rest = rest[0], rest[1:]
     elif command == "eval":
+        if rest and rest[0] in ("-h", "--help"):
+            return CliArgs(command=command, help=True)
         if not rest or rest[0] not in EVAL_SUBCOMMANDS:
             raise UsageError(f"eval needs a sub-command: {', '.join(EVAL_SUBCOMMANDS)}")
         args.subcommand, rest = rest[0], rest[1:]
@@ -110,7 +117,8 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
         word = rest[i]
         i += 1
         if word in ("-h", "--help"):
-            return None
+            args.help = True
+            return args
         if word == "--prompt":
             if i >= len(rest):
                 raise UsageError("--prompt needs a value: --prompt TEXT")
@@ -375,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args is None:
             (sys.stdout if argv else sys.stderr).write(USAGE)
             return 0 if argv else EXIT_USAGE
+        if args.help:
+            from llmkit.entrypoints.command_help import command_help
+
+            sys.stdout.write(command_help(args.command))
+            return 0
         if args.command in COMPUTE_COMMANDS:
             _set_openmp_env(args)
         return HANDLERS[args.command](args)
