@@ -36,6 +36,7 @@ from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreO
                                      EngineReady, ShutdownEngine, UtilityCall, UtilityResult,
                                      decode_sampling_params, make_encoder, run_engine_core)
 from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
+from llmkit.executor.worker_launch import hide_main_if_needed
 from llmkit.facts import ModelFacts
 
 if TYPE_CHECKING:
@@ -192,8 +193,11 @@ class MPClient(EngineCoreHandlers):
         # (before multiprocessing's own atexit hook, which would wait for it forever).
         atexit.register(self.shutdown)
         # The child may load torch before run_engine_core runs (spawn re-imports the parent's
-        # __main__), so its OpenMP wait policy must be in the environment it starts with.
-        with openmp_env_for_children(not likely_cuda(config.platform.name)):
+        # __main__), so its OpenMP wait policy must be in the environment it starts with. A
+        # __main__ that would run the user's engine again, or that is no file (stdin), is not
+        # re-imported at all (llmkit/executor/worker_launch.py).
+        with openmp_env_for_children(not likely_cuda(config.platform.name)), \
+                hide_main_if_needed():
             self.proc.start()
         self.ready: EngineReady | None = None
         self._reader: threading.Thread | None = None

@@ -1,6 +1,11 @@
 """``executor=multiproc``: one spawned worker process per rank on this machine (vLLM's
 MultiprocExecutor).
 
+Workers start from any program -- a script without an ``if __name__ == "__main__":`` guard,
+code on standard input, a notebook -- because the spawned children do not re-run the user's
+``__main__`` (``worker_launch.py``); their stderr is teed, and its last lines end every
+``WorkerDiedError``.
+
 Each step's ``SchedulerOutput`` is encoded once and written to a shared-memory ring that every
 worker reads (``llmkit.distributed.shm_broadcast``); only the output rank (rank 0, or under
 pipeline parallel the first rank of the last stage) sends the step's result back. With
@@ -33,6 +38,7 @@ from llmkit.executor.base import StepFuture
 from llmkit.executor.parallel_checks import check_parallel_config, distributed_backend
 from llmkit.executor.rank_reports import RankedExecutor, output_rank
 from llmkit.executor.step_codec import StepDecoder, StepEncoder
+from llmkit.executor.worker_launch import StderrTail, start_process
 from llmkit.executor.worker_proc import (OP_ADD_LORA, OP_EXECUTE, OP_SHUTDOWN, TAG_ERROR,
                                          TAG_KV_READY, TAG_LORA, TAG_OUTPUT, TAG_READY,
                                          WorkerSpec, encode_init_kv, encode_remove_lora,
@@ -55,6 +61,7 @@ class _WorkerHandle:
     rank: int
     proc: Any  # multiprocessing.Process
     conn: Any  # the parent's end of the rank's pipe
+    stderr: StderrTail | None = None  # the last lines the worker wrote to stderr
     inbox: deque = field(default_factory=deque)  # replies read before they were asked for
 
 
@@ -122,12 +129,11 @@ class MultiprocExecutor(RankedExecutor):
                                       distributed_backend(config, platform), threads,
                                       os.getpid(), logging.getLogger("llmkit").getEffectiveLevel(),
                                       cpus=slices[rank])
-                    proc = spawn.Process(target=run_worker,
-                                         args=(spec, self.ring.handle, child_end),
-                                         name=f"llmkit-worker-{rank}", daemon=True)
-                    proc.start()
+                    proc, tail = start_process(spawn, run_worker,
+                                               (spec, self.ring.handle, child_end),
+                                               f"llmkit-worker-{rank}")
                     child_end.close()
-                    self.workers.append(_WorkerHandle(rank, proc, parent_end))
+                    self.workers.append(_WorkerHandle(rank, proc, parent_end, stderr=tail))
             ready = [pickle.loads(self._recv(w, TAG_READY)[1:]) for w in self.workers]
         except BaseException:
             self.shutdown()
@@ -245,6 +251,11 @@ class MultiprocExecutor(RankedExecutor):
         why = message or (f"the process ended with exit code {code}" if code is not None
                           else "its pipe closed")
         self._failed = f"worker rank {w.rank} (pid {w.proc.pid}) failed: {why}"
+        # What the worker printed says why when no report could be sent (it died while
+        # starting, was killed, or crashed in native code).
+        tail = w.stderr.text(wait_s=1.0 if code is not None else 0.2) if w.stderr else ""
+        if tail:
+            self._failed += f"\n--- last lines of rank {w.rank}'s stderr ---\n{tail}"
         logger.error("%s", self._failed)
         raise WorkerDiedError(self._failed)
 
