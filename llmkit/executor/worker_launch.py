@@ -122,17 +122,23 @@ def hide_main_if_needed() -> contextlib.AbstractContextManager:
     return _hidden_main() if main_needs_hiding() else contextlib.nullcontext()
 
 
+def _flush_stderr() -> None:
+    if sys.stderr is not None:  # None under pythonw and in some embedded interpreters
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def _stderr_to(fd: int) -> Iterator[None]:
     """This process's fd 2 is ``fd`` while a child is started, so the child inherits it as its
     stderr from its first instruction (spawn passes no other way to redirect it)."""
-    sys.stderr.flush()
+    _flush_stderr()  # what this process wrote before stays its own
     saved = os.dup(2)
     os.dup2(fd, 2)
     try:
         yield
     finally:
-        sys.stderr.flush()
+        _flush_stderr()
         os.dup2(saved, 2)
         os.close(saved)
 
