@@ -245,3 +245,61 @@ def test_tool_history_and_tool_choice_none(client, model):
         model=model, messages=history, tools=TOOLS, max_tokens=100, temperature=1.0, seed=7,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     check_calls(resp.choices[0].message.tool_calls, {"get_weather"})
+
+
+def _streamed(client, **kw) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed chat's calls (name, argument text joined from the deltas) and finish."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                calls.setdefault(d.index, [d.function.name, ""])
+                calls[d.index][1] += d.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_same_streamed_or_not(client, model, parallel):
+    """Issue 31: one greedy request, streamed and not: the same calls and the same finish
+    reason, "tool_calls" once the model ends after a call (the grammar lets it end after any
+    complete call with parallel_tool_calls, after the only one without)."""
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+              max_tokens=300, temperature=0.0, parallel_tool_calls=parallel)
+    resp = client.chat.completions.create(**kw)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    check_calls(choice.message.tool_calls, {"get_weather", "search"})
+    calls, finish = _streamed(client, **kw)
+    assert finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    if not parallel:
+        assert len(calls) == 1
+
+
+def test_required_call_cut_by_max_tokens_is_in_both(client, model):
+    """Issue 31: a call cut by max_tokens reaches the client streamed and not, with the
+    argument text written so far and finish_reason "length"."""
+    kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+              temperature=0.0, parallel_tool_calls=False)
+    full = client.chat.completions.create(max_tokens=300, logprobs=True, **kw).choices[0]
+    assert full.finish_reason == "tool_calls"
+    # the token count that ends a few tokens inside the arguments object
+    pieces = [t.token for t in full.logprobs.content]
+    text = ""
+    for n, piece in enumerate(pieces, 1):
+        text += piece
+        if '"arguments": {' in text and len(text) > text.index('"arguments": {') + 16:
+            break
+    cut = client.chat.completions.create(max_tokens=n, **kw).choices[0]
+    assert cut.finish_reason == "length"
+    assert len(cut.message.tool_calls) == 1
+    args = cut.message.tool_calls[0].function.arguments
+    assert args and full.message.tool_calls[0].function.arguments.startswith(args)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(args)  # cut: not a complete object
+    calls, finish = _streamed(client, max_tokens=n, **kw)
+    assert finish == "length"
+    assert calls == [(cut.message.tool_calls[0].function.name, args)]

@@ -109,22 +109,44 @@ def test_hermes_holds_back_a_possible_tag_then_releases_it():
     assert content == "The answer <tool_c is no tag" and not calls
 
 
+REQUIRED_TEXT = ('<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}'
+                 '\n</tool_call>')
+
+
 def test_forced_parsers_and_their_streams():
-    text = ('[{"name": "search", "parameters": {"query": "x"}}, '
-            '{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}]')
-    out = RequiredToolCallsParser().parse(text, final=True)
+    out = RequiredToolCallsParser().parse(REQUIRED_TEXT, final=True)
     assert out.content is None and [c.name for c in out.tool_calls] == ["search", "get_weather"]
-    content, calls = stream_through(RequiredToolCallsParser(), text)
+    content, calls = stream_through(RequiredToolCallsParser(), REQUIRED_TEXT)
     assert content == "" and [json.loads(c["args"]) for c in calls.values()] == [
         {"query": "x"}, {"city": "Rome", "days": 3}]
-    # cut short: the complete calls only
-    cut = RequiredToolCallsParser().parse(text[:70], final=True)
-    assert [c.name for c in cut.tool_calls] == ["search"]
     named = NamedFunctionParser("search")
     assert named.parse(' {"query": "y"}', final=True).tool_calls[0].arguments == '{"query": "y"}'
-    assert named.parse('{"query": "y', final=True).tool_calls == []
     content, calls = stream_through(named, '{"query": "y"}')
     assert calls == {0: {"name": "search", "args": '{"query": "y"}'}}
+
+
+@pytest.mark.parametrize("cut", [len(REQUIRED_TEXT) - 30, len(REQUIRED_TEXT) - 14])
+def test_a_cut_call_is_kept_with_its_arguments_so_far(cut):
+    """max_tokens cuts the second call: the complete response and the stream both hold it with
+    the argument text written so far (issue 31: the stream sent it, the response dropped it)."""
+    text = REQUIRED_TEXT[:cut]
+    so_far = text[text.rindex('"arguments": ') + len('"arguments": '):]
+    final = RequiredToolCallsParser().parse(text, final=True).tool_calls
+    assert [(c.name, c.arguments) for c in final] == [("search", '{"query": "x"}'),
+                                                      ("get_weather", so_far)]
+    _, streamed = stream_through(RequiredToolCallsParser(), text)
+    assert [(c["name"], c["args"]) for c in streamed.values()] == [
+        ("search", '{"query": "x"}'), ("get_weather", so_far)]
+    use = tool_use(request(tools=TOOLS, tool_choice="required"), HermesToolParser())
+    msg, reason = _chat_message(text, "length", use)
+    assert reason == "length" and [c.function.arguments for c in msg.tool_calls] == [
+        '{"query": "x"}', so_far]
+    # a named function's arguments cut short: the same in both
+    named = NamedFunctionParser("search")
+    assert named.parse('{"query": "y', final=True).tool_calls[0].arguments == '{"query": "y'
+    assert stream_through(named, '{"query": "y')[1] == {0: {"name": "search",
+                                                            "args": '{"query": "y'}}
 
 
 def test_finish_reason_is_tool_calls_only_for_complete_calls():
@@ -146,21 +168,19 @@ def test_parser_names():
 
 # --------------------------------------------------------------------------- modes, grammars
 
-def test_tool_modes_and_forced_grammars():
+def test_tool_modes_and_forced_grammars(accepts):
     auto = tool_use(request(tools=TOOLS), HermesToolParser())
     assert auto.mode == "auto" and auto.structured_outputs is None and auto.in_prompt
     assert tool_use(request(), HermesToolParser()).mode == "none"
     none = tool_use(request(tools=TOOLS, tool_choice="none"), HermesToolParser())
     assert none.parser is None and not none.in_prompt
-    req = tool_use(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+    one = tool_use(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
                    HermesToolParser())
-    schema = req.structured_outputs.json
-    assert schema["minItems"] == 1 and schema["maxItems"] == 1
-    XgrammarBackend.validate(req.structured_outputs)
-    call = [{"name": "search", "parameters": {"query": "q"}}]
-    jsonschema.validate(call, schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate([{"name": "search", "parameters": {"city": "Rome"}}], schema)
+    XgrammarBackend.validate(one.structured_outputs)
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n</tool_call>'
+    assert accepts(one, call, then_eos=True)
+    assert not accepts(one, call + "\n" + call)  # one call only
+    assert not accepts(one, call.replace('{"query": "q"}', '{"city": "Rome"}'))  # its schema
     named = tool_use(request(tools=TOOLS, tool_choice={"type": "function",
                                                          "function": {"name": "get_weather"}}),
                      HermesToolParser())
@@ -173,15 +193,62 @@ def test_tool_modes_and_forced_grammars():
         assert e.value.status == 400
 
 
-def test_required_grammar_shares_defs():
+def test_required_grammar_shares_defs(accepts):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
         "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}},
                             "required": ["x"]}}}}}]
     use = tool_use(request(tools=tools, tool_choice="required"), HermesToolParser())
     XgrammarBackend.validate(use.structured_outputs)
-    jsonschema.validate([{"name": "f", "parameters": {"p": {"x": 1}}}],
-                        use.structured_outputs.json)
+    assert accepts(use, '<tool_call>\n{"name": "f", "arguments": {"p": {"x": 1}}}\n</tool_call>',
+                   then_eos=True)
+    assert not accepts(use, '<tool_call>\n{"name": "f", "arguments": {"p": {"y": 1}}}')
+
+
+@pytest.mark.parametrize("any_whitespace", [True, False])
+def test_parallel_required_calls_may_end_after_any_call(accepts, any_whitespace):
+    """Issue 31: with parallel_tool_calls the grammar lets the output end (its stop token)
+    after the first complete call and after any later one, never inside a call; a call that
+    breaks its function's schema is refused."""
+    use = tool_use(request(tools=TOOLS, tool_choice="required"), HermesToolParser(),
+                   any_whitespace=any_whitespace)
+    XgrammarBackend.validate(use.structured_outputs)
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' \
+            '\n</tool_call>'
+    second = '<tool_call>\n{"name": "search", "arguments": {"query": "rain"}}\n</tool_call>'
+    assert accepts(use, first, then_eos=True)
+    assert accepts(use, first + "\n" + second, then_eos=True)
+    assert accepts(use, first + "\n" + second + "\n" + first, then_eos=True)
+    assert not accepts(use, first[:-3], then_eos=True)  # no end inside a call
+    assert not accepts(use, "", then_eos=True)  # at least one call
+    assert not accepts(use, first.replace("Paris", "Lyon"))
+    # the model's own whitespace only where the engine allows it
+    spaced = first.replace('{"city"', '{\n  "city"')
+    assert accepts(use, spaced) == any_whitespace
+    parsed = RequiredToolCallsParser().parse(first + "\n" + second, final=True).tool_calls
+    for c in parsed:
+        jsonschema.validate(json.loads(c.arguments), SCHEMA_OF[c.name])
+
+
+@pytest.fixture(scope="module")
+def accepts(tiny_tokenizer):
+    """``accepts(use, text, then_eos=False)``: xgrammar's matcher on the tool grammar accepts
+    ``text`` (as a prefix), and with ``then_eos`` the stop token may follow and ends it."""
+    import xgrammar as xgr
+
+    from llmkit.structured_output import structured_output_key
+
+    backend = XgrammarBackend(tokenizer=tiny_tokenizer, vocab_size=len(tiny_tokenizer))
+    eos = tiny_tokenizer.eos_token_id
+
+    def check(use, text: str, then_eos: bool = False) -> bool:
+        matcher = xgr.GrammarMatcher(backend.compile(
+            structured_output_key(use.structured_outputs)))
+        if not matcher.accept_string(text):
+            return False
+        return not then_eos or (matcher.accept_token(eos) and matcher.is_terminated())
+
+    return check
 
 
 # --------------------------------------------------------------------------- the prompt

@@ -297,7 +297,8 @@ class OpenAIServing:
         self.check_engine()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        use = tool_use(req, self.tool_parser)
+        use = tool_use(req, self.tool_parser, any_whitespace=not self.engine.config
+                       .structured_output.disable_any_whitespace)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
         req, images = await load_chat_images(self.engine, req)

@@ -4,9 +4,11 @@ calls, and the conversation as the chat template receives it.
 - ``none``: no tools in the prompt, plain content. ``auto`` (the default with tools): the
   tools are in the prompt; the tool-call parser (``server.tool_call_parser``) finds calls in
   the output. ``required`` / a named function: the output is forced by a JSON schema built
-  from the functions' ``parameters`` (vLLM's scheme), so the calls always parse and validate:
-  ``required`` writes ``[{"name": ..., "parameters": {...}}, ...]`` (one item unless
-  ``parallel_tool_calls``), a named function writes its arguments object.
+  from the functions' ``parameters``, so the calls always parse and validate: ``required``
+  writes the Hermes blocks the tool prompt teaches (``<tool_call>\n{"name": ..., "arguments":
+  {...}}\n</tool_call>``; one block unless ``parallel_tool_calls``, and the output may end
+  after any complete block: see ``structured_output/tagged_calls.py`` for why not vLLM's
+  JSON array), a named function writes its arguments object (vLLM's scheme).
 - A template that renders ``tools`` gets them (and assistant ``tool_calls`` with arguments as
   objects). A template that knows no tools — SmolLM2's ignores them and fails on an assistant
   turn without content — gets ``TOOL_PROMPT`` (Hermes-style) in the system message, the
@@ -24,6 +26,7 @@ from llmkit.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessag
 from llmkit.entrypoints.openai.tool_parsers import (NamedFunctionParser, RequiredToolCallsParser,
                                                     ToolParser)
 from llmkit.sampling.params import StructuredOutputsParams
+from llmkit.structured_output.tagged_calls import tagged_calls_grammar
 
 __all__ = ["TOOL_PROMPT", "ToolUse", "template_supports_tools", "template_messages", "tool_use"]
 
@@ -58,8 +61,11 @@ class ToolUse:
         return self.mode != "none" and bool(self.tools)
 
 
-def tool_use(req: ChatCompletionRequest, auto_parser: ToolParser) -> ToolUse:
-    """The request's tool mode; a 400 for a ``tool_choice`` that cannot be met."""
+def tool_use(req: ChatCompletionRequest, auto_parser: ToolParser, *,
+             any_whitespace: bool = True) -> ToolUse:
+    """The request's tool mode; a 400 for a ``tool_choice`` that cannot be met.
+    ``any_whitespace``: free whitespace in forced calls' JSON (the engine's
+    ``structured_output.disable_any_whitespace`` negated: the grammar is built here)."""
     tools = req.tools or []
     choice = req.tool_choice
     if choice is None:
@@ -74,15 +80,17 @@ def tool_use(req: ChatCompletionRequest, auto_parser: ToolParser) -> ToolUse:
     if choice == "auto":
         return ToolUse("auto", tools, parser=auto_parser)
     if choice == "required":
-        schema = {"type": "array", "minItems": 1,
-                  "items": {"anyOf": [_call_schema(t) for t in tools]}}
-        if not req.parallel_tool_calls:
-            schema["maxItems"] = 1
+        schema: dict[str, Any] = {"anyOf": [_call_schema(t) for t in tools]}
         defs = _shared_defs(tools)
         if defs:
             schema["$defs"] = defs
+        try:
+            grammar = tagged_calls_grammar(schema, parallel=req.parallel_tool_calls,
+                                           any_whitespace=any_whitespace)
+        except ValueError as e:
+            raise bad_request(f"tools: {e}", "tools") from None
         return ToolUse("required", tools, parser=RequiredToolCallsParser(),
-                       structured_outputs=StructuredOutputsParams(json=schema))
+                       structured_outputs=StructuredOutputsParams(grammar=grammar))
     name = choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)
     if tool is None:
@@ -104,12 +112,12 @@ def _call_schema(tool: ChatTool) -> dict[str, Any]:
     params = {k: v for k, v in _parameters(tool).items() if k != "$defs"}
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": params},
-            "required": ["name", "parameters"]}
+                           "arguments": params},
+            "required": ["name", "arguments"]}
 
 
 def _shared_defs(tools: list[ChatTool]) -> dict[str, Any]:
-    """The functions' ``$defs``, moved to the array's root (where their ``$ref``s point)."""
+    """The functions' ``$defs``, moved to the call schema's root (where their ``$ref``s point)."""
     defs: dict[str, Any] = {}
     for t in tools:
         for name, schema in (_parameters(t).get("$defs") or {}).items():
