@@ -455,6 +455,15 @@ def test_bad_json_and_bad_chat_are_400(env):
         resp = httpx.post(url, json=body)
         assert resp.status_code == 400, resp.text
         assert error_body(resp)["param"] == param
+    # a turn without content, as OpenAI and vLLM answer it (issue 31.10); an assistant turn
+    # may leave it null only when it calls tools (the tool-history tests send that, answered)
+    for message in ({"role": "user", "content": None}, {"role": "user"},
+                    {"role": "system", "content": None}, {"role": "tool", "tool_call_id": "c"},
+                    {"role": "assistant", "content": None}):
+        resp = httpx.post(url, json={"messages": [message]})
+        assert resp.status_code == 400, (message, resp.text)
+        err = error_body(resp)
+        assert err["param"] == "messages" and "needs content" in err["message"], err
 
 
 def test_prompt_too_long_is_400_and_others_still_served(env, client):

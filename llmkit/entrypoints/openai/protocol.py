@@ -256,6 +256,15 @@ class ChatMessage(_Request):
                                      "and {'type': 'image_url', ...} parts are supported")
         return v
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        # OpenAI (and vLLM) answer 400 for a turn without content; only an assistant turn
+        # that calls tools may leave it null (issue 31.10: a null user turn was answered).
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            needs = "content (or tool_calls)" if self.role == "assistant" else "content"
+            raise ValueError(f"a {self.role} message needs {needs}; got null")
+        return self
+
     @property
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(p.get("type") == "image_url"
