@@ -240,6 +240,9 @@ def test_error_attributes_and_pickle():
     (["+scheduler.max_num_seqs=3"], "scheduler.max_num_seqs", "the key exists"),
     (["scheduler.enable_chunked_prefill=false"], "scheduler.max_num_batched_tokens",
      "model.max_model_len"),
+    # a disaggregation role needs a connector (issue 31.12)
+    (["kv_transfer.kv_role=kv_producer"], "kv_transfer.kv_role",
+     "got 'kv_producer'; allowed: kv_transfer.kv_role=kv_both while kv_transfer=none"),
 ])
 def test_other_errors_are_one_line(overrides, key, fragment):
     with pytest.raises(ConfigError) as ei:

@@ -156,6 +156,13 @@ def test_config_errors_name_the_key(model, tmp_path):
     with pytest.raises(ConfigError, match="kv_transfer.kv_role"):
         LLM(str(model), dtype="float32", kv_transfer={"name": "shared_memory",
                                                       "kv_role": "sender"})
+    # a disaggregation role without a connector (issue 31.12): a start-up error, not a 400
+    # on every request with kv_transfer_params
+    for role in ("kv_producer", "kv_consumer"):
+        with pytest.raises(ConfigError) as ei:
+            LLM(str(model), dtype="float32", kv_transfer={"kv_role": role})
+        assert ei.value.key == "kv_transfer.kv_role" and ei.value.value == role
+        assert "kv_transfer=shared_memory" in str(ei.value) and "kv_both" in str(ei.value)
 
 
 # --------------------------------------------------------------------------- zmq

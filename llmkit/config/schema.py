@@ -161,6 +161,18 @@ class KVTransferConfig(_Component):
     side_channel_port: int = Field(default=0, ge=0, le=65535)
     connect_timeout_s: float = Field(default=10.0, gt=0)
 
+    @model_validator(mode="after")
+    def _role_needs_a_connector(self) -> "KVTransferConfig":
+        # A producer or consumer without a connector cannot hand KV anywhere: it used to start
+        # and then refuse every request with kv_transfer_params (issue 31.12). kv_both is the
+        # neutral default, meaningful alone.
+        if self.name == "none" and self.target is None and self.kv_role != "kv_both":
+            raise ValueError(
+                "kv_transfer.kv_role=kv_both while kv_transfer=none (no KV connector); "
+                "kv_producer and kv_consumer need a connector: kv_transfer=shared_memory, "
+                "kv_transfer=zmq or a kv_transfer._target_")
+        return self
+
 
 class KVOffloadConfig(_Strict):
     """Group ``kv_offload``: tiers below the KV pool (``llmkit/kv_transfer/offload.py``).
