@@ -116,8 +116,8 @@ inline void dot4_rows2(const float* x0, const float* x1, const T* w0, int64_t k,
 // How far ahead of the rows being read the weight is prefetched, in bytes of its contiguous
 // stream. The hardware prefetchers stop at 4 KiB pages and ramp up slowly on each of the ~120
 // short streams a decode step reads; requesting both cache lines of every 64-element block this
-// far ahead took one bf16 decode step's linears from ~16.6 to ~21 GB/s on a 2-core AVX2 VM
-// (distances of 1-8 KiB were within noise of each other).
+// far ahead sped a decode step's linears up (docs/cpu-speed.md has the figures; distances of
+// 1-8 KiB measured alike).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // The pairwise tree over dot_torch_order's eight accumulators (into acc[0]).
