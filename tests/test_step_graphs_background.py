@@ -165,6 +165,37 @@ def test_background_false_waits_with_a_progress_line(tiny_model_dir, tmp_path, m
     llm.shutdown()
 
 
+def test_compile_missing_false_stays_eager_and_never_traces(tiny_model_dir, tmp_path,
+                                                           monkeypatch, caplog,
+                                                           engine_thread_graph_runs):
+    """compilation.compile_missing=false (what `llmkit generate` sets: a one-shot run ends
+    long before a compile would, which would only slow it): no graphs saved, nothing is
+    traced and every step is eager; `llmkit generate` adds the key unless the user gave it."""
+    from llmkit.entrypoints import cli
+
+    def no_tracing(self, path, inputs):
+        raise AssertionError("traced a step graph under compile_missing=false")
+
+    monkeypatch.setattr(InductorStepGraphs, "_trace", no_tracing)
+    with caplog.at_level(logging.INFO, logger="llmkit"):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32",
+                  compilation={"mode": "graphs", "cache_dir": str(tmp_path / "compile"),
+                               "compile_missing": False})
+    runner = llm.engine.executor.runner
+    assert runner.step_graphs is None and runner.pending_graphs is None
+    assert len(generate(llm)) == 4 and engine_thread_graph_runs["n"] == 0
+    assert "compilation.compile_missing=false: decode steps run eagerly" in caplog.text
+    llm.shutdown()
+
+    seen = {}
+    monkeypatch.setattr(cli, "load_config", lambda args: seen.setdefault("o", list(args.overrides)))
+    monkeypatch.setattr(cli, "_offline", lambda name: lambda cfg, prompt: 0)
+    assert cli.main(["generate", "--prompt", "hi"]) == 0
+    assert seen.pop("o")[-1] == "compilation.compile_missing=false"
+    assert cli.main(["generate", "--prompt", "hi", "compilation.compile_missing=true"]) == 0
+    assert seen["o"] == ["compilation.compile_missing=true"]
+
+
 def test_exit_while_compiling_does_not_hang(tiny_model_dir, tmp_path):
     """A capture still running when the program ends does not hold the exit up."""
     script = textwrap.dedent(f"""

@@ -428,6 +428,10 @@ class CompilationConfig(_Strict):
     # the graphs from the first step; the test suite, through LLMKIT_COMPILATION_BACKGROUND).
     # Saved graphs load before serving either way (seconds).
     background: bool = True
+    # false: graphs that are not saved are not compiled at all (decode steps stay eager);
+    # `llmkit generate` sets it, as a one-shot run ends long before a compile would, and the
+    # compile would only slow it down. chat and serve compile them, for every later start.
+    compile_missing: bool = True
 
 
 class SamplingDefaults(_Strict):

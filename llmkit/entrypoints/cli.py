@@ -270,6 +270,9 @@ def _cmd_generate(args: CliArgs) -> int:
     for path in args.images:
         if not os.path.isfile(path):
             raise UsageError(f"--image {path!r}: no such file")
+    if not any(o.lstrip("+~").startswith("compilation.compile_missing") for o in args.overrides):
+        # one-shot: it ends long before step graphs would compile (saved ones still load)
+        args.overrides.append("compilation.compile_missing=false")
     cfg = load_config(args)
     run = _offline("run_generate")
     return int((run(cfg, args.prompt, args.images) if args.images else run(cfg, args.prompt))

@@ -101,6 +101,8 @@ class ModelRunner:
         # Compile step graphs on a daemon thread when nothing saved covers them, stepping
         # eagerly meanwhile (compilation.background; the worker turns it off where it must).
         self.capture_in_background = False
+        #: false: graphs that were not saved by an earlier start are not compiled (eager)
+        self.compile_missing_graphs = True
         self.pending_graphs: BackgroundCapture | None = None
         # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
         self.lora_manager: LoRAManager | None = None
@@ -176,9 +178,12 @@ class ModelRunner:
     def _prepare_step_graphs(self, graphs: StepGraphs) -> None:
         """Graphs saved by an earlier start are loaded now (seconds); graphs to compile are
         compiled on a daemon thread when allowed (``llmkit/worker/step_graph_capture.py``),
-        else now, with a progress line either way."""
+        not at all under ``compilation.compile_missing=false``, else now, with a progress
+        line either way."""
         width = self.batch.block_table.shape[1]
-        if self.capture_in_background and graphs.capture_in_background:
+        # (graphs that capture in seconds, CUDA's, are captured now either way)
+        slow = graphs.capture_in_background
+        if slow and (self.capture_in_background or not self.compile_missing_graphs):
             with startup_step(f"loading the saved decode step graphs ({graphs.name}; "
                               "compilation.mode=eager skips them)"):
                 loaded = graphs.load_saved(width)
@@ -186,6 +191,11 @@ class ModelRunner:
                 self.step_graphs = graphs
                 logger.info("step graphs (%s) for decode steps of 1-%d rows loaded",
                             graphs.name, graphs.max_rows)
+            elif not self.compile_missing_graphs:
+                logger.info("step graphs (%s): none saved for this model and set-up, and "
+                            "compilation.compile_missing=false: decode steps run eagerly "
+                            "(llmkit chat or serve compile them once, for every later start)",
+                            graphs.name)
             else:
                 self.pending_graphs = BackgroundCapture(graphs, width).start()
             return

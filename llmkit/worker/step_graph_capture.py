@@ -15,6 +15,7 @@ stays eager; one still running when the engine exits dies with the process (a da
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -43,6 +44,19 @@ def capture_now(graphs: StepGraphs, block_table_width: int) -> float:
         return graphs.capture(block_table_width)
 
 
+_COMPILE_SWITCH_INTERVAL_S = 0.00001
+
+
+def _yield_to_the_engine() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads as tasks; the compiler
+    processes it starts inherit it): the engine's eager steps, not the compile, get the cores
+    the two share."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at equal priority
+        pass
+
+
 class BackgroundCapture:
     """``graphs.capture(block_table_width)`` on a daemon thread; :meth:`poll` hands the graphs
     over once they are ready."""
@@ -61,6 +75,11 @@ class BackgroundCapture:
         return self
 
     def _capture(self) -> None:
+        _yield_to_the_engine()
+        # The trace is Python holding the GIL; an eager step needs it thousands of times. A
+        # short switch interval hands it back to the engine thread sooner while this runs.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _COMPILE_SWITCH_INTERVAL_S))
         try:
             # inference mode is per thread: the graphs are traced as the engine runs them
             with torch.inference_mode(), startup_step(compile_step_what(self.graphs, True)):
@@ -71,6 +90,7 @@ class BackgroundCapture:
                 logger.warning("step graphs (%s): compiling failed; decode steps keep running "
                                "eagerly", self.graphs.name, exc_info=True)
         finally:
+            sys.setswitchinterval(interval)
             self._done.set()
 
     @property

@@ -140,6 +140,8 @@ class Worker:
                 spec.ridge_tokens is None
             self.runner.capture_in_background = config.compilation.background and \
                 not times_steps
+            self.runner.compile_missing_graphs = config.compilation.compile_missing or \
+                times_steps
         elif config.compilation.mode == "graphs":
             logger.warning("compilation.mode=graphs: step graphs are not built under tensor or "
                            "pipeline parallel yet (their collectives, sends and receives); "
