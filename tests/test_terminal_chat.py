@@ -14,7 +14,8 @@ from llmkit import LLM
 from llmkit.config.compose import build_config
 from llmkit.entrypoints.chat_commands import parse_command
 from llmkit.entrypoints.offline import run_generate, sampling_params_from
-from llmkit.entrypoints.reply_stats import ReplyMeter, SpecDecodeCounts, spec_decode_line
+from llmkit.entrypoints.reply_stats import ReplyMeter, spec_decode_line
+from llmkit.scheduler.base import SpecDecodeStats
 from llmkit.entrypoints.terminal_chat import ChatIO, run_chat_loop
 
 NGRAM = {"name": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -122,9 +123,9 @@ def test_stats_report_speculation_over_the_session(model_dir):
         "speculative=ngram", "speculative.num_speculative_tokens=3",
         "speculative.prompt_lookup_min=1"])
     llm = LLM.from_config(config)
-    before = SpecDecodeCounts.of(llm.engine.stats().spec_decode)
+    before = llm.engine.stats().spec_decode.snapshot()
     _, err, _, _ = chat(llm, config, REPEATING, "/stats")
-    counts = SpecDecodeCounts.of(llm.engine.stats().spec_decode).since(before)
+    counts = llm.engine.stats().spec_decode.snapshot().since(before)
     assert counts.num_draft_tokens > 0
     line = re.search(r"\[speculative decoding \(ngram, K=3\): acceptance rate ([\d.]+)% "
                      r"\((\d+) of (\d+) draft tokens\), mean acceptance length ([\d.]+) "
@@ -164,8 +165,8 @@ def test_reply_meter_and_spec_line_arithmetic():
     assert "overall 12.0 tok/s over 2 replies" in speed
     assert tokens.startswith("tokens: 40 in") and tokens.endswith("30 out")
     spec = SimpleNamespace(name="ngram", target=None, num_speculative_tokens=4)
-    counts = SpecDecodeCounts(10, 40, 30).since(SpecDecodeCounts(2, 8, 6))
+    counts = SpecDecodeStats(10, 40, 30).since(SpecDecodeStats(2, 8, 6))
     assert (counts.acceptance_rate, counts.mean_acceptance_length) == (0.75, 4.0)
     assert "acceptance rate 75.0% (24 of 32 draft tokens), mean acceptance length 4.00" \
         in spec_decode_line(counts, spec)
-    assert "no draft tokens proposed yet" in spec_decode_line(SpecDecodeCounts(), spec)
+    assert "no draft tokens proposed yet" in spec_decode_line(SpecDecodeStats(), spec)

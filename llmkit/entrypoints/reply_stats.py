@@ -14,44 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ReplyMeter", "SpecDecodeCounts", "spec_decode_line", "spec_decode_reading"]
+from llmkit.scheduler.base import SpecDecodeStats
+
+__all__ = ["ReplyMeter", "spec_decode_line", "spec_decode_reading"]
 
 
-@dataclass(frozen=True, slots=True)
-class SpecDecodeCounts:
-    """Speculative decoding counters: a reading of the engine's, or the difference of two."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @classmethod
-    def of(cls, stats: Any) -> "SpecDecodeCounts":
-        """A copy of a ``SpecDecodeStats``' counters (the engine keeps counting in its own)."""
-        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-
-    def since(self, before: "SpecDecodeCounts") -> "SpecDecodeCounts":
-        return SpecDecodeCounts(self.num_drafts - before.num_drafts,
-                                self.num_draft_tokens - before.num_draft_tokens,
-                                self.num_accepted_tokens - before.num_accepted_tokens)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-
-def spec_decode_reading(llm: Any) -> SpecDecodeCounts | None:
+def spec_decode_reading(llm: Any) -> SpecDecodeStats | None:
     """The engine's speculation counters now; ``None`` when speculation is off."""
     if not llm.config.speculative.enabled:
         return None
-    return SpecDecodeCounts.of(llm.engine.stats().spec_decode)
+    return llm.engine.stats().spec_decode.snapshot()  # the engine keeps counting in its own
 
 
-def spec_decode_line(counts: SpecDecodeCounts, speculative: Any) -> str:
+def spec_decode_line(counts: SpecDecodeStats, speculative: Any) -> str:
     """One line on the acceptance of ``counts`` (``speculative``: the engine's
     ``SpeculativeConfig``, named in the line)."""
     method = (f"{speculative.target or speculative.name}, "

@@ -126,6 +126,15 @@ class SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                list(self.accepted_per_position))
 
+    def since(self, before: "SpecDecodeStats") -> "SpecDecodeStats":
+        """What was counted after ``before`` (an earlier snapshot of these counters)."""
+        old = before.accepted_per_position
+        per_pos = [n - (old[j] if j < len(old) else 0)
+                   for j, n in enumerate(self.accepted_per_position)]
+        return SpecDecodeStats(self.num_drafts - before.num_drafts,
+                               self.num_draft_tokens - before.num_draft_tokens,
+                               self.num_accepted_tokens - before.num_accepted_tokens, per_pos)
+
 
 @dataclass(slots=True)
 class SchedulerStats:
