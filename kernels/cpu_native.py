@@ -77,7 +77,7 @@ def op_namespace(tier: str | None) -> str:
     return f"{LIBRARY}_{tier or 'generic'}"
 
 
-LINK_FLAGS = ["-fopenmp"]
+LINK_FLAGS = ("-fopenmp",)
 
 
 @functools.cache
@@ -110,7 +110,7 @@ def build_inputs(flags: list[str]) -> dict[str, str]:
         digest.update(path.read_bytes())
     return {"sources": digest.hexdigest(), "torch": torch.__version__,
             "include_paths": os.pathsep.join(include_paths()),
-            "compiler": compiler_identity(), "flags": " ".join(flags + LINK_FLAGS),
+            "compiler": compiler_identity(), "flags": " ".join([*flags, *LINK_FLAGS]),
             "python": f"{sys.implementation.cache_tag} {sysconfig.get_platform()}"}
 
 
@@ -166,7 +166,10 @@ def _load_tier(tier: str | None):
                           "(once per environment and tier; 20-40 s on 2 cores)"):
             cpp_extension.load(
                 name=f"{LIBRARY}_{key}", sources=[str(SOURCE_DIR / "ops.cpp")],
-                extra_cflags=compile_flags(tier), extra_ldflags=LINK_FLAGS,
+                extra_cflags=compile_flags(tier),
+                # a copy: the builder appends torch's libraries to the list it is given, which
+                # changed the next tier's build key (a rebuild per process)
+                extra_ldflags=list(LINK_FLAGS),
                 extra_include_paths=[str(SOURCE_DIR)], build_directory=str(directory),
                 is_python_module=False, with_cuda=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, or a build error

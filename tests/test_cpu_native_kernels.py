@@ -269,6 +269,17 @@ def test_bf16_linear_row_is_torchs_avx2_gemv():
     assert out.strip().splitlines()[-1] == "True"
 
 
+def test_loading_tiers_leaves_each_tiers_build_key_alone():
+    """Several tiers load in one process (tests, benchmarks): loading one must not change the
+    key another is looked up by (torch's builder appended its libraries to the link flags it
+    was handed, so every tier loaded after the first was rebuilt under a new key)."""
+    for tier in supported_tiers():
+        load_cpu_kernels(tier)
+    for tier in supported_tiers():
+        fresh = cpu_native._build_key(cpu_native.build_inputs(cpu_native.compile_flags(tier)))
+        assert cpu_native.kernels_build_key(tier) == fresh, tier
+
+
 def test_wrong_dtype_is_a_clear_error(ops):
     with pytest.raises(RuntimeError, match="float32 or bfloat16 expected"):
         ops.silu_and_mul(torch.zeros(2, 4, dtype=torch.float16))

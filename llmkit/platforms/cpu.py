@@ -138,14 +138,8 @@ class CpuPlatform(Platform):
             return None
         from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
 
-        if self.isa is None:
-            exc = CpuKernelBuildError("llmkit's CPU kernels need AVX2, FMA and F16C, which "
-                                      "this CPU lacks")
-            if mode == "on":
-                raise ValueError(f"platform.native_kernels=on: {exc}")
-            logger.warning("%s; computing with torch ops instead", exc)
-            return None
         try:
+            # (no tier: a CPU without AVX2 gets the kernels' portable build, as before tiers)
             return load_cpu_kernels(self.isa)
         except CpuKernelBuildError as exc:
             if mode == "on":
