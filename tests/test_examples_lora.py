@@ -7,11 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 from tiny_models import write_tiny_gguf
-
-pytest.importorskip("peft")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lora.py"
 

@@ -19,6 +19,7 @@ flags; none is built yet, as no such machine was available to test them.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -78,13 +79,10 @@ def cpu_flags() -> frozenset[str]:
 @functools.cache
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), for logs and cache keys."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # not Linux: unknown
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return "unknown"
 
 

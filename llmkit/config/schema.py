@@ -14,17 +14,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
-
-
-class _Component(_Strict):
-    """A component picked from its registry by ``name`` or built from a ``_target_`` class path."""
-
-    name: str
-    target: str | None = Field(default=None, alias="_target_")
+from llmkit.config.platform_schema import CpuDispatchConfig, PlatformConfig
+from llmkit.config.strict import _Component, _Strict
 
 
 class GenerationDefaults(_Strict):
@@ -222,56 +215,6 @@ class ParallelConfig(_Strict):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-class CpuDispatchConfig(_Strict):
-    """Overrides of the CPU dispatch table (``llmkit.config.cpu_dispatch.CpuDispatch``, which
-    documents each choice): the row counts at which the CPU components switch kernels. null =
-    the table's value for the instruction-set tier (``platform.isa``); ``llmkit config`` shows
-    the resolved table. Each path computes its own bits, so a change here can change outputs."""
-
-    linear_small_batch_max_rows: int | None = Field(default=None, ge=0)
-    linear_packed_max_rows: int | None = Field(default=None, ge=0)
-    lora_small_batch_max_rows: int | None = Field(default=None, ge=0)
-    attention_min_compiled_decode_rows: int | None = Field(default=None, ge=1)
-    attention_max_expanded_query_len: int | None = Field(default=None, ge=1)
-    # at most linear_small_batch_max_rows (checked when the platform resolves the table)
-    step_graph_max_rows: int | None = Field(default=None, ge=1)
-    top_p_candidates: int | None = Field(default=None, ge=1)
-    ranks_per_core: int | None = Field(default=None, ge=1)
-
-
-class PlatformConfig(_Component):
-    name: str = "auto"
-    # CPU threads for torch; 0 = all cores the process may use.
-    num_threads: int = Field(default=0, ge=0)
-    # CPU: add a copy of each linear weight in oneDNN's blocked layout after loading (faster
-    # GEMMs at decode batch sizes; a second copy of the weights in memory). bf16 models on CPUs
-    # without native bf16 also compute their linears in float32 (bf16 GEMMs are emulated there).
-    packed_linear: bool = True
-    # CPU: llmkit's C++ kernels (fused norms, SiLU, rotary, KV writes, paged decode attention),
-    # built on first use and cached. auto: use them if they build here (warn and use torch ops
-    # if not); on: fail at start-up if they cannot be built; off: torch ops only.
-    native_kernels: Literal["auto", "on", "off"] = "auto"
-    # CPU: the instruction-set tier of llmkit's C++ kernels and of the choices llmkit makes from
-    # the CPU's flags (model.dtype=auto, the bf16 linear path). auto: the best this CPU
-    # supports; a named tier forces it (one the CPU lacks is refused at start-up). Lowest first:
-    # avx2 < avx2_vnni < avx512 < avx512_vnni < avx512_bf16 (llmkit.kernels.cpu_isa).
-    isa: Literal["auto", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16",
-                 "amx"] = "auto"
-    # CPU: the dispatch table's overrides (which kernel runs at which row count); null = the
-    # tier's defaults.
-    dispatch: CpuDispatchConfig = Field(default_factory=CpuDispatchConfig)
-
-    @field_validator("isa")
-    @classmethod
-    def _isa_on_this_cpu(cls, value: str) -> str:
-        from llmkit.config.cpu_isa import why_unsupported
-
-        problem = None if value == "auto" else why_unsupported(value)
-        if problem is not None:
-            raise ValueError(problem)  # e.g. a tier this CPU lacks
-        return value
 
 
 class LoRAConfig(_Strict):

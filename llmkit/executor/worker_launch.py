@@ -51,14 +51,15 @@ class StderrTail:
 
     def _pump(self) -> None:
         try:
-            while chunk := os.read(self._fd, 65536):
-                with contextlib.suppress(OSError):
-                    os.write(self._forward_fd, chunk)
-                with self._lock:
-                    *complete, self._partial = (self._partial + chunk).split(b"\n")
-                    self._lines.extend(line.decode("utf-8", "replace") for line in complete)
-        except OSError:
-            pass
+            # a read error ends the pump like the end of the pipe: the child is gone
+            with contextlib.suppress(OSError):
+                while chunk := os.read(self._fd, 65536):
+                    with contextlib.suppress(OSError):
+                        os.write(self._forward_fd, chunk)
+                    with self._lock:
+                        *complete, self._partial = (self._partial + chunk).split(b"\n")
+                        self._lines.extend(line.decode("utf-8", "replace")
+                                           for line in complete)
         finally:
             os.close(self._fd)
 

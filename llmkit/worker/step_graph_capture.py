@@ -14,6 +14,7 @@ stays eager; one still running when the engine exits dies with the process (a da
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -51,10 +52,9 @@ def _yield_to_the_engine() -> None:
     """Lower this thread's CPU priority (Linux schedules threads as tasks; the compiler
     processes it starts inherit it): the engine's eager steps, not the compile, get the cores
     the two share."""
-    try:
+    # not Linux, or not allowed: the compile runs at the engine's priority
+    with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not Linux, or not allowed: compile at equal priority
-        pass
 
 
 class BackgroundCapture:
