@@ -26,7 +26,6 @@ from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
-from llmkit.startup import startup_step
 from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.mm_inputs import MultimodalInputs
@@ -34,7 +33,7 @@ from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
-from llmkit.worker.step_graph_capture import BackgroundCapture, capture_now
+from llmkit.worker.step_graph_capture import BackgroundCapture, prepare_step_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -173,36 +172,10 @@ class ModelRunner:
         if self.make_step_graphs is not None:
             graphs = self.make_step_graphs(self.model, self.kv_caches)
             if graphs is not None:
-                self._prepare_step_graphs(graphs)
-
-    def _prepare_step_graphs(self, graphs: StepGraphs) -> None:
-        """Graphs saved by an earlier start are loaded now (seconds); graphs to compile are
-        compiled on a daemon thread when allowed (``llmkit/worker/step_graph_capture.py``),
-        not at all under ``compilation.compile_missing=false``, else now, with a progress
-        line either way."""
-        width = self.batch.block_table.shape[1]
-        # (graphs that capture in seconds, CUDA's, are captured now either way)
-        slow = graphs.capture_in_background
-        if slow and (self.capture_in_background or not self.compile_missing_graphs):
-            with startup_step(f"loading the saved decode step graphs ({graphs.name}; "
-                              "compilation.mode=eager skips them)"):
-                loaded = graphs.load_saved(width)
-            if loaded:
-                self.step_graphs = graphs
-                logger.info("step graphs (%s) for decode steps of 1-%d rows loaded",
-                            graphs.name, graphs.max_rows)
-            elif not self.compile_missing_graphs:
-                logger.info("step graphs (%s): none saved for this model and set-up, and "
-                            "compilation.compile_missing=false: decode steps run eagerly "
-                            "(llmkit chat or serve compile them once, for every later start)",
-                            graphs.name)
-            else:
-                self.pending_graphs = BackgroundCapture(graphs, width).start()
-            return
-        seconds = capture_now(graphs, width)
-        self.step_graphs = graphs
-        logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
-                    graphs.name, graphs.max_rows, seconds)
+                self.step_graphs, self.pending_graphs = prepare_step_graphs(
+                    graphs, self.batch.block_table.shape[1],
+                    background=self.capture_in_background,
+                    compile_missing=self.compile_missing_graphs)
 
     def _poll_step_graphs(self) -> None:
         """Swap in the background capture's graphs once ready: between steps, on the engine

@@ -26,7 +26,7 @@ import torch
 from llmkit.compilation.base import StepGraphs
 from llmkit.startup import startup_step
 
-__all__ = ["BackgroundCapture", "capture_now", "compile_step_what"]
+__all__ = ["BackgroundCapture", "capture_now", "compile_step_what", "prepare_step_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +110,31 @@ class BackgroundCapture:
                     "steps use them from now on", self.graphs.name, self.graphs.max_rows,
                     time.perf_counter() - self.started_s)
         return self.graphs
+
+
+def prepare_step_graphs(graphs: StepGraphs, block_table_width: int, *, background: bool,
+                        compile_missing: bool
+                        ) -> tuple[StepGraphs | None, BackgroundCapture | None]:
+    """The runner's graphs at start-up: (graphs ready now, a capture still running). Graphs
+    saved by an earlier start are loaded now (seconds); graphs to compile are compiled on a
+    daemon thread when ``background``, not at all when not ``compile_missing``, else now, with
+    a progress line either way. (Graphs that capture in seconds, CUDA's, are captured now.)"""
+    if graphs.capture_in_background and (background or not compile_missing):
+        with startup_step(f"loading the saved decode step graphs ({graphs.name}; "
+                          "compilation.mode=eager skips them)"):
+            loaded = graphs.load_saved(block_table_width)
+        if loaded:
+            logger.info("step graphs (%s) for decode steps of 1-%d rows loaded",
+                        graphs.name, graphs.max_rows)
+            return graphs, None
+        if not compile_missing:
+            logger.info("step graphs (%s): none saved for this model and set-up, and "
+                        "compilation.compile_missing=false: decode steps run eagerly "
+                        "(llmkit chat or serve compile them once, for every later start)",
+                        graphs.name)
+            return None, None
+        return None, BackgroundCapture(graphs, block_table_width).start()
+    seconds = capture_now(graphs, block_table_width)
+    logger.info("step graphs (%s) for decode steps of 1-%d rows ready in %.1f s",
+                graphs.name, graphs.max_rows, seconds)
+    return graphs, None
