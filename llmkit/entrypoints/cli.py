@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmkit.config.errors import ConfigError
 
@@ -87,7 +88,8 @@ class CliArgs:
 
 def _is_override(word: str) -> bool:
     if "=" in word:
-        return True
+        # a model path may hold '=' (pip's cache names folders `pkg==1.0`)
+        return not Path(word).exists()
     # Hydra's delete syntax `~key` (a path like `~/models/x` stays a path)
     return word.startswith("~") and "/" not in word and len(word) > 1
 
