@@ -6,7 +6,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_GREEDY_EPS = 1e-5
+#: "Is this row greedy": a temperature below this takes the argmax, at or above it the row
+#: draws. The one definition every sampler, the runner's batch and the drafters use.
+GREEDY_EPS = 1e-5
+
+
+def is_greedy(temperature):
+    """Whether ``temperature`` samples greedily: a float, or elementwise an array or tensor."""
+    return temperature < GREEDY_EPS
+
+
+def is_random(temperature):
+    """``not is_greedy``, elementwise without the extra negation (on a step's rows)."""
+    return temperature >= GREEDY_EPS
+
 # OpenAI and vLLM clamp a logit bias to this range.
 _MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -197,7 +210,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return is_greedy(self.temperature)
 
     @property
     def has_penalties(self) -> bool:

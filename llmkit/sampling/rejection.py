@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-_GREEDY_EPS = 1e-5
+from llmkit.sampling.params import is_random
 
 
 def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -41,9 +41,9 @@ def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_i
     drafts = draft_token_ids
     chosen = logits.argmax(dim=-1)
     accepted = chosen == drafts
-    is_random = temperature >= _GREEDY_EPS
-    if bool(is_random.any()):
-        idx = is_random.nonzero().squeeze(1)
+    random_rows = is_random(temperature)
+    if bool(random_rows.any()):
+        idx = random_rows.nonzero().squeeze(1)
         probs = filtered_probs(logits[idx], idx)
         d = drafts[idx]
         has_draft = d >= 0

@@ -23,10 +23,10 @@ import torch
 from llmkit.sampling.logits_processors import apply_penalties, apply_token_constraints
 from llmkit.sampling.logprobs import LogprobsTensors, compute_logprobs
 from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
+from llmkit.sampling.params import is_random
 from llmkit.sampling import topk_topp
 from llmkit.sampling.rejection import verify_drafts
 
-_GREEDY_EPS = 1e-5
 
 __all__ = ["PenaltyInputs", "Sampler", "SamplerOutput", "SamplingMetadata", "TorchSampler"]
 
@@ -113,13 +113,13 @@ class TorchSampler(Sampler):
                              self._generator(logits.device), meta.spec.draft_probs)
 
     def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        is_random = meta.temperature >= _GREEDY_EPS
-        if bool(is_random.all()):
+        random_rows = is_random(meta.temperature)
+        if bool(random_rows.all()):
             return self._sample_random(logits, meta.temperature, meta.top_k, meta.top_p,
                                        meta.min_p, meta.generators)
         # Greedy rows keep their argmax; only the random rows pay for softmax, sort and noise.
         tokens = logits.argmax(dim=-1)
-        idx = is_random.nonzero().squeeze(1)
+        idx = random_rows.nonzero().squeeze(1)
         pos = {int(r): i for i, r in enumerate(idx.tolist())}
         gens = {pos[r]: g for r, g in meta.generators.items() if r in pos}
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from llmkit.sampling.sampler import TorchSampler
+from llmkit.sampling.params import is_random
 from llmkit.spec_decode.base import ProposerBatch
 
-_GREEDY_EPS = 1e-5
 
 
 def draw_drafts(logits: torch.Tensor, batch: ProposerBatch, rows: np.ndarray,
@@ -24,7 +24,7 @@ def draw_drafts(logits: torch.Tensor, batch: ProposerBatch, rows: np.ndarray,
     ``sampled[j]`` (an index into ``rows``) drew from."""
     tokens = logits.argmax(dim=-1)
     temperature = batch.temperature[rows]
-    sampled = np.flatnonzero(temperature >= _GREEDY_EPS)
+    sampled = np.flatnonzero(is_random(temperature))
     if not len(sampled):
         return tokens.cpu().numpy(), None, sampled
     srows = rows[sampled]

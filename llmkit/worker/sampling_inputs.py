@@ -18,9 +18,9 @@ import torch
 
 from llmkit.sampling.bad_words import banned_next_tokens
 from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata, SpecDecodeMetadata
+from llmkit.sampling.params import is_random
 from llmkit.worker.input_batch import InputBatch, PenaltyState, GrowingIds
 
-_GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size:
     lrows = layout.logits_rows
     offsets = layout.offsets if layout.has_drafts else None
     temperature = batch.temperature[lrows]
-    random = temperature >= _GREEDY_EPS
+    random = is_random(temperature)
     any_random = bool(random.any())
     top_k = top_p = min_p = None
     generators: dict[int, torch.Generator] = {}

@@ -128,7 +128,7 @@ class Worker:
         # drafts.
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
             target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
-            block_size=config.kv_cache.block_size, seed=config.seed))
+            block_size=self.runner.block_size, seed=config.seed))
         if single:
             self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
                 model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
