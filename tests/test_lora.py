@@ -409,6 +409,24 @@ def test_executor_and_scheduler_must_support_lora():
     EngineCore._check_lora_support(Executor(), TokenBudgetScheduler)
 
 
+def test_engine_and_server_number_configured_adapters_alike():
+    """``lora.modules`` get ids 1..n in order in the engine's table and in the server's names
+    alike (one numbering, llmkit/lora/adapters.py); runtime loads take the ids after them."""
+    from llmkit.config.schema import LoRAConfig
+    from llmkit.entrypoints.openai.serving_models import ServingModels
+    from llmkit.lora.adapters import AdapterTable, configured_adapters
+
+    cfg = LoRAConfig(enabled=True, modules=["a=/x/a", "b=/x/b"])
+    loaded: list[LoRARequest] = []
+    table = AdapterTable(True, loaded.append, lambda lora_id: None)
+    for lr in configured_adapters(cfg):
+        table.add(lr)
+    served = ServingModels(None, ["base"], cfg)
+    assert {lr.lora_name: lr.lora_int_id for lr in loaded} == \
+        {name: lr.lora_int_id for name, lr in served.adapters.items()} == {"a": 1, "b": 2}
+    assert next(served._ids) == 3
+
+
 # ------------------------------------------------------------------ the scheduler's slot rule
 
 def _sched(max_loras: int, **cfg):

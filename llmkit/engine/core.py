@@ -24,8 +24,8 @@ from llmkit.engine.step_trace import StepTrace
 from llmkit.executor import BackendInfo, Executor, ModelFacts, executor_class
 from llmkit.executor.base import StepFuture
 from llmkit.kv_cache import KV_CACHE_MANAGERS
-from llmkit.lora.base import LoRARequest
-from llmkit.lora.request import id_taken_message
+from llmkit.lora.adapters import AdapterTable, configured_adapters
+from llmkit.lora.request import LoRARequest
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -119,17 +119,14 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager, **sched_kwargs)
         self.clock = clock
         self._speculative = config.speculative.enabled
-        # Multi-LoRA: the adapters registered (by id), how many unfinished requests use each,
-        # and those removed while requests still used them (forgotten once they finish).
-        self.loras: dict[int, LoRARequest] = {}
-        self._lora_of_request: dict[str, int] = {}
-        self._lora_users: dict[int, int] = {}
-        self._lora_removals: set[int] = set()
-        for i, (name, path) in enumerate(config.lora.module_list()):
+        # Multi-LoRA: the adapters registered and their users (llmkit/lora/adapters.py).
+        self.adapters = AdapterTable(config.lora.enabled, executor.add_lora, executor.remove_lora)
+        for lr in configured_adapters(config.lora):
             try:
-                self.add_lora(LoRARequest(name, i + 1, path))
+                self.adapters.add(lr)
             except ValueError as e:
-                raise ConfigError("lora.modules", f"{name}={path}", "", message=str(e)) from None
+                raise ConfigError("lora.modules", f"{lr.lora_name}={lr.lora_path}", "",
+                                  message=str(e)) from None
         self._observers: list[StepObserver] = []
         self._num_steps = 0
         # Batches in flight, oldest first (only with max_concurrent_batches > 1).
@@ -250,75 +247,35 @@ class EngineCore:
                            kv_cfg.block_size, self.max_model_len)
         return max(int(num), 1)
 
-    # -- LoRA adapters ---------------------------------------------------------------------
+    # -- LoRA adapters (llmkit/lora/adapters.py) -------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register an adapter and load it in the workers (which check its files against the
         model). Returns False if it was already registered. Raises ``ValueError`` (a
         ``LoRALoadError`` for bad files) when LoRA is off, or the id or name is another
         adapter's."""
-        if not self.config.lora.enabled:
-            raise ValueError("LoRA adapters need lora.enabled=true")
-        lr = lora_request
-        known = self.loras.get(lr.lora_int_id)
-        if known is not None:
-            if known != lr:
-                raise ValueError(id_taken_message(known, lr))
-            return False
-        for other in self.loras.values():
-            if other.lora_name == lr.lora_name:
-                raise ValueError(f"an adapter named {lr.lora_name!r} is already loaded (id "
-                                 f"{other.lora_int_id}); unload it first or pick another name")
-        self.executor.add_lora(lr)
-        self.loras[lr.lora_int_id] = lr
-        self._lora_removals.discard(lr.lora_int_id)
-        return True
+        return self.adapters.add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter; the workers forget it once no unfinished request uses it.
         Returns False if it was not registered."""
-        if self.loras.pop(lora_id, None) is None:
-            return False
-        if self._lora_users.get(lora_id, 0):
-            self._lora_removals.add(lora_id)
-        else:
-            self.executor.remove_lora(lora_id)
-        return True
+        return self.adapters.remove(lora_id)
 
     def list_loras(self) -> list[LoRARequest]:
-        return list(self.loras.values())
-
-    def _release_loras(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
-            if out.finish_reason is None:
-                continue
-            lora_id = self._lora_of_request.pop(out.request_id, None)
-            if lora_id is None:
-                continue
-            left = self._lora_users[lora_id] = self._lora_users[lora_id] - 1
-            if not left:
-                del self._lora_users[lora_id]
-                if lora_id in self._lora_removals:
-                    self._lora_removals.discard(lora_id)
-                    self.executor.remove_lora(lora_id)
+        return self.adapters.list()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         lora_id = request.lora_id
         if lora_id is not None:
-            lr = self.loras.get(lora_id)
-            if lr is None:
-                raise ValueError(f"request {request.request_id!r}: LoRA adapter id {lora_id} "
-                                 "is not loaded (add it with add_lora first)")
-            request.lora_name = lr.lora_name
+            request.lora_name = self.adapters.name_of(request.request_id, lora_id)
         self.scheduler.add_request(request)
         if lora_id is not None:  # released by the request's final output
-            self._lora_of_request[request.request_id] = lora_id
-            self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
+            self.adapters.hold(request.request_id, lora_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort(request_ids)
-        if self._lora_of_request:
-            self._release_loras(outputs)
+        if self.adapters.in_use:
+            self.adapters.release(outputs)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -360,8 +317,8 @@ class EngineCore:
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                 ) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self._lora_of_request:
-            self._release_loras(outputs)
+        if self.adapters.in_use:
+            self.adapters.release(outputs)
         if runner_output.draft_token_ids or self._speculative:
             # Also an empty dict: drafts are for the next step only.
             self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)

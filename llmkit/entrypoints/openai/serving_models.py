@@ -13,7 +13,6 @@ anything is read or registered. No allowed folder means every runtime load is re
 """
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.protocol import ModelCard, ModelList, SamplingDefaults
+from llmkit.lora.adapters import configured_adapters, runtime_adapter_ids
 from llmkit.lora.request import LoRARequest
 from llmkit.sampling.params import SamplingParams
 
@@ -43,11 +43,10 @@ class ServingModels:
         self.base_names = base_names
         self.base_name = base_names[0]
         self.lora_config = lora
-        self.adapters: dict[str, LoRARequest] = {}
-        modules = lora.module_list() if lora.enabled else []
-        for i, (name, path) in enumerate(modules):
-            self.adapters[name] = LoRARequest(name, i + 1, path)
-        self._ids = itertools.count(len(modules) + 1)
+        # the engine registers these under the same ids (llmkit/lora/adapters.py)
+        self.adapters: dict[str, LoRARequest] = {lr.lora_name: lr
+                                                 for lr in configured_adapters(lora)}
+        self._ids = runtime_adapter_ids(lora)
 
     # -- requests ---------------------------------------------------------------------------
     def resolve(self, name: str | None) -> LoRARequest | None:
