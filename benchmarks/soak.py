@@ -564,7 +564,7 @@ def check(figures: dict[str, Any], rss_limit_pct: float = 10.0) -> list[str]:
 def tiny_model(out: Path) -> str:
     """The test suite's tiny random Llama (weights x3: robust greedy), saved under ``out``."""
     sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import build_model_dir, build_tokenizer
+    from helpers.tiny_models import build_model_dir, build_tokenizer
 
     return str(build_model_dir("llama", out, build_tokenizer()))
 

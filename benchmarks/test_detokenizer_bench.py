@@ -2,8 +2,8 @@
 token at a time) next to the naive way (decode the whole output again after every token), and
 ``TokenTexts`` (each token's own text, for logprobs), in one group so they compare as ratios.
 
-The tokenizer is the tests' byte-level BPE (tests/tiny_models.py); the text mixes English with
-multi-byte characters so that some tokens end mid-character. 512 output tokens per run.
+The tokenizer is the tests' byte-level BPE (tests/helpers/tiny_models.py); the text mixes English
+with multi-byte characters so that some tokens end mid-character. 512 output tokens per run.
 
 Run: ``pytest benchmarks/test_detokenizer_bench.py --benchmark-only``.
 """
@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import CORPUS, build_tokenizer  # noqa: E402
+from helpers.tiny_models import CORPUS, build_tokenizer  # noqa: E402
 
 from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts  # noqa: E402
 

@@ -1,6 +1,7 @@
-"""End to end, offline: ``bench throughput`` on a tiny random Llama (tests/tiny_models.py), llmkit
-against Hugging Face ``generate`` on the same prompts, threads and dtype. The figure to read is
-the ratio (``extra_info["ratio_output_throughput"]``), not the absolute times.
+"""End to end, offline: ``bench throughput`` on a tiny random Llama
+(tests/helpers/tiny_models.py), llmkit against Hugging Face ``generate`` on the same prompts,
+threads and dtype. The figure to read is the ratio (``extra_info["ratio_output_throughput"]``),
+not the absolute times.
 
 Run: ``pytest benchmarks/test_e2e_bench.py --benchmark-only -s``.
 """
@@ -13,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
+from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 
 from llmkit.bench.throughput import format_throughput, run_throughput  # noqa: E402
 from llmkit.config.compose import build_tool_config  # noqa: E402

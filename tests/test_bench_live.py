@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from process_helpers import free_port  # noqa: E402
+from helpers.processes import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_helpers import check_result_consistency  # noqa: E402
+from helpers.bench_results import check_result_consistency  # noqa: E402
 
 from llmkit.bench.datasets import build_workload  # noqa: E402
 from llmkit.config.compose import compose_tool_config  # noqa: E402

@@ -1,5 +1,5 @@
 """The streaming load generator against a fake OpenAI-compatible server with known delays
-(tests/bench_helpers.py), and ``llmkit bench serve`` / ``bench plot`` end to end.
+(tests/helpers/fake_openai_server.py), and ``llmkit bench serve`` / ``bench plot`` end to end.
 
 Timing checks use only lower bounds that the fake server's sleeps guarantee, plus loose upper
 bounds; no test claims a precise duration.
@@ -15,8 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_helpers import (EMPTY_TOKEN, FAIL_TOKEN, FakeServer,  # noqa: E402
-                          check_result_consistency)
+from helpers.bench_results import check_result_consistency  # noqa: E402
+from helpers.fake_openai_server import EMPTY_TOKEN, FAIL_TOKEN, FakeServer  # noqa: E402
 
 from llmkit.bench.client import ClientOptions, run_load_sync  # noqa: E402
 from llmkit.bench.datasets import WorkloadRequest  # noqa: E402

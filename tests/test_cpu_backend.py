@@ -15,7 +15,7 @@ from llmkit.attention.cpu_backend import (CpuAttentionBackend, CpuAttentionMetad
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.platforms import CpuPlatform
-from attention_cases import attention_case, engine_greedy_tokens
+from helpers.attention_cases import attention_case, engine_greedy_tokens
 
 
 def test_registered_and_cpu_default():

@@ -28,7 +28,7 @@ def run(model, isa: str):
 @pytest.mark.skipif(len(TIERS) < 2, reason="one tier on this CPU: nothing to compare")
 @pytest.mark.parametrize("weights", ["q4_1", "q8_0"])
 def test_every_tier_generates_the_same_bits(tiny_model_dir, tmp_path, weights):
-    from tiny_models import write_tiny_gguf
+    from helpers.tiny_models import write_tiny_gguf
 
     path = write_tiny_gguf(tiny_model_dir("llama"), tmp_path / f"{weights}.gguf",
                            weights.upper())

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from process_helpers import pid_alive, wait_for
+from helpers.processes import pid_alive, wait_for
 
 from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.config.errors import ConfigError
@@ -171,7 +171,7 @@ def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
 
 # -- DP=2 through LLM --------------------------------------------------------------------------
 def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir, tmp_path):
-    from lora_adapters import build_adapter
+    from helpers.lora_adapters import build_adapter
 
     model_dir = tiny_model_dir("llama")
     path = str(model_dir)

@@ -13,7 +13,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.entrypoints.cli import main
 from llmkit.eval.perplexity import (DEFAULT_TEXT, adds_bos, llamacpp_windows, make_windows,
                                     perplexity, sliding_windows)
-from tiny_models import CORPUS
+from helpers.tiny_models import CORPUS
 
 
 @pytest.mark.parametrize("n,window,stride", [(100, 32, 16), (100, 32, 32), (100, 32, 7),

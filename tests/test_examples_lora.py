@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from tiny_models import write_tiny_gguf
+from helpers.tiny_models import write_tiny_gguf
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lora.py"
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from process_helpers import free_port, wait_for
+from helpers.processes import free_port, wait_for
 from test_server import ServerProcess
 
 from llmkit import LLM, SamplingParams

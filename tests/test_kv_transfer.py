@@ -175,7 +175,7 @@ def _zmq_engine(model_dir, role: str, engine_id: str, port: int, **kv_transfer) 
 
 
 def test_zmq_disaggregated_equals_colocated_and_falls_back(model, colocated):
-    from process_helpers import free_port
+    from helpers.processes import free_port
 
     port = free_port()
     prod = _zmq_engine(model, "kv_producer", "zprefill", port, transfer_timeout_s=2.0)

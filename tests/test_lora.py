@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lora_adapters import ALL_LINEAR, build_adapter, hf_greedy, merged_model
+from helpers.lora_adapters import ALL_LINEAR, build_adapter, hf_greedy, merged_model
 
 from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.config.errors import ConfigError
@@ -330,7 +330,7 @@ def test_adapters_over_kept_gguf_blocks_match_the_float_reference(weight_type, t
     boundary, it moves one 8-bit step (which one depends on the thread count's summation
     order): that moves the later logprobs of its sequence by up to ~1e-2. So: every token
     equal, nearly every logprob within float32 rounding, none beyond one such step."""
-    from tiny_models import write_tiny_gguf
+    from helpers.tiny_models import write_tiny_gguf
 
     model_dir = tiny_model_dir("mistral")  # tied embedding: the head multiplies packed rows
     path = write_tiny_gguf(model_dir, tmp_path / "m.gguf", weight_type)
@@ -355,8 +355,8 @@ def test_adapters_over_kept_gguf_blocks_match_the_float_reference(weight_type, t
     kept, methods = run()
     assert methods and all(m.startswith("lora[") and "quantized:" in m for m in methods), \
         methods
-    ref, ref_methods = run(quantization="none",
-                           overrides=["model.linear_method=quant_reference.GGUFReference"])
+    reference = "model.linear_method=helpers.quant_reference.GGUFReference"
+    ref, ref_methods = run(quantization="none", overrides=[reference])
     assert all("gguf-reference" in m for m in ref_methods), ref_methods
     diffs = []
     for (tokens, lps), (ref_tokens, ref_lps) in zip(kept, ref):

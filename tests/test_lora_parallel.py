@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_adapters import ALL_LINEAR, build_adapter
+from helpers.lora_adapters import ALL_LINEAR, build_adapter
 
 from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.lora.base import LoRALoadError

@@ -23,7 +23,7 @@ from llmkit.models import MODELS, UnsupportedModelError, get_model_class
 from llmkit.models.base import ModelContext
 from llmkit.models.loader import build_model, resolve_model_source
 from llmkit.platforms.cpu import CpuPlatform
-from tiny_models import write_tiny_gguf
+from helpers.tiny_models import write_tiny_gguf
 
 BLOCK_SIZE = 4
 ATOL = 1e-4

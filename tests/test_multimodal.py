@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from llmkit import LLM, SamplingParams
-from tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, build_llava_dir
+from helpers.tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, build_llava_dir
 
 MAX_TOKENS = 12
 

@@ -220,7 +220,7 @@ def test_server_with_tensor_parallel_serves_then_turns_unhealthy_when_a_worker_d
     import re
 
     import httpx
-    from process_helpers import wait_for
+    from helpers.processes import wait_for
     from test_server import ServerProcess
 
     model_dir = tiny_model_dir("llama")

@@ -1,8 +1,8 @@
 """Quantized weights end to end (``model.quantization``, ``llmkit/linear/quantized.py``).
 
 Each format runs a tiny model through the engine with its weights kept packed, against the same
-engine on the float loading path with a reference linear (``tests/quant_reference.py``) that
-multiplies in float64 with the weights and activations the kernel computes with: the greedy
+engine on the float loading path with a reference linear (``tests/helpers/quant_reference.py``)
+that multiplies in float64 with the weights and activations the kernel computes with: the greedy
 tokens must be equal and the chosen tokens' logprobs within float32 rounding.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
-from tiny_models import write_tiny_gguf
+from helpers.tiny_models import write_tiny_gguf
 
 PROMPTS = [[5, 9, 33, 2, 71, 8], [17, 18, 19, 20, 21, 22, 23, 24, 25, 26], [40, 41, 42]]
 # K-quants need rows of whole 256-value super-blocks: every in_features a multiple of 256.
@@ -60,7 +60,8 @@ def test_tiny_gguf_kept_quantized_matches_reference(weight_type, type_of, shapes
     formats = {weight_type.lower(), *(t.lower() for t in (type_of or {}).values())}
     assert methods and all(m.startswith("quantized:") for m in methods), methods
     assert {f for m in methods for f in m.split(":")[1].split("+")} == formats
-    ref, ref_methods = run(path, quantization="none", linear_method="quant_reference.GGUFReference")
+    ref, ref_methods = run(path, quantization="none",
+                           linear_method="helpers.quant_reference.GGUFReference")
     assert ref_methods == ("gguf-reference",)
     assert_same_greedy(kept, ref)
 
@@ -70,7 +71,8 @@ def test_untied_head_and_biases_kept_quantized(tiny_model_dir, tmp_path):
     path = write_tiny_gguf(tiny_model_dir("qwen2", tie_word_embeddings=False),
                            tmp_path / "m.gguf", "Q8_0")
     kept, _ = run(path)
-    ref, _ = run(path, quantization="none", linear_method="quant_reference.GGUFReference")
+    ref, _ = run(path, quantization="none",
+                 linear_method="helpers.quant_reference.GGUFReference")
     assert_same_greedy(kept, ref)
 
 
@@ -81,7 +83,8 @@ def test_float_folder_quantized_per_channel(mode, reference, tiny_model_dir):
     kept, methods = run(path, quantization=mode)
     assert f"quantized:{mode}" in methods
     assert any(not m.startswith("quantized") for m in methods)  # the LM head stays float
-    ref, _ = run(path, quantization="none", linear_method=f"quant_reference.{reference}")
+    ref, _ = run(path, quantization="none",
+                 linear_method=f"helpers.quant_reference.{reference}")
     assert_same_greedy(kept, ref)
 
 
@@ -121,9 +124,9 @@ def test_default_model_q4_1_kept_matches_reference(smollm2_gguf):
     ids = load_gguf_tokenizer(smollm2_gguf)(text)["input_ids"]
     kept, methods = prompt_logprobs(smollm2_gguf, ids)
     assert set(methods) == {"quantized:q4_1", "quantized:q8_0"}
-    ref64, _ = prompt_logprobs(smollm2_gguf, ids, "quant_reference.GGUFReference",
+    ref64, _ = prompt_logprobs(smollm2_gguf, ids, "helpers.quant_reference.GGUFReference",
                                quantization="none")
-    ref32, _ = prompt_logprobs(smollm2_gguf, ids, "quant_reference.GGUFReference32",
+    ref32, _ = prompt_logprobs(smollm2_gguf, ids, "helpers.quant_reference.GGUFReference32",
                                quantization="none")
     d_kept, d_32 = (kept - ref64).abs(), (ref32 - ref64).abs()
     assert d_kept.mean() <= 2 * d_32.mean() + 1e-3, (d_kept.mean(), d_32.mean())

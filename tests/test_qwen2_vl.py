@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from llmkit import LLM, SamplingParams
-from tiny_qwen2_vl import IMAGE, IMAGE_PAD, build_qwen2_vl_dir, hf_processor
+from helpers.tiny_qwen2_vl import IMAGE, IMAGE_PAD, build_qwen2_vl_dir, hf_processor
 
 MAX_TOKENS = 10
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from process_helpers import free_port, pid_alive, wait_for
+from helpers.processes import free_port, pid_alive, wait_for
 
 from llmkit import LLM, SamplingParams
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from process_helpers import pid_alive, wait_for
+from helpers.processes import pid_alive, wait_for
 from test_server import PROMPT, SERVER_THREADS, ServerProcess, error_body
 
 API_KEY = "sekret-123"

@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 
-from lora_adapters import build_adapter
+from helpers.lora_adapters import build_adapter
 from test_server import SERVER_THREADS, ServerProcess, error_body
 
 from llmkit import LLM, LoRARequest, SamplingParams

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from test_server import SERVER_THREADS, ServerProcess
-from tiny_llava import build_llava_dir
+from helpers.tiny_llava import build_llava_dir
 
 from llmkit import LLM, SamplingParams
 

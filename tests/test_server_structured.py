@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import pytest
 
-from structured_backends import FAILS_IN_ENGINE
+from helpers.structured_backends import FAILS_IN_ENGINE
 from test_server import SERVER_THREADS, ServerProcess, error_body
 
 TESTS = Path(__file__).resolve().parent
@@ -52,7 +52,7 @@ def server(tiny_model_dir, tmp_path_factory):
     # A longer context than the default tiny model's: the tool prompt lists the functions.
     model_dir = tiny_model_dir("llama", max_position_embeddings=2048)
     # xgrammar, but one marked regex fails to compile inside the engine core
-    backend = "structured_output._target_=structured_backends.FailInEngineBackend"
+    backend = "structured_output._target_=helpers.structured_backends.FailInEngineBackend"
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     srv = ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
                         "structured_output.disable_any_whitespace=true", backend,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from process_helpers import wait_for
+from helpers.processes import wait_for
 from test_server import SERVER_THREADS, ServerProcess, error_body
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from llmkit.scheduler import TokenBudgetScheduler
 from llmkit.scheduler.base import Scheduler
 from llmkit.spec_decode.base import Proposer
 from llmkit.spec_decode.ngram import find_drafts
-from tiny_models import build_eagle_head_dir, build_successor_model_dir
+from helpers.tiny_models import build_eagle_head_dir, build_successor_model_dir
 
 MAX_TOKENS = 24
 # ascending runs (the successor model copies them), repeats, a shared prefix (prefix hits)

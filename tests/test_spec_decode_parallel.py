@@ -8,7 +8,7 @@ import pytest
 
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
-from tiny_models import build_eagle_head_dir, build_successor_model_dir
+from helpers.tiny_models import build_eagle_head_dir, build_successor_model_dir
 
 from test_spec_decode import PROMPTS
 

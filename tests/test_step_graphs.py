@@ -60,7 +60,7 @@ def test_graphs_need_the_cpp_kernels(tiny_model_dir, caplog):
 def test_graph_decode_steps_with_quantized_weights(tiny_model_dir, tmp_path):
     """The quantized linear (and the packed embedding lookup) inside the step graphs: the
     same bits as eager."""
-    from tiny_models import write_tiny_gguf
+    from helpers.tiny_models import write_tiny_gguf
 
     path = write_tiny_gguf(tiny_model_dir("mistral"), tmp_path / "q.gguf", "Q4_1")
     _, eager = generate(path, "eager", "float32", PROMPTS[:3])

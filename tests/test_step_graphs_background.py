@@ -254,7 +254,7 @@ sys.meta_path.insert(0, _GateTrace())
 @pytest.mark.slow
 def test_server_answers_while_compiling_and_the_same_after(tiny_model_dir, tmp_path,
                                                            shared_inductor_cache):
-    from process_helpers import wait_for
+    from helpers.processes import wait_for
     from test_server import PROMPT, SERVER_THREADS, ServerProcess
 
     site = tmp_path / "site"

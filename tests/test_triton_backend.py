@@ -16,7 +16,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.kernels import count_launches
 from llmkit.kernels.testing import tolerances
 from llmkit.platforms import CudaPlatform
-from attention_cases import attention_case, engine_greedy_tokens
+from helpers.attention_cases import attention_case, engine_greedy_tokens
 
 BACKEND_KERNELS = {"_reshape_and_cache_kernel", "_paged_decode_kernel", "_decode_reduce_kernel",
                    "_unified_attention_kernel"}

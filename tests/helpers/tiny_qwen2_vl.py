@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import BASE_CONFIG, build_tokenizer
+from helpers.tiny_models import BASE_CONFIG, build_tokenizer
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # An image in a prompt, as Qwen2-VL's chat template writes it.

@@ -1,6 +1,6 @@
 """Reference linear methods for the quantized engine tests: dense float64 products with the
 weights and activations each quantized kernel computes with, on the float loading path
-(``model.quantization=none``, forced as ``model.linear_method=quant_reference.<Class>``).
+(``model.quantization=none``, forced as ``model.linear_method=helpers.quant_reference.<Class>``).
 
 The integer kernels (GGUF formats, int8) compute ``x_hat @ W.T`` with ``x_hat`` the activations
 quantized to 8 bits per 32-input block (``quantize_activations_ref``, the kernel's bits) and W

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import BASE_CONFIG, CHAT_TEMPLATE, build_tokenizer
+from helpers.tiny_models import BASE_CONFIG, CHAT_TEMPLATE, build_tokenizer
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 28
