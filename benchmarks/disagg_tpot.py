@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from llmkit.bench.metrics import percentile
+from llmkit.tools.bench.metrics import percentile
 from llmkit.executor.multiproc import free_port
 from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
 

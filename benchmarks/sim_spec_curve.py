@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from llmkit.config.compose import compose_config
-    from llmkit.sim.replay import run_sim
+    from llmkit.tools.sim.replay import run_sim
 
     def throughput(conc: int, extra: list[str]) -> tuple[float, dict | None]:
         cfg = compose_config([

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmkit.bench.throughput import format_throughput, run_throughput
+from llmkit.tools.bench.throughput import format_throughput, run_throughput
 from llmkit.config.compose import build_tool_config
 from llmkit.config.tool_schema import BenchToolConfig
 from llmkit.platforms.cpu import has_native_bf16

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 
-from llmkit.bench.throughput import format_throughput, run_throughput  # noqa: E402
+from llmkit.tools.bench.throughput import format_throughput, run_throughput  # noqa: E402
 from llmkit.config.compose import build_tool_config  # noqa: E402
 from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers.bench_results import check_result_consistency  # noqa: E402
 
-from llmkit.bench.datasets import build_workload  # noqa: E402
+from llmkit.tools.bench.datasets import build_workload  # noqa: E402
 from llmkit.config.compose import compose_tool_config  # noqa: E402
 from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
 from llmkit.entrypoints import cli  # noqa: E402
@@ -46,7 +46,7 @@ def live(tiny_model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         # while the server starts: the imports the bench command will need
-        from llmkit.bench.results import _pyplot
+        from llmkit.tools.bench.results import _pyplot
         from llmkit.models.loader import resolve_model_source  # noqa: F401
         _pyplot()
         deadline = time.monotonic() + 180

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmkit.bench.llamacpp_baseline import check_llamacpp, run_llamacpp
+from llmkit.tools.bench.llamacpp_baseline import check_llamacpp, run_llamacpp
 from llmkit.config.errors import ConfigError
 
 BENCH = """#!/bin/sh

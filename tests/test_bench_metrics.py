@@ -1,5 +1,5 @@
-"""The metric definitions (llmkit/bench/metrics.py) on synthetic timestamps with known answers,
-the workload generators (datasets, arrivals) and the result file's shape."""
+"""The metric definitions (llmkit/tools/bench/metrics.py) on synthetic timestamps with known
+answers, the workload generators (datasets, arrivals) and the result file's shape."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from llmkit.bench.arrivals import arrival_times
-from llmkit.bench.datasets import build_workload, load_jsonl
-from llmkit.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, request_record,
+from llmkit.tools.bench.arrivals import arrival_times
+from llmkit.tools.bench.datasets import build_workload, load_jsonl
+from llmkit.tools.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, request_record,
                                   stats, summarize)
-from llmkit.bench.results import make_result, plot_serve_result, write_result
+from llmkit.tools.bench.results import make_result, plot_serve_result, write_result
 from llmkit.config.compose import compose_config, compose_tool_config
 from llmkit.config.tool_schema import BenchToolConfig
 from llmkit.config.errors import ConfigError

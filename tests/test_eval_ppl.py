@@ -11,7 +11,7 @@ import torch
 
 from llmkit.config.errors import ConfigError
 from llmkit.entrypoints.cli import main
-from llmkit.eval.perplexity import (DEFAULT_TEXT, adds_bos, llamacpp_windows, make_windows,
+from llmkit.tools.eval.perplexity import (DEFAULT_TEXT, adds_bos, llamacpp_windows, make_windows,
                                     perplexity, sliding_windows)
 from helpers.tiny_models import CORPUS
 

@@ -21,8 +21,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("facade", {""}),
     # the CLI, the OpenAI server, the terminal chat: they run the engine and the tools
     ("entrypoints", {"entrypoints"}),
-    # tools beside the engine: they may drive it, it never imports them
-    ("tools", {"bench", "sim", "eval"}),
+    # tools beside the engine (llmkit/tools/: bench, sim, eval, proxy): they drive it through
+    # its public API (TOOLS_PUBLIC below), it never imports them
+    ("tools", {"tools"}),
     # the front ends (LLM, AsyncLLM), the core loop and its process
     ("engine", {"engine"}),
     # what the core assembles: who runs when, where KV lives, who computes, and how (lora:
@@ -57,6 +58,41 @@ ONLY = {
     "facts": set(),
     "startup": set(),
 }
+
+# What the tools may import of the engine: its public API (the config, ``LLM``,
+# ``SamplingParams``, outputs, ``LoRARequest``), its step observers, and the interfaces an
+# executor plugin implements (``executor=sim`` registers through an entry point as a third
+# party's executor would). A module, or a package with everything under it (``.*``).
+TOOLS_PUBLIC = {
+    "llmkit.config.*", "llmkit.outputs", "llmkit.sampling.params", "llmkit.lora.request",
+    "llmkit.engine.llm", "llmkit.engine.observer", "llmkit.engine.step_trace",
+    "llmkit.executor.base", "llmkit.scheduler.base",
+}
+
+# Where a tool reaches past that API today, and why. The list may only shrink: an entry that
+# is no longer used fails the test too (delete it), a new reach fails until it goes through
+# the public API or is listed here with its reason.
+TOOLS_REACH: dict[str, set[str]] = {
+    # the simulator runs the engine's own core, scheduler and KV cache on a virtual clock: it
+    # builds EngineCore with its SimExecutor and feeds it Requests directly
+    "llmkit.tools.sim.replay": {"llmkit.engine.core", "llmkit.platforms", "llmkit.request"},
+    # calibrate times the real scheduler + KV cache manager without a model
+    "llmkit.tools.sim.calibrate": {"llmkit.kv_cache", "llmkit.scheduler", "llmkit.request",
+                                   "llmkit.platforms", "llmkit.platforms.cpu"},
+    "llmkit.tools.sim.engine_measure": {"llmkit.platforms", "llmkit.request"},
+    # the cost model prices a pipeline stage by the layers the engine gives it (issue 34 moves
+    # the cost model below the scheduler)
+    "llmkit.tools.sim.cost_model": {"llmkit.distributed.pipeline"},
+    # where a model's config.json / tokenizer lies (a preset, a folder, a .gguf), as the engine
+    # resolves it
+    "llmkit.tools.sim.source": {"llmkit.models.loader", "llmkit.models.max_model_len"},
+    "llmkit.tools.bench.serve": {"llmkit.models.loader"},
+    # the simulated draft length follows the engine's adaptive policy
+    "llmkit.tools.sim.speculation": {"llmkit.spec_decode.adaptive"},
+}
+
+# The only modules outside llmkit/tools/ that import a tool: the command line runs them.
+TOOLS_IMPORTED_BY = {"llmkit.entrypoints.cli"}
 
 
 def _module_files() -> dict[str, Path]:
@@ -153,7 +189,7 @@ def where(module: str) -> str:
 
 def test_the_parser_sees_lazy_and_module_level_imports():
     g = import_graph()
-    assert "llmkit.engine.core" in g["llmkit.sim.replay"]  # inside a function
+    assert "llmkit.engine.core" in g["llmkit.tools.sim.replay"]  # inside a function
     assert "llmkit.scheduler.base" in g["llmkit.engine.core"] or \
         "llmkit.scheduler" in g["llmkit.engine.core"]
     assert "llmkit.executor.uniproc" in g["llmkit.executor"]  # a register_lazy path
@@ -218,6 +254,39 @@ def test_no_arrow_runs_up_the_layers():
                 bad.append(f"{where(module)}:{line}: {module} -> {dep} (layer "
                            f"{LAYERS[layer_of(src)][0]} -> {LAYERS[layer_of(dst)][0]})")
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def _public_to_tools(module: str) -> bool:
+    return any(module == p or (p.endswith(".*") and (module + ".").startswith(p[:-1]))
+               for p in TOOLS_PUBLIC)
+
+
+def test_tools_use_only_the_engines_public_api():
+    bad, used = [], set()
+    for module, deps in sorted(import_graph().items()):
+        if component(module) != "tools":
+            continue
+        for dep, line in sorted(deps.items()):
+            if component(dep) == "tools" or _public_to_tools(dep):
+                continue
+            if dep in TOOLS_REACH.get(module, ()):
+                used.add((module, dep))
+                continue
+            bad.append(f"{where(module)}:{line}: {module} -> {dep} (not the engine's public "
+                       "API: go through it, or list the reach and why in TOOLS_REACH)")
+    stale = {(m, d) for m, deps in TOOLS_REACH.items() for d in deps} - used
+    bad += [f"TOOLS_REACH lists {m} -> {d}, which no longer imports it: delete the entry"
+            for m, d in sorted(stale)]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_command_line_imports_the_tools():
+    bad = [f"{where(module)}:{line}: {module} -> {dep}"
+           for module, deps in sorted(import_graph().items())
+           if component(module) != "tools" and module not in TOOLS_IMPORTED_BY
+           for dep, line in sorted(deps.items()) if component(dep) == "tools"]
+    assert not bad, "the engine (and everything but the CLI) never imports a tool:\n" + \
+        "\n".join(bad)
 
 
 def test_engine_core_process_module_loads_without_torch():

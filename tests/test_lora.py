@@ -579,9 +579,9 @@ def test_lora_request_checks_its_fields():
 # ------------------------------------------------------------------ benchmarks
 
 def test_bench_spreads_requests_over_adapters(adapters):
-    from llmkit.bench.client import ClientOptions, _payload
-    from llmkit.bench.datasets import WorkloadError, build_workload
-    from llmkit.bench.throughput import run_throughput
+    from llmkit.tools.bench.client import ClientOptions, _payload
+    from llmkit.tools.bench.datasets import WorkloadError, build_workload
+    from llmkit.tools.bench.throughput import run_throughput
     from llmkit.config.compose import build_tool_config
     from llmkit.config.tool_schema import BenchToolConfig
 
@@ -607,10 +607,10 @@ def test_bench_spreads_requests_over_adapters(adapters):
 def test_bench_latency_and_sim_refuse_lora_names():
     """Tools that cannot spread requests over adapters refuse bench.lora_names (never ignore
     it silently)."""
-    from llmkit.bench.latency import run_latency
+    from llmkit.tools.bench.latency import run_latency
     from llmkit.config.compose import build_tool_config
     from llmkit.config.tool_schema import BenchToolConfig, SimToolConfig
-    from llmkit.sim.replay import run_sim
+    from llmkit.tools.sim.replay import run_sim
 
     groups = {"bench": {"lora_names": ["a"]}}
     with pytest.raises(ConfigError, match="bench.lora_names: bench latency"):

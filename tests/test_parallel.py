@@ -318,7 +318,7 @@ def test_vocab_parallel_shards_pad_a_vocabulary_that_does_not_divide():
 def test_llmkit_sim_reads_the_parallel_group():
     from test_sim_replay import cfg_of
 
-    from llmkit.sim.replay import build_sim_engine
+    from llmkit.tools.sim.replay import build_sim_engine
 
     _, ex, _ = build_sim_engine(cfg_of("sim.model=llama-2-70b", "hardware=h200",
                                        "parallel.tensor_parallel_size=2"))

@@ -206,7 +206,7 @@ def test_more_ranks_than_the_machine_allows_names_the_pipeline_key(tiny_model_di
 def _sim(*overrides: str):
     from test_sim_replay import cfg_of
 
-    from llmkit.sim.replay import build_sim_engine
+    from llmkit.tools.sim.replay import build_sim_engine
 
     return build_sim_engine(cfg_of("sim.model=llama-2-70b", "hardware=h100-sxm", *overrides))
 
@@ -276,7 +276,7 @@ def test_sim_pipeline_replay_keeps_both_stages_busy():
     parallel one step runs at a time: they add up to at most the time that passed."""
     from test_sim_replay import cfg_of
 
-    from llmkit.sim.replay import run_sim
+    from llmkit.tools.sim.replay import run_sim
 
     common = ("sim.model=llama-2-70b", "hardware=h100-sxm", "bench.input_len=256",
               "bench.output_len=32", "bench.num_requests=32")

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.tool_schema import ProxyConfig
-from llmkit.entrypoints.proxy import EnginePool, build_proxy_app
+from llmkit.tools.proxy import EnginePool, build_proxy_app
 
 
 class Engines:

@@ -9,13 +9,13 @@ import pytest
 from llmkit.config.compose import compose_tool_config
 from llmkit.config.tool_schema import SimToolConfig
 from llmkit.entrypoints import cli
-from llmkit.sim.calibrate import profile_yaml
+from llmkit.tools.sim.calibrate import profile_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_calibrate_writes_cpu_local_and_hardware_cpu_local_reads_it(tmp_path, capsys):
-    from llmkit.sim.hardware import resolve_hardware
+    from llmkit.tools.sim.hardware import resolve_hardware
 
     path = tmp_path / "cpu-local.yaml"
     over = [f"sim.calibrate_output={path}", "sim.calibrate_gemm_size=128",
@@ -60,7 +60,7 @@ def test_profile_yaml_names_the_source_of_every_value():
 # --------------------------------------------------------------------------- engine calibration
 
 def _smol_shape():
-    from llmkit.sim.model_shape import ModelShape
+    from llmkit.tools.sim.model_shape import ModelShape
 
     return ModelShape.from_hf_config({
         "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
@@ -71,7 +71,7 @@ def _smol_shape():
 
 def _groups(cm):
     """The shapes `calibrate engine` times, priced by ``cm``."""
-    from llmkit.sim.engine_fit import StepGroup
+    from llmkit.tools.sim.engine_fit import StepGroup
 
     groups = [StepGroup(f"prefill {n}", [(n, n, True)], 0.0, 2) for n in (64, 256, 1024)]
     for ctx in (128, 512):
@@ -85,7 +85,7 @@ def _groups(cm):
 
 
 def _cpu(**kw):
-    from llmkit.sim.hardware import HardwareProfile
+    from llmkit.tools.sim.hardware import HardwareProfile
 
     base = dict(name="cpu-local", peak_flops={"float32": 150e9}, memory_bytes=16e9,
                 memory_bandwidth=25.6e9, compute_efficiency=1.0, memory_efficiency=1.0)
@@ -96,9 +96,9 @@ def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
     """A served run whose steps took 1 / (1 - c·R) of what the engine-alone profile prices
     them at, R the tokens/s streamed lately, gives back c."""
     from llmkit.engine.step_trace import StepRecord, StepTrace
-    from llmkit.sim.cost_model import CostModel, SeqWork
-    from llmkit.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
-    from llmkit.sim.hardware import HardwareProfile
+    from llmkit.tools.sim.cost_model import CostModel, SeqWork
+    from llmkit.tools.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
+    from llmkit.tools.sim.hardware import HardwareProfile
 
     c = 1.5e-3
     shape, hw = _smol_shape(), _cpu(seq_overhead_s=1e-3, token_overhead_s=1e-3)
@@ -134,7 +134,7 @@ def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
 
 
 def test_frontend_cost_refuses_a_file_without_steps(tmp_path):
-    from llmkit.sim.frontend_cost import trace_steps
+    from llmkit.tools.sim.frontend_cost import trace_steps
 
     bad = tmp_path / "x.json"
     bad.write_text('{"traceEvents": []}')
@@ -145,8 +145,8 @@ def test_frontend_cost_refuses_a_file_without_steps(tmp_path):
 
 
 def test_engine_fit_recovers_the_terms_of_a_known_profile():
-    from llmkit.sim.cost_model import CostModel
-    from llmkit.sim.engine_fit import fit_engine
+    from llmkit.tools.sim.cost_model import CostModel
+    from llmkit.tools.sim.engine_fit import fit_engine
 
     shape = _smol_shape()
     truth = _cpu(compute_efficiency=0.4, memory_efficiency=0.6, step_overhead_s=2e-3,
@@ -167,8 +167,8 @@ def test_engine_fit_recovers_the_terms_of_a_known_profile():
 
 
 def test_engine_fit_raises_a_peak_the_engine_beats_and_leaves_out_an_outlier():
-    from llmkit.sim.cost_model import CostModel
-    from llmkit.sim.engine_fit import fit_engine
+    from llmkit.tools.sim.cost_model import CostModel
+    from llmkit.tools.sim.engine_fit import fit_engine
 
     shape = _smol_shape()
     # the engine reaches 300 GFLOP/s, a busy microbenchmark measured 150: the peak is raised
@@ -185,7 +185,7 @@ def test_engine_fit_raises_a_peak_the_engine_beats_and_leaves_out_an_outlier():
 
 def test_calibrated_terms_are_validated_beside_the_schema(tmp_path):
     from llmkit.config.errors import ConfigError
-    from llmkit.sim.hardware import load_profile, load_profile_yaml
+    from llmkit.tools.sim.hardware import load_profile, load_profile_yaml
 
     text = (REPO / "conf" / "hardware" / "cpu-local.yaml").read_text()
     good = tmp_path / "good.yaml"
@@ -204,7 +204,7 @@ def test_calibrated_terms_are_validated_beside_the_schema(tmp_path):
 
 def test_calibrate_engine_and_calibrate_model_pick_the_engine_model(monkeypatch, tmp_path,
                                                                    capsys):
-    import llmkit.sim.calibrate as calibrate
+    import llmkit.tools.sim.calibrate as calibrate
 
     seen = []
 
@@ -238,10 +238,10 @@ def test_engine_calibration_of_a_tiny_model_predicts_its_own_steps(tiny_model_di
 
 def _calibrate_tiny(tiny_model_dir, tmp_path):
     from llmkit.config.compose import build_tool_config
-    from llmkit.sim.calibrate import run_engine_calibrate
-    from llmkit.sim.cost_model import CostModel
-    from llmkit.sim.hardware import resolve_hardware
-    from llmkit.sim.replay import run_sim
+    from llmkit.tools.sim.calibrate import run_engine_calibrate
+    from llmkit.tools.sim.cost_model import CostModel
+    from llmkit.tools.sim.hardware import resolve_hardware
+    from llmkit.tools.sim.replay import run_sim
 
     model = tiny_model_dir("llama", max_position_embeddings=1024)
     path = tmp_path / "cpu-local.yaml"

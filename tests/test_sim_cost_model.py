@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmkit.sim.cost_model import CostModel, SeqWork
-from llmkit.sim.hardware import HardwareProfile, load_profile_yaml
-from llmkit.sim.model_shape import ModelShape, load_shape, shape_names
+from llmkit.tools.sim.cost_model import CostModel, SeqWork
+from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml
+from llmkit.tools.sim.model_shape import ModelShape, load_shape, shape_names
 
 REPO = Path(__file__).resolve().parents[1]
 HW_DIR = REPO / "conf" / "hardware"
@@ -167,7 +167,7 @@ def test_frontend_token_cost_stretches_steps_with_the_streaming_rate():
 def test_stream_rate_is_a_decayed_token_count():
     import math
 
-    from llmkit.sim.frontend_cost import StreamRate
+    from llmkit.tools.sim.frontend_cost import StreamRate
 
     r = StreamRate(tau_s=1.0)
     assert r.at(5.0) == 0.0

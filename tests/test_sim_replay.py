@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmkit.bench.datasets import WorkloadRequest, build_workload
-from llmkit.bench.metrics import summarize
+from llmkit.tools.bench.datasets import WorkloadRequest, build_workload
+from llmkit.tools.bench.metrics import summarize
 from llmkit.config.compose import compose_tool_config
 from llmkit.config.tool_schema import SimToolConfig
-from llmkit.sim.cost_model import StepCost
-from llmkit.sim.replay import build_sim_engine, replay, run_sim
-from llmkit.sim.virtual_clock import VirtualClock
+from llmkit.tools.sim.cost_model import StepCost
+from llmkit.tools.sim.replay import build_sim_engine, replay, run_sim
+from llmkit.tools.sim.virtual_clock import VirtualClock
 
 
 def cfg_of(*overrides: str) -> SimToolConfig:
@@ -29,7 +29,7 @@ def strip_wall(result: dict) -> dict:
 def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     from llmkit.engine.core import EngineCore
     from llmkit.executor import EXECUTORS
-    from llmkit.sim.executor import SimExecutor
+    from llmkit.tools.sim.executor import SimExecutor
     from llmkit.kv_cache import KV_CACHE_MANAGERS
     from llmkit.kv_cache.manager import KVCacheManager
     from llmkit.scheduler import SCHEDULERS
@@ -49,12 +49,12 @@ def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
 
 
 def test_sim_executor_registers_through_the_entry_point_group():
-    """executor/ imports nothing of sim/: ``sim`` comes from pyproject.toml's
+    """executor/ imports nothing of tools/sim/: ``sim`` comes from pyproject.toml's
     ``llmkit.executor`` entry points (a stale install needs ``pip install -e .`` again)."""
     from importlib.metadata import entry_points
 
     from llmkit.executor import EXECUTORS
-    from llmkit.sim.executor import SimExecutor
+    from llmkit.tools.sim.executor import SimExecutor
 
     (ep,) = [e for e in entry_points(group="llmkit.executor") if e.name == "sim"]
     assert ep.load() is SimExecutor and EXECUTORS.get("sim") is SimExecutor
@@ -65,14 +65,14 @@ def test_no_scheduler_or_kv_manager_is_reimplemented_in_llmkit_sim():
     import inspect
     import pkgutil
 
-    import llmkit.sim
+    import llmkit.tools.sim
     from llmkit.kv_cache.base import KVCacheManagerBase
     from llmkit.scheduler.base import Scheduler
 
-    for info in pkgutil.iter_modules(llmkit.sim.__path__):
+    for info in pkgutil.iter_modules(llmkit.tools.sim.__path__):
         if info.name == "gpu_check":
             continue
-        mod = importlib.import_module(f"llmkit.sim.{info.name}")
+        mod = importlib.import_module(f"llmkit.tools.sim.{info.name}")
         for _, obj in inspect.getmembers(mod, inspect.isclass):
             assert not issubclass(obj, (Scheduler, KVCacheManagerBase)), obj
 
@@ -108,7 +108,7 @@ def test_a_model_that_does_not_fit_fails_at_start_with_the_key():
 def test_replay_follows_the_workload_and_frees_every_block():
     cfg = cfg_of("bench.num_requests=40", "bench.rate=20", "bench.input_len=200",
                  "bench.output_len=50", "bench.range_ratio=0.5", "kv_cache.num_blocks=64")
-    from llmkit.sim.source import VocabTokenizer
+    from llmkit.tools.sim.source import VocabTokenizer
     workload = build_workload(cfg.bench, VocabTokenizer(32000, [2]))
     core, ex, clock = build_sim_engine(cfg)
     run = replay(cfg, workload, core, clock)

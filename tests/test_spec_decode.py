@@ -609,7 +609,7 @@ def test_prometheus_names():
 def test_sim_speculation_with_an_acceptance_model():
     from llmkit.config import SimToolConfig
     from llmkit.config.compose import compose_tool_config
-    from llmkit.sim.replay import run_sim
+    from llmkit.tools.sim.replay import run_sim
 
     def compose_config(overrides):
         return compose_tool_config(SimToolConfig, overrides)

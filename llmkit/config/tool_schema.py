@@ -15,7 +15,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from llmkit.config.schema import EngineConfig, _Strict
 
 class BenchConfig(_Strict):
-    """``llmkit bench serve|throughput|latency|plot`` (definitions: ``llmkit/bench/metrics.py``).
+    """``llmkit bench serve|throughput|latency|plot`` (definitions:
+    ``llmkit/tools/bench/metrics.py``).
 
     The workload (dataset + arrival times) is built from these fields alone, with ``seed``,
     so the same config replays the same requests (also in the simulator)."""
@@ -101,7 +102,7 @@ class BenchConfig(_Strict):
 
 class ProxyConfig(_Strict):
     """``llmkit proxy``: an OpenAI-compatible front for disaggregated serving
-    (``llmkit/entrypoints/proxy.py``). Each request is prefilled on one of ``prefill_urls``
+    (``llmkit/tools/proxy.py``). Each request is prefilled on one of ``prefill_urls``
     (``max_tokens=1``, ``kv_transfer_params={"do_remote_decode": true}``) and decoded on one
     of ``decode_urls`` with the producer's ``kv_transfer_params``; both round-robin."""
 
@@ -151,7 +152,7 @@ class HardwareConfig(_Strict):
     step_overhead_ms: float = Field(default=0.0, ge=0)
     layer_overhead_us: float = Field(default=0.0, ge=0)
     # Fitted by `llmkit sim calibrate engine` on CPUs, 0 on GPU profiles: per request in a step,
-    # per token computed, per token of context attended (see llmkit/sim/cost_model.py).
+    # per token computed, per token of context attended (see llmkit/tools/sim/cost_model.py).
     seq_overhead_us: float = Field(default=0.0, ge=0)
     token_overhead_us: float = Field(default=0.0, ge=0)
     context_overhead_ns: float = Field(default=0.0, ge=0)
@@ -180,7 +181,7 @@ class HardwareConfig(_Strict):
 class SimConfig(_Strict):
     """``llmkit sim``: replay a ``bench`` workload on modelled hardware (``hardware=NAME``)."""
 
-    # The model to simulate: a named shape (llmkit/sim/shapes/NAME.json, e.g. llama-2-7b), a
+    # The model to simulate: a named shape (llmkit/tools/sim/shapes/NAME.json, e.g. llama-2-7b), a
     # config.json, an HF folder or a .gguf (no weights are read). null = MODEL / model.path.
     model: str | None = None
     # With sim.model: the context limit (null = the shape's max_position_embeddings). Without
@@ -206,9 +207,9 @@ class SimConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    """``llmkit eval ppl`` (``llmkit/eval/perplexity.py``)."""
+    """``llmkit eval ppl`` (``llmkit/tools/eval/perplexity.py``)."""
 
-    # null = the public-domain text shipped in llmkit/eval/texts/
+    # null = the public-domain text shipped in llmkit/tools/eval/texts/
     text_file: str | None = None
     # tokens per window (request)
     window: int = Field(default=512, ge=2)

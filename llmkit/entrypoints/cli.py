@@ -301,7 +301,7 @@ def _cmd_serve(args: CliArgs) -> int:
 
 
 def _cmd_bench(args: CliArgs) -> int:
-    from llmkit.bench.cli import BenchError, run_bench
+    from llmkit.tools.bench.cli import BenchError, run_bench
 
     try:
         return run_bench(args, load_config)
@@ -310,7 +310,7 @@ def _cmd_bench(args: CliArgs) -> int:
 
 
 def _cmd_sim(args: CliArgs) -> int:
-    from llmkit.sim.cli import SimError, run_sim_command
+    from llmkit.tools.sim.cli import SimError, run_sim_command
 
     try:
         return run_sim_command(args, load_config)
@@ -323,7 +323,7 @@ def _cmd_eval(args: CliArgs) -> int:
     from llmkit.config.tool_schema import EvalToolConfig
 
     cfg = load_config(args, tool=EvalToolConfig)
-    from llmkit.eval.perplexity import run_eval_ppl
+    from llmkit.tools.eval.perplexity import run_eval_ppl
 
     return int(run_eval_ppl(cfg) or 0)
 
@@ -333,7 +333,7 @@ def _cmd_proxy(args: CliArgs) -> int:
     from llmkit.config.tool_schema import ProxyToolConfig
 
     cfg = load_config(args, tool=ProxyToolConfig)
-    from llmkit.entrypoints.proxy import run_proxy
+    from llmkit.tools.proxy import run_proxy
 
     return int(run_proxy(cfg.proxy) or 0)
 

@@ -11,7 +11,7 @@ EXECUTORS: Registry[Executor] = Registry("executor")
 EXECUTORS.register_lazy("uniproc", "llmkit.executor.uniproc.UniprocExecutor")
 EXECUTORS.register_lazy("multiproc", "llmkit.executor.multiproc.MultiprocExecutor")
 EXECUTORS.register_lazy("ray", "llmkit.executor.ray_executor.RayExecutor")
-# `sim` (no model: steps priced by a hardware cost model, llmkit/sim/executor.py) registers
+# `sim` (no model: steps priced by a hardware cost model, llmkit/tools/sim/executor.py) registers
 # itself through the `llmkit.executor` entry point group (pyproject.toml).
 
 

@@ -8,7 +8,7 @@ and their generated tokens over the wall time of that call. With ``bench.baselin
 shorthand ``baseline=hf``) the same prompt token ids run through ``transformers`` afterwards in
 the same process and thread count; ``ratio`` is llmkit's throughput over the baseline's (ratios,
 not absolute times, are what the suite compares). ``bench.baseline=llamacpp`` runs llama.cpp's
-benchmarks on the same GGUF instead (``llmkit/bench/llamacpp_baseline.py``).
+benchmarks on the same GGUF instead (``llmkit/tools/bench/llamacpp_baseline.py``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import gc
 import time
 from typing import Any, Mapping
 
-from llmkit.bench.datasets import build_workload
+from llmkit.tools.bench.datasets import build_workload
 
 __all__ = ["format_spec_decode", "format_throughput", "run_throughput",
            "spec_decode_summary"]
@@ -56,7 +56,7 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
 
 def _lora_requests(llm: Any, workload: list) -> list:
     """Each request's adapter (``bench.lora_names``: names of ``lora.modules`` adapters)."""
-    from llmkit.bench.datasets import WorkloadError
+    from llmkit.tools.bench.datasets import WorkloadError
 
     names = {r.lora_name for r in workload} - {None}
     if not names:
@@ -77,18 +77,18 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
     """Run the benchmark for ``cfg`` (a ``BenchToolConfig``); returns the result document."""
     from llmkit.engine.llm import LLM
     from llmkit.sampling.params import SamplingParams
-    from llmkit.bench.results import make_result
+    from llmkit.tools.bench.results import make_result
 
     b = cfg.bench
     if b.lora_names and b.baseline == "hf":
-        from llmkit.bench.datasets import WorkloadError
+        from llmkit.tools.bench.datasets import WorkloadError
         raise WorkloadError("bench.baseline=hf runs the base model without adapters; it cannot "
                             "be compared with bench.lora_names")
     own = llm is None
     if own:
         llm = LLM.from_config(cfg.engine)
     if b.baseline == "llamacpp":  # fail before the run
-        from llmkit.bench.llamacpp_baseline import check_llamacpp
+        from llmkit.tools.bench.llamacpp_baseline import check_llamacpp
         llamacpp_dir = check_llamacpp(b, llm.model_source.path)
     tokenizer = llm.get_tokenizer()
     workload = build_workload(b, tokenizer)
@@ -132,7 +132,7 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             llm.shutdown()
             llm = None
             gc.collect()
-        from llmkit.bench.hf_baseline import load_hf_model, run_hf_generate
+        from llmkit.tools.bench.hf_baseline import load_hf_model, run_hf_generate
 
         model = load_hf_model(model_path, facts["dtype"], device=facts["device"])
         hf = run_hf_generate(model, prompt_ids, [r.max_tokens for r in workload],
@@ -145,7 +145,7 @@ def run_throughput(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         ratio = {k: summary[k] / baseline[k] if baseline[k] else None
                  for k in ("output_throughput", "request_throughput")}
     elif b.baseline == "llamacpp":
-        from llmkit.bench.llamacpp_baseline import run_llamacpp
+        from llmkit.tools.bench.llamacpp_baseline import run_llamacpp
 
         model_path = llm.model_source.path
         if own:

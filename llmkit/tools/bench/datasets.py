@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from llmkit.bench.arrivals import arrival_times
+from llmkit.tools.bench.arrivals import arrival_times
 
 __all__ = ["DATASETS", "WorkloadError", "WorkloadRequest", "build_workload", "load_jsonl",
            "random_lengths"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime
 from typing import Any, Mapping
 
-from llmkit.bench.client import ClientOptions, run_load_sync
-from llmkit.bench.datasets import WorkloadError, build_workload
-from llmkit.bench.metrics import summarize
+from llmkit.tools.bench.client import ClientOptions, run_load_sync
+from llmkit.tools.bench.datasets import WorkloadError, build_workload
+from llmkit.tools.bench.metrics import summarize
 
 __all__ = ["load_bench_tokenizer", "run_serve"]
 
@@ -39,7 +39,7 @@ def run_serve(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
               tokenizer: Any = None) -> dict[str, Any]:
     """Run ``bench serve`` for ``cfg`` (a ``BenchToolConfig``); returns the result
     document."""
-    from llmkit.bench.results import make_result
+    from llmkit.tools.bench.results import make_result
 
     b = cfg.bench
     if tokenizer is None:

@@ -131,7 +131,7 @@ def _sorted(docs: Sequence[Mapping[str, Any]], key: str | None) -> list[Mapping[
 
 def plot_sweep(directory: str | Path, out: str | Path | None = None) -> tuple[Path, str]:
     """Draw the sweep in ``directory``; returns (the PNG's path, the table)."""
-    from llmkit.bench.results import _pyplot
+    from llmkit.tools.bench.results import _pyplot
 
     docs = collect(directory)
     if not docs:

@@ -2,7 +2,7 @@
 measurements of the same work in plain torch. A validation, never a fit: nothing here writes a
 profile or changes an efficiency.
 
-    python llmkit/sim/gpu_check.py --hardware h200 --shape llama-2-7b --out result.json
+    python llmkit/tools/sim/gpu_check.py --hardware h200 --shape llama-2-7b --out result.json
 
 Measured on the device (CUDA events around synchronised calls, best of a few repetitions):
 
@@ -26,16 +26,16 @@ import types
 from pathlib import Path
 
 if __name__ == "__main__" and "llmkit" not in sys.modules:  # pragma: no cover - device script
-    _root = Path(__file__).resolve().parents[2]
+    _root = Path(__file__).resolve().parents[3]
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
     sys.path.insert(0, str(_root))
     _pkg = types.ModuleType("llmkit")
     _pkg.__path__ = [str(_root / "llmkit")]  # type: ignore[attr-defined]
     sys.modules["llmkit"] = _pkg
 
-from llmkit.sim.cost_model import CostModel  # noqa: E402
-from llmkit.sim.hardware import HardwareProfile, load_profile_yaml  # noqa: E402
-from llmkit.sim.model_shape import ModelShape, load_shape  # noqa: E402
+from llmkit.tools.sim.cost_model import CostModel  # noqa: E402
+from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml  # noqa: E402
+from llmkit.tools.sim.model_shape import ModelShape, load_shape  # noqa: E402
 
 
 def _events_time(fn, reps: int = 5, warmup: int = 2) -> float:
@@ -141,9 +141,9 @@ def run(hardware: str, shape_name: str, device: str = "cuda", batches=(1, 8, 32,
         ) -> dict:
     import torch
 
-    from llmkit.sim import calibrate
+    from llmkit.tools.sim import calibrate
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     hw = HardwareProfile.from_config(load_profile_yaml(root / "conf" / "hardware" /
                                                        f"{hardware}.yaml"))
     shape = load_shape(shape_name)

@@ -41,7 +41,7 @@ class SimError(Exception):
 def _model_overrides(args: Any) -> list[str]:
     """A MODEL that names a shape (and no preset) or a config.json becomes ``sim.model``."""
     from llmkit.config.compose import model_presets
-    from llmkit.sim.model_shape import shape_names
+    from llmkit.tools.sim.model_shape import shape_names
 
     model = args.model
     if model is None:
@@ -96,7 +96,7 @@ def format_sim_block(result: dict) -> str:
 
 
 def _calibrate(args: Any, load_config: Callable[..., Any], out: Any) -> int:
-    from llmkit.sim.calibrate import format_calibration, run_calibrate, run_engine_calibrate
+    from llmkit.tools.sim.calibrate import format_calibration, run_calibrate, run_engine_calibrate
 
     if args.multirun:
         raise SimError("-m (multirun) does not apply to sim calibrate")
@@ -125,16 +125,16 @@ def _calibrate(args: Any, load_config: Callable[..., Any], out: Any) -> int:
 
 
 def run_sim_command(args: Any, load_config: Callable[..., Any], out: Any = None) -> int:
-    from llmkit.bench.datasets import WorkloadError
-    from llmkit.sim.model_shape import ShapeError
+    from llmkit.tools.bench.datasets import WorkloadError
+    from llmkit.tools.sim.model_shape import ShapeError
 
     out = out or sys.stdout
     try:
         if args.subcommand == "calibrate":
             return _calibrate(args, load_config, out)
-        from llmkit.bench.cli import sweep_points
-        from llmkit.bench.results import format_summary, result_stem, write_result
-        from llmkit.sim.replay import run_sim
+        from llmkit.tools.bench.cli import sweep_points
+        from llmkit.tools.bench.results import format_summary, result_stem, write_result
+        from llmkit.tools.sim.replay import run_sim
 
         overrides = _model_overrides(args) + list(args.overrides)
         points = sweep_points(overrides, args.multirun)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TextIO
 
-from llmkit.bench.metrics import METRICS, RequestRecord
+from llmkit.tools.bench.metrics import METRICS, RequestRecord
 
 __all__ = ["format_summary", "jsonable", "load_result", "make_result", "plot_serve_result",
            "print_summary", "result_stem", "write_json", "write_result"]

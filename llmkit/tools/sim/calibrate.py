@@ -19,11 +19,11 @@ checking a shipped profile's peaks × efficiencies against a real device).
 
 ``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
 above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
-of known shapes and fits the efficiencies and overheads to them (``llmkit.sim.engine_measure``,
-``engine_fit``), writing the fitted terms, with the model, date and fit error in comments, into
-the same file. With ``sim.calibrate_trace=PATH`` (the step trace of ``llmkit serve`` running the
-same model under load) it also fits what the serving front end costs the engine per token it
-streams (``llmkit.sim.frontend_cost``).
+of known shapes and fits the efficiencies and overheads to them
+(``llmkit.tools.sim.engine_measure``, ``engine_fit``), writing the fitted terms, with the
+model, date and fit error in comments, into the same file. With ``sim.calibrate_trace=PATH``
+(the step trace of ``llmkit serve`` running the same model under load) it also fits what the serving front end costs the engine per token it
+streams (``llmkit.tools.sim.frontend_cost``).
 """
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def _write_profile(cfg: Any, text: str) -> tuple[Path, dict[str, Any]]:
     """Validate ``text`` and write it to ``sim.calibrate_output`` (atomically)."""
     import yaml
 
-    from llmkit.sim.hardware import default_calibration_path, validate_profile
+    from llmkit.tools.sim.hardware import default_calibration_path, validate_profile
 
     sim = cfg.sim
     path = Path(sim.calibrate_output).expanduser() if sim.calibrate_output else \
@@ -311,21 +311,21 @@ def run_calibrate(cfg: Any, device: str = "cpu") -> tuple[Path, dict[str, Any]]:
 def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
                          **measure_kw: Any) -> tuple[Path, dict[str, Any], Any, Any]:
     """``llmkit sim calibrate engine``: the microbenchmarks, then the real engine of ``cfg``
-    timed and fitted (``llmkit.sim.engine_fit``); writes the profile. Returns its path, the
+    timed and fitted (``llmkit.tools.sim.engine_fit``); writes the profile. Returns its path, the
     profile as a mapping, the ``EngineFit`` and the ``EngineMeasurement`` (``measure_kw`` go to
     ``measure_engine``)."""
     import yaml
 
     from llmkit.platforms import resolve_platform
-    from llmkit.sim.engine_fit import fit_engine, group_samples
-    from llmkit.sim.engine_measure import engine_dtype, measure_engine
-    from llmkit.sim.hardware import HardwareProfile
+    from llmkit.tools.sim.engine_fit import fit_engine, group_samples
+    from llmkit.tools.sim.engine_measure import engine_dtype, measure_engine
+    from llmkit.tools.sim.hardware import HardwareProfile
 
     log = log or (lambda s: None)
     resolve_platform(cfg.engine.platform).apply_runtime_settings()  # the engine's threads
     sim = cfg.sim
     if sim.calibrate_trace:
-        from llmkit.sim.frontend_cost import trace_steps
+        from llmkit.tools.sim.frontend_cost import trace_steps
 
         trace_steps(sim.calibrate_trace)  # a bad file fails now, not after the measurements
     dtype = engine_dtype(cfg.engine)
@@ -348,7 +348,7 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
                      control_plane_s=m["step_overhead_s"])
     frontend = None
     if sim.calibrate_trace:
-        from llmkit.sim.frontend_cost import frontend_cost_from_trace
+        from llmkit.tools.sim.frontend_cost import frontend_cost_from_trace
 
         frontend = frontend_cost_from_trace(sim.calibrate_trace, meas.shape, fit.profile,
                                             meas.dtype)

@@ -1,7 +1,7 @@
 """Which model ``llmkit sim`` simulates, found without reading any weights.
 
-- ``sim.model=NAME``: a shape shipped in ``llmkit/sim/shapes/NAME.json`` (e.g. ``llama-2-7b``),
-  so people can simulate models they do not have; or a ``config.json``; or an HF folder / a
+- ``sim.model=NAME``: a shape shipped in ``llmkit/tools/sim/shapes/NAME.json``
+  (e.g. ``llama-2-7b``), so people can simulate models they do not have; or a ``config.json``; or an HF folder / a
   ``.gguf`` (read through ``llmkit.models.loader.resolve_model_source``, which reads the config
   only). The ``model`` section is then not used; ``sim.max_model_len`` caps the context.
 - ``sim.model`` unset: ``MODEL`` / ``model.path`` / the model preset, exactly as a real engine
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llmkit.models.max_model_len import cap_max_model_len
-from llmkit.sim.model_shape import ModelShape, ShapeError, load_shape, shape_names
+from llmkit.tools.sim.model_shape import ModelShape, ShapeError, load_shape, shape_names
 
 __all__ = ["SimModel", "VocabTokenizer", "resolve_sim_dtype", "resolve_sim_model",
            "workload_tokenizer"]
@@ -114,7 +114,7 @@ class VocabTokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        from llmkit.bench.datasets import WorkloadError
+        from llmkit.tools.bench.datasets import WorkloadError
         raise WorkloadError("this workload has text prompts but the simulated model has no "
                             "tokenizer (a named shape): set bench.tokenizer=PATH or use token-id "
                             "prompts")

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.config.errors import ConfigError
-from llmkit.sim.cost_model import CostModel, SeqWork
-from llmkit.sim.hardware import HardwareProfile
-from llmkit.sim.model_shape import ModelShape
+from llmkit.tools.sim.cost_model import CostModel, SeqWork
+from llmkit.tools.sim.hardware import HardwareProfile
+from llmkit.tools.sim.model_shape import ModelShape
 
 __all__ = ["FrontendFit", "StreamRate", "frontend_cost_from_trace", "step_work", "trace_steps"]
 

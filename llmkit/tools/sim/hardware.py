@@ -10,8 +10,8 @@ when it exists (``sim.calibrate_output``, default ``<llmkit cache>/hardware/cpu-
 else the shipped, uncalibrated placeholder (with a warning).
 
 Three per-step terms that a CPU engine needs and a GPU profile leaves at 0 (see
-``llmkit.sim.cost_model``): ``seq_overhead_us`` (per request in the step), ``token_overhead_us``
-(per token the step computes) and ``context_overhead_ns`` (per token of context the step's
+``llmkit.tools.sim.cost_model``): ``seq_overhead_us`` (per request in the step),
+``token_overhead_us`` (per token the step computes) and ``context_overhead_ns`` (per token of context the step's
 requests attend over). ``llmkit sim calibrate engine`` fits them from timed steps of the real
 engine. They are read from a profile file (``resolve_hardware``, ``load_profile``) beside the
 ``HardwareConfig`` fields; when ``HardwareConfig`` has no field of that name they are validated
@@ -53,7 +53,8 @@ class HardwareProfile:
     seq_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
     context_overhead_s: float = 0.0
-    # engine CPU time the serving front end takes per token it streams (llmkit.sim.frontend_cost)
+    # engine CPU time the serving front end takes per token it streams
+    # (llmkit.tools.sim.frontend_cost)
     frontend_token_s: float = 0.0
     default_dtype: str = "bfloat16"
     description: str = ""

@@ -5,7 +5,7 @@ is replaced. For every ``SchedulerOutput`` the executor
 
 1. works out each scheduled request's share of the step: new tokens ``q``, context after the
    step ``c``, and whether the step reaches the end of what the request holds (then it samples);
-2. prices the step with ``llmkit.sim.cost_model.CostModel`` for the ``hardware`` profile (with
+2. prices the step with ``llmkit.tools.sim.cost_model.CostModel`` for the ``hardware`` profile (with
    the tokens/s streamed lately, which a CPU profile's front-end term charges for) and advances
    the virtual clock (if it was given one) by that time;
 3. returns one sampled token per sampling request, drawn from a seeded RNG over the vocabulary
@@ -16,7 +16,7 @@ is replaced. For every ``SchedulerOutput`` the executor
 With ``speculative=...`` (the same group a real engine reads) a request verifying drafts gains
 its accepted drafts plus one token, by the acceptance model, and every sampling request gets
 drafts for the next step, as many as the engine's draft-length policy allows
-(``llmkit.sim.speculation``); the scheduler schedules them as it would a proposer's, so a
+(``llmkit.tools.sim.speculation``); the scheduler schedules them as it would a proposer's, so a
 verify step costs what 1 + K tokens per row cost, and a draft model's passes are added.
 
 With ``parallel.pipeline_parallel_size`` = ``s`` > 1 the executor keeps up to ``s`` steps in
@@ -43,11 +43,11 @@ from llmkit.config.tool_schema import SimToolConfig
 from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
-from llmkit.sim.cost_model import CostModel, StepCost
-from llmkit.sim.frontend_cost import StreamRate
-from llmkit.sim.hardware import HardwareProfile, resolve_hardware
-from llmkit.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
-from llmkit.sim.speculation import SimSpeculation
+from llmkit.tools.sim.cost_model import CostModel, StepCost
+from llmkit.tools.sim.frontend_cost import StreamRate
+from llmkit.tools.sim.hardware import HardwareProfile, resolve_hardware
+from llmkit.tools.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
+from llmkit.tools.sim.speculation import SimSpeculation
 
 __all__ = ["SimExecutor", "SimStats"]
 

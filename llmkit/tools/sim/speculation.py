@@ -19,7 +19,7 @@ import dataclasses
 import random
 from typing import Any
 
-from llmkit.sim.cost_model import CostModel, SeqWork
+from llmkit.tools.sim.cost_model import CostModel, SeqWork
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
 
 __all__ = ["SimSpeculation", "ridge_tokens"]
@@ -59,7 +59,7 @@ class SimSpeculation:
             shape = dataclasses.replace(target.shape, name=f"{target.shape.name}-eagle",
                                         num_layers=1)
         elif spec.name == "draft_model":
-            from llmkit.sim.model_shape import load_shape
+            from llmkit.tools.sim.model_shape import load_shape
             shape = load_shape(spec.model)
         else:
             return None

@@ -16,7 +16,7 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
   ``gpu_check``: a device script that sets a GPU profile's predictions beside torch
   measurements (a validation, never a fit).
 
-The executor is ``llmkit.sim.executor.SimExecutor`` (``executor=sim``, registered through the
-``llmkit.executor`` entry point group in pyproject.toml). Modules here import nothing heavy at import
-time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).
+The executor is ``llmkit.tools.sim.executor.SimExecutor`` (``executor=sim``, registered through
+the ``llmkit.executor`` entry point group in pyproject.toml). Modules here import nothing heavy
+at import time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).
 """

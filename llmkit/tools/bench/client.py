@@ -9,7 +9,7 @@ the usage so far, so the tokens of each chunk are known), ``max_tokens`` and ``i
 Each SSE chunk that carries output (text, or a choice's finish) is timed on arrival; a chunk
 can carry several tokens (several engine steps' worth under load, or tokens without text of
 their own that came with a later one), and ITL gets one entry per token (the chunk's gap split
-over its tokens). The metrics are computed by ``llmkit.bench.metrics.request_record``
+over its tokens). The metrics are computed by ``llmkit.tools.bench.metrics.request_record``
 (definitions there), with the output token count that the server reports in ``usage``.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from llmkit.bench.datasets import WorkloadError, WorkloadRequest
-from llmkit.bench.metrics import RequestRecord, request_record
+from llmkit.tools.bench.datasets import WorkloadError, WorkloadRequest
+from llmkit.tools.bench.metrics import RequestRecord, request_record
 
 __all__ = ["ClientOptions", "LoadResult", "fetch_model_name", "run_load", "run_load_sync"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from llmkit.bench.datasets import build_workload
-from llmkit.bench.metrics import stats
+from llmkit.tools.bench.datasets import build_workload
+from llmkit.tools.bench.metrics import stats
 from llmkit.config.errors import ConfigError
 
 __all__ = ["format_latency", "run_latency"]
@@ -24,7 +24,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                 llm: Any = None) -> dict[str, Any]:
     from llmkit.engine.llm import LLM
     from llmkit.sampling.params import SamplingParams
-    from llmkit.bench.results import make_result
+    from llmkit.tools.bench.results import make_result
     from llmkit.engine.step_trace import StepTrace
 
     b = cfg.bench
@@ -37,7 +37,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
         llm = LLM.from_config(cfg.engine)
     llamacpp_dir = None
     if b.baseline == "llamacpp":  # fail before the run
-        from llmkit.bench.llamacpp_baseline import check_llamacpp
+        from llmkit.tools.bench.llamacpp_baseline import check_llamacpp
         llamacpp_dir = check_llamacpp(b, llm.model_source.path)
     model_path = llm.model_source.path
     import torch
@@ -93,7 +93,7 @@ def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
     baseline = ratio = None
     if llamacpp_dir is not None:
-        from llmkit.bench.llamacpp_baseline import run_llamacpp
+        from llmkit.tools.bench.llamacpp_baseline import run_llamacpp
 
         baseline = run_llamacpp(llamacpp_dir, model_path, threads=threads,
                                 num_seqs=b.batch_size, input_len=b.input_len,

@@ -1,5 +1,5 @@
 """Timed steps of the real engine, for ``llmkit sim calibrate engine`` (fitted by
-``llmkit.sim.engine_fit``).
+``llmkit.tools.sim.engine_fit``).
 
 Build the real engine (``LLM`` for the configured model,
 the same ``EngineCore``, scheduler, runner and attention backend that ``llmkit serve`` runs)
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llmkit.sim.model_shape import ModelShape
+from llmkit.tools.sim.model_shape import ModelShape
 
 __all__ = ["EngineMeasurement", "StepSample", "Work", "engine_dtype", "measure_engine"]
 

@@ -5,8 +5,9 @@ count, layers, heads, and the bytes one token's K/V costs.
 (the JSON) and knows the Llama family's names (Llama, Mistral, Qwen2/3: ``hidden_size``,
 ``num_hidden_layers``, ...), GPT-2's (``n_embd``, ``n_layer``, ...) and mixture-of-experts
 fields (``num_local_experts`` / ``num_experts``, ``num_experts_per_tok``).
-``load_shape(name_or_path)`` reads a named shape shipped in ``llmkit/sim/shapes/NAME.json`` (so
-people can simulate models they do not have), a ``config.json``, or a model folder.
+``load_shape(name_or_path)`` reads a named shape shipped in
+``llmkit/tools/sim/shapes/NAME.json`` (so people can simulate models they do not have), a
+``config.json``, or a model folder.
 
 Counting (per layer, ``h`` hidden, ``n_h``/``n_kv`` heads of ``d`` dims, ``I`` intermediate):
 attention ``h·n_h·d`` (q) + ``2·h·n_kv·d`` (k, v) + ``n_h·d·h`` (o); MLP ``3·h·I`` when gated
@@ -217,7 +218,7 @@ def _read_json(path: Path) -> dict:
 
 
 def load_shape(name_or_path: str) -> ModelShape:
-    """A named shape (``llmkit/sim/shapes/NAME.json``), a ``config.json`` file, or a folder
+    """A named shape (``llmkit/tools/sim/shapes/NAME.json``), a ``config.json`` file, or a folder
     holding one. (A ``.gguf`` goes through ``llmkit.models.loader.resolve_model_source``.)"""
     named = shapes_dir() / f"{name_or_path}.json"
     if named.is_file():

@@ -34,7 +34,7 @@ hidden states and residual cross the link::
 
 A batch alone leaves every stage but one idle (the bubble); the sim executor keeps up to ``s``
 batches in flight, as the engine's batch queue does, and times them on one clock per stage
-(``llmkit.sim.executor``), so overlap and bubbles follow from the schedule.
+(``llmkit.tools.sim.executor``), so overlap and bubbles follow from the schedule.
 
 ``P_read(T)`` is every parameter of a layer for a dense model; for a mixture of experts only
 the experts some token routes to (``E·(1 − (1 − k/E)^T)`` in expectation). The embedding is a
@@ -48,11 +48,11 @@ token computed: the part of small-M GEMMs and per-token ops that runs below the 
 does not overlap it) and ``t_context`` (per token of context attended: a CPU's paged decode
 attention costs more per KV token than its bytes at the bandwidth) are 0 on GPU profiles; ``llmkit
 sim calibrate engine`` fits them, with ``η_c``, ``η_m``, ``t_step`` and ``t_layer``, from timed
-steps of the real engine on this machine (``llmkit.sim.engine_fit``). ``c_fe``
+steps of the real engine on this machine (``llmkit.tools.sim.engine_fit``). ``c_fe``
 (``frontend_token_us``, 0 on GPU profiles) is the engine CPU time that a front end sharing its
 cores (API server, detokenisation, a benchmark client) takes per token it streams, so at ``R``
 tokens/s it holds a share ``c_fe·R`` of the CPU; ``sim calibrate engine
-sim.calibrate_trace=PATH`` fits it to a served run (``llmkit.sim.frontend_cost``, which also
+sim.calibrate_trace=PATH`` fits it to a served run (``llmkit.tools.sim.frontend_cost``, which also
 keeps ``R`` for the simulator). It is added to ``overhead_s``.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from llmkit.distributed.pipeline import get_pp_indices
-from llmkit.sim.hardware import HardwareProfile
-from llmkit.sim.model_shape import ModelShape, dtype_bytes
+from llmkit.tools.sim.hardware import HardwareProfile
+from llmkit.tools.sim.model_shape import ModelShape, dtype_bytes
 
 __all__ = ["CostModel", "SeqWork", "StepCost"]
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from llmkit.bench.datasets import WorkloadError
+from llmkit.tools.bench.datasets import WorkloadError
 from llmkit.config.tool_schema import BenchToolConfig
 
 __all__ = ["SUBCOMMANDS", "rewrite_shorthands", "run_bench", "sweep_points"]
@@ -62,7 +62,7 @@ def sweep_points(overrides: Sequence[str], multirun: bool) -> list[tuple[list[st
 
 
 def _stem(kind: str, sweep: dict, name: str | None) -> str:
-    from llmkit.bench.results import result_stem
+    from llmkit.tools.bench.results import result_stem
 
     if name and sweep:
         return result_stem(name, sweep)
@@ -70,24 +70,24 @@ def _stem(kind: str, sweep: dict, name: str | None) -> str:
 
 
 def _run_one(sub: str, cfg: Any, sweep: dict, out: Any) -> tuple[Path, Path | None]:
-    from llmkit.bench.results import format_summary, write_json, write_result
+    from llmkit.tools.bench.results import format_summary, write_json, write_result
 
     b = cfg.bench
     stem = _stem(sub, sweep, b.result_name)
     if sub == "serve":
-        from llmkit.bench.serve import run_serve
+        from llmkit.tools.bench.serve import run_serve
 
         result = run_serve(cfg, sweep=sweep)
         json_path, png_path = write_result(result, b.output_dir, stem)
         print(format_summary(result["summary"]), file=out)
     elif sub == "throughput":
-        from llmkit.bench.throughput import format_throughput, run_throughput
+        from llmkit.tools.bench.throughput import format_throughput, run_throughput
 
         result = run_throughput(cfg, sweep=sweep)
         json_path, png_path = write_json(result, Path(b.output_dir) / f"{stem}.json"), None
         print(format_throughput(result), file=out)
     else:
-        from llmkit.bench.latency import format_latency, run_latency
+        from llmkit.tools.bench.latency import format_latency, run_latency
 
         result = run_latency(cfg, sweep=sweep)
         json_path, png_path = write_json(result, Path(b.output_dir) / f"{stem}.json"), None
@@ -97,7 +97,7 @@ def _run_one(sub: str, cfg: Any, sweep: dict, out: Any) -> tuple[Path, Path | No
 
 
 def _plot(args: Any, load_config: Callable[..., Any], out: Any) -> int:
-    from llmkit.bench.plot import plot_sweep
+    from llmkit.tools.bench.plot import plot_sweep
 
     if args.multirun:
         raise BenchError("-m (multirun) does not apply to bench plot", code=2)

@@ -2,7 +2,7 @@
 engine core.
 
 ``run_sim(cfg)`` builds the workload exactly as ``bench serve`` does
-(``llmkit.bench.datasets.build_workload``: same datasets, seeds and arrival times), an
+(``llmkit.tools.bench.datasets.build_workload``: same datasets, seeds and arrival times), an
 ``EngineCore`` with the real scheduler and KV cache manager and ``executor=sim``, both on one
 ``VirtualClock``, and then::
 
@@ -13,13 +13,13 @@ engine core.
         nothing in flight: jump the clock to the next arrival
         EngineCore.step(): the scheduler schedules (timestamps: clock), the sim executor prices
         the step and advances the clock by its cost, the scheduler timestamps the new tokens
-        finished requests become records (llmkit.bench.metrics.request_record)
+        finished requests become records (llmkit.tools.bench.metrics.request_record)
 
 A request that arrives while a step runs is added when the step ends (an engine picks new
 requests up between steps), but its TTFT counts from its arrival, when the client sent it.
 ``bench.max_duration_s``: requests not sent by then are dropped (``num_unsent``), those in
 flight are aborted and recorded as failed, as ``bench serve`` does.
-The result is ``llmkit.bench.results.make_result(..., simulated=True)``: the same JSON and
+The result is ``llmkit.tools.bench.results.make_result(..., simulated=True)``: the same JSON and
 figure as ``bench serve``, plus a ``sim`` block (hardware, model, cost-model constants, step
 statistics). Nothing depends on the wall clock except ``sim.wall_s``: the same config and seed
 give the same results.
@@ -32,10 +32,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from llmkit.bench.datasets import WorkloadError, WorkloadRequest, build_workload
-from llmkit.bench.metrics import RequestRecord, request_record, summarize
+from llmkit.tools.bench.datasets import WorkloadError, WorkloadRequest, build_workload
+from llmkit.tools.bench.metrics import RequestRecord, request_record, summarize
 from llmkit.config.errors import ConfigError
-from llmkit.sim.virtual_clock import VirtualClock
+from llmkit.tools.sim.virtual_clock import VirtualClock
 
 __all__ = ["SimRun", "build_sim_engine", "replay", "run_sim"]
 
@@ -63,7 +63,7 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
     set."""
     from llmkit.config.errors import ConfigError
     from llmkit.engine.core import EngineCore
-    from llmkit.sim.executor import SimExecutor
+    from llmkit.tools.sim.executor import SimExecutor
     from llmkit.platforms import resolve_platform
 
     clock = clock or VirtualClock()
@@ -210,10 +210,10 @@ def replay(cfg: Any, workload: Sequence[WorkloadRequest], core: Any, clock: Virt
 def run_sim(cfg: Any, *, sweep: Mapping[str, Any] | None = None, tokenizer: Any = None
             ) -> dict[str, Any]:
     """Simulate ``bench serve`` for ``cfg`` (a ``SimToolConfig``); returns the result document
-    (``llmkit.bench.results.make_result`` with ``simulated=True``)."""
-    from llmkit.bench.results import make_result
-    from llmkit.sim.hardware import resolve_hardware
-    from llmkit.sim.source import resolve_sim_model, workload_tokenizer
+    (``llmkit.tools.bench.results.make_result`` with ``simulated=True``)."""
+    from llmkit.tools.bench.results import make_result
+    from llmkit.tools.sim.hardware import resolve_hardware
+    from llmkit.tools.sim.source import resolve_sim_model, workload_tokenizer
 
     if cfg.bench.lora_names:
         raise ConfigError("bench.lora_names", list(cfg.bench.lora_names), "", message=(
