@@ -106,7 +106,7 @@ def test_image_tokens_follow_the_image_size(model_dirs):
     # An encoder cache of 12 tokens: an image of 16 is refused before the engine sees it.
     llm = LLM(str(model_dirs["qwen2_vl"]), dtype="float32",
               scheduler={"encoder_cache_size": 12})
-    mm = llm._inputs.mm_processor
+    mm = llm.frontend.mm_processor
     sizes = {(40, 52): 12, (64, 30): 10, (120, 90): 12, (30, 30): 4, (14, 14): 4}
     pad = llm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     for (w, h), n in sizes.items():

@@ -44,11 +44,10 @@ process with a new one (the server does it when ``server.restart_engine`` is set
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import uuid
-from typing import Any, AsyncGenerator, Mapping, Sequence
+from typing import AsyncGenerator, Sequence
 
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
@@ -56,7 +55,8 @@ from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPCl
                                        start_engine_core)
 from llmkit.engine.dp_client import DPClient, start_engine_cores
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
+from llmkit.engine.frontend import Frontend, FrontendModel, Message
+from llmkit.engine.input_processor import PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.request_tracker import RequestTracker
@@ -64,7 +64,6 @@ from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
 from llmkit.engine.step_summary import EngineStepSummary
-from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
@@ -72,8 +71,6 @@ from llmkit.scheduler.base import SchedulerStats
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
            "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core",
            "start_engine_cores"]
-
-Message = Mapping[str, Any]
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +110,6 @@ class AsyncLLM:
 
     def _init_from_config(self, config: EngineConfig, stat_logger: StatLogger | None,
                           engine_core: MPClient | DPClient | None = None) -> None:
-        from llmkit.models.loader import resolve_model_source
-
         # The engine process starts first and loads the model while this process loads the
         # tokenizer.
         if engine_core is None:
@@ -132,16 +127,13 @@ class AsyncLLM:
         self.num_engine_restarts = 0
         self.step_feed = EngineStepFeed()
         try:
-            source = resolve_model_source(engine_config.model)
-            self.model_source = source
-            self.tokenizer = source.load_tokenizer()
+            model = FrontendModel.load(engine_config.model)
+            self.model_source = model.source
+            self.tokenizer = model.tokenizer
             # What requests that leave a sampling field unset get (vLLM's generation config).
-            self.default_sampling_fields = default_sampling_fields(engine_config.model,
-                                                                   source.path)
-            logger.info("%s", describe_defaults(engine_config.model,
-                                                self.default_sampling_fields))
-            self._processor = OutputProcessor(self.tokenizer)
-            self._tracker = RequestTracker(self._processor, engine_core, stat_logger)
+            self.default_sampling_fields = model.default_sampling_fields
+            outputs = OutputProcessor(model.tokenizer)
+            self._tracker = RequestTracker(outputs, engine_core, stat_logger)
             # Before wait_ready, which starts the client's reader thread (the engine sends
             # nothing before its first request, so nothing is missed meanwhile).
             engine_core.set_handlers(on_message=self._on_message_threadsafe,
@@ -156,15 +148,9 @@ class AsyncLLM:
         self.model_facts = self.engine_core.model_facts
         self.max_model_len = self.model_facts.max_model_len
         self.vocab_size = self.model_facts.vocab_size
-        self._inputs = build_input_processor(source, self.tokenizer, self.model_facts,
-                                             engine_config)
+        self.frontend = Frontend(engine_config, model, self.model_facts, outputs=outputs)
 
     # -- state ------------------------------------------------------------------------------
-    @property
-    def multimodal_processor(self):
-        """The served model's ``llmkit.multimodal.MultiModalProcessor``; None: text only."""
-        return self._inputs.mm_processor
-
     @property
     def is_running(self) -> bool:
         return not self._shutdown and not self.engine_core.is_dead
@@ -210,7 +196,7 @@ class AsyncLLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``sampling_params=None`` means: the model's recommended defaults
         (``model.generation_config``) over ``SamplingParams``' own (as ``LLM``'s)."""
-        return SamplingParams(**self.default_sampling_fields)
+        return self.frontend.default_sampling_params()
 
     # -- requests ---------------------------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -243,22 +229,16 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._tracker.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or self.get_default_sampling_params()
-        if n is not None and n != params.n:
-            params = dataclasses.replace(params, n=n)
-        p = self._inputs.process(prompt, params, cache_salt=cache_salt)
-        text, ids, params, cache_salt = p.text, p.token_ids, p.params, p.cache_salt
-        mm_features = p.mm_features
-        if prompt_text is not None:
-            text = prompt_text
+        p = self.frontend.process(prompt, self.frontend.sampling_params(sampling_params, n),
+                                  cache_salt=cache_salt)
+        ids, params, cache_salt, mm_features = p.token_ids, p.params, p.cache_salt, p.mm_features
         num_pending = self._tracker.num_pending
         if num_pending + params.n > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_pending} requests wait for their first "
                 f"token (server.max_waiting_requests={self.max_waiting_requests}); retry later")
         # The output processor fans n > 1 out into children "{i}_{id}" with seeds seed + i.
-        children = self._processor.add_request(request_id, text, ids, params, output_kind) \
-            or [(request_id, params)]
+        children = self.frontend.fan_out(request_id, p, output_kind, prompt_text)
         try:
             # Encode first: a parameter that cannot cross to the engine fails before any
             # request is sent.
@@ -301,20 +281,15 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[Message],
                    sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **kwargs) -> AsyncGenerator[RequestOutput, None]:
-        prompt = chat_prompt(messages, self.apply_chat_template, self._inputs.mm_processor,
-                             self.config)
+        prompt = self.frontend.chat_prompt(messages)
         async for out in self.generate(prompt, sampling_params, request_id, **kwargs):
             yield out
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:
         """The prompt token ids of a conversation, by the model's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.frontend.apply_chat_template(messages, add_generation_prompt,
+                                                 **template_kwargs)
 
     # -- LoRA adapters ------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -37,7 +37,7 @@ from llmkit.structured_output.validation import validate_structured_outputs
 from llmkit.sampling.params import SamplingParams
 
 __all__ = ["InputProcessor", "ProcessedPrompt", "PromptType", "build_input_processor",
-           "chat_prompt", "multi_modal_images", "unpack_prompt_dict"]
+           "multi_modal_images", "unpack_prompt_dict"]
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt" | "prompt_token_ids", "cache_salt"}.
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -166,27 +166,6 @@ def build_input_processor(source: Any, tokenizer: Any, facts: ModelFacts,
     mm = multimodal_processor_for(source.path, source.hf_config, tokenizer,
                                   config.multimodal.limit("image"))
     return InputProcessor(tokenizer, facts, config, mm)
-
-
-def chat_prompt(messages: Sequence[Mapping[str, Any]], apply_template: Any,
-                mm_processor: Any, config: EngineConfig) -> PromptType:
-    """A conversation's prompt for ``LLM.chat`` / ``AsyncLLM.chat``: its token ids by
-    ``apply_template(messages)``, or with image content parts (``image_url`` with a data: URL
-    or an allowed host's http(s) URL, ``image_pil``) a dict prompt with ``multi_modal_data``,
-    each image part replaced by the model's placeholder where it stood."""
-    from llmkit.multimodal.content_parts import split_image_parts
-    from llmkit.multimodal.image import load_image_url
-
-    def load(url: str):
-        return load_image_url(url, max_bytes=config.multimodal.max_image_bytes,
-                              allowed_domains=config.server.allowed_media_domains)
-
-    placeholder = mm_processor.placeholder if mm_processor is not None else None
-    plain, images = split_image_parts(messages, placeholder, load)
-    ids = apply_template(plain)
-    if not images:
-        return ids
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
 
 def _is_token_id(t: Any) -> bool:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
@@ -11,18 +10,12 @@ from llmkit.config.compose import build_config
 from llmkit.config.openmp_env import warn_if_threads_spin
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core import EngineCore
-from llmkit.engine.input_processor import PromptType, build_input_processor, chat_prompt
-from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
+from llmkit.engine.frontend import Frontend, FrontendModel, Message
+from llmkit.engine.input_processor import PromptType
+from llmkit.engine.output_processor import RequestOutputKind
 from llmkit.lora.request import LoRARequest
-from llmkit.models.generation_config import default_sampling_fields, describe_defaults
-from llmkit.models.loader import ModelSource, resolve_model_source
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams
-from llmkit.startup import startup_step
-
-Message = Mapping[str, Any]
-
-logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -53,27 +46,23 @@ class LLM:
         return llm
 
     def _init_from_config(self, config: EngineConfig) -> None:
-        with startup_step("reading the model's config and tokenizer"):
-            source: ModelSource = resolve_model_source(config.model)
-            self.tokenizer = source.load_tokenizer()
+        model = FrontendModel.load(config.model)
         self.config = config
-        self.model_source = source
-        self.default_sampling_fields = default_sampling_fields(config.model, source.path)
-        logger.info("LLM: %s", describe_defaults(config.model, self.default_sampling_fields))
         if config.parallel.data_parallel_size > 1:
             # N engine core processes behind a router (dp_engine.py): same interface.
             from llmkit.engine.dp_engine import DataParallelEngine
             self.engine: EngineCore | DataParallelEngine = DataParallelEngine(config)
         else:
-            self.engine = EngineCore(config, model_source=source)
+            self.engine = EngineCore(config, model_source=model.source)
             # This process computes, and llmkit loaded torch before it could set the wait
             # policy (llmkit.config.openmp_env): say what the user must export. The sim
             # executor computes nothing.
             warn_if_threads_spin(self.engine.platform.device.type == "cpu"
                                  and config.executor.name != "sim")
-        self._inputs = build_input_processor(source, self.tokenizer, self.engine.model_facts,
-                                             config)
-        self._processor = OutputProcessor(self.tokenizer)
+        self.frontend = Frontend(config, model, self.engine.model_facts)
+        self.tokenizer = model.tokenizer
+        self.model_source = model.source
+        self.default_sampling_fields = model.default_sampling_fields
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -83,7 +72,7 @@ class LLM:
         """What ``sampling_params=None`` means: the model's recommended defaults
         (``model.generation_config``) over ``SamplingParams``' own. Change a field with
         ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
-        return SamplingParams(**self.default_sampling_fields)
+        return self.frontend.default_sampling_params()
 
     @property
     def max_model_len(self) -> int:
@@ -92,7 +81,7 @@ class LLM:
     # -- requests --------------------------------------------------------------------------
     def _add(self, prompt: PromptType, params: SamplingParams, kind: RequestOutputKind,
              lora_request: LoRARequest | None = None) -> str:
-        p = self._inputs.process(prompt, params)
+        p = self.frontend.process(prompt, params)
         lora_id = None
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
@@ -105,8 +94,7 @@ class LLM:
         children = [p.to_request(child_id, child_params,
                                  eos_token_id=engine.model_facts.eos_token_id,
                                  arrival_time=engine.clock(), lora_id=lora_id)
-                    for child_id, child_params in self._processor.add_request(
-                        rid, p.text, p.token_ids, p.params, kind)]
+                    for child_id, child_params in self.frontend.fan_out(rid, p, kind)]
         add_group = getattr(engine, "add_requests", None)
         if add_group is not None:  # data parallel: the n samples go to one engine core
             add_group(children)
@@ -124,7 +112,7 @@ class LLM:
         base model); an adapter is loaded (and checked) the first time it is named."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
+            sampling_params = self.frontend.default_sampling_params()
         n = len(prompt_list)
         params = _one_per_prompt(sampling_params, SamplingParams, n, "SamplingParams")
         loras = _one_per_prompt(lora_request, LoRARequest, n, "LoRA requests",
@@ -144,7 +132,7 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self._chat_prompt(c, add_generation_prompt) for c in conversations]
+        prompts = [self.frontend.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
@@ -160,23 +148,15 @@ class LLM:
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
 
-    def _chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool):
-        return chat_prompt(messages, lambda m: self.apply_chat_template(m, add_generation_prompt),
-                           self._inputs.mm_processor, self.config)
-
     def apply_chat_template(self, messages: Sequence[Message],
                             add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.frontend.apply_chat_template(messages, add_generation_prompt)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
                lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding each step's new text and tokens (delta outputs)."""
         if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
+            sampling_params = self.frontend.default_sampling_params()
         rid = self._add(prompt, sampling_params, RequestOutputKind.DELTA, lora_request)
         try:
             while True:
@@ -192,7 +172,7 @@ class LLM:
         """One engine step through the output processor. Requests the front end finished (a
         stop string matched) are aborted in the core at once, which frees their blocks."""
         stopped: list[str] = []
-        outs = self._processor.process(self.engine.step(), stopped)
+        outs = self.frontend.process_outputs(self.engine.step(), stopped)
         if stopped:
             self.engine.abort_requests(stopped)
         return outs
@@ -217,9 +197,9 @@ class LLM:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort user requests (all their samples when ``n > 1``)."""
-        child_ids = [c for r in request_ids for c in self._processor.child_request_ids(r)]
+        child_ids = [c for r in request_ids for c in self.frontend.child_request_ids(r)]
         if child_ids:
-            self._processor.process(self.engine.abort_requests(child_ids))
+            self.frontend.process_outputs(self.engine.abort_requests(child_ids))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -58,6 +58,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
                  lora: LoRAConfig | None = None) -> None:
         self.engine = engine
+        self.frontend = engine.frontend  # the engine's: same template, images, defaults
         self.tokenizer = engine.tokenizer
         self.model_names = served_model_names
         self.model_name = served_model_names[0]
@@ -65,7 +66,7 @@ class OpenAIServing:
         # the engine's own (AsyncLLM's input processor checks against the same)
         self.vocab_size = engine.model_facts.vocab_size
         self._warned_fields: set[str] = set()
-        template = getattr(self.tokenizer, "chat_template", None)
+        template = self.tokenizer.chat_template
         self.template_has_tools = template_supports_tools(template)
         parser_name = engine.config.server.tool_call_parser
         if parser_name == "auto":
@@ -110,7 +111,7 @@ class OpenAIServing:
         """The request's ``SamplingParams`` (a 400 ``OpenAIError`` for what cannot be met)."""
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                     vocab_size=self.vocab_size,
-                                    defaults=self.engine.default_sampling_fields,
+                                    defaults=self.frontend.default_sampling_fields,
                                     structured_outputs=structured_outputs)
         if req.kv_transfer_params is not None:
             if req.n != 1 or num_prompts != 1:
@@ -301,13 +302,13 @@ class OpenAIServing:
                        .structured_output.disable_any_whitespace)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = self.structured_outputs(req, forced)
-        req, images = await load_chat_images(self.engine, req)
-        ids = render_chat_prompt(self.tokenizer, req, use, self.template_has_tools, self.encode)
+        req, images = await load_chat_images(self.frontend, req)
+        ids = render_chat_prompt(self.frontend, req, use, self.template_has_tools, self.encode)
         num_prompt_tokens = len(ids)
         prompt: list[int] | dict = ids
         if images:
             # Each placeholder becomes the image's tokens: they count as prompt tokens.
-            mm = self.engine.multimodal_processor
+            mm = self.frontend.mm_processor
             num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
             prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         max_tokens = req.max_output_tokens
@@ -397,12 +398,12 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if req.messages is not None:
-            req, images = await load_chat_images(self.engine, req)
-            ids = render_chat_prompt(self.tokenizer, req, None, self.template_has_tools,
+            req, images = await load_chat_images(self.frontend, req)
+            ids = render_chat_prompt(self.frontend, req, None, self.template_has_tools,
                                      self.encode)
             if images:  # the image tokens the engine would see count
                 try:
-                    ids = self.engine.multimodal_processor.expand(ids, images)
+                    ids = self.frontend.mm_processor.expand(ids, images)
                 except ValueError as e:
                     raise bad_request(str(e), "messages") from None
         else:
