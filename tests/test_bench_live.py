@@ -5,28 +5,19 @@ server's engine writes its step trace (``observability.trace_file``) when it sto
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers.processes import free_port  # noqa: E402
+from helpers.bench_results import check_result_consistency
+from helpers.server_process import ServerProcess
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from helpers.bench_results import check_result_consistency  # noqa: E402
-
-from llmkit.tools.bench.datasets import build_workload  # noqa: E402
-from llmkit.config.compose import compose_tool_config  # noqa: E402
-from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
-from llmkit.entrypoints import cli  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from llmkit.tools.bench.datasets import build_workload
+from llmkit.config.compose import compose_tool_config
+from llmkit.config.tool_schema import BenchToolConfig
+from llmkit.entrypoints import cli
 
 pytestmark = pytest.mark.slow
 
@@ -35,42 +26,19 @@ pytestmark = pytest.mark.slow
 def live(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama")
     tmp = tmp_path_factory.mktemp("live")
-    port = free_port()
     trace = tmp / "engine-trace.json"
-    log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmkit.entrypoints.cli", "serve", str(model),
-         "model.dtype=float32", f"server.port={port}", "kv_cache.num_blocks=256",
-         f"observability.trace_file={trace}"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(model, "kv_cache.num_blocks=256", f"observability.trace_file={trace}",
+                           log_path=tmp / "server.log")
     try:
         # while the server starts: the imports the bench command will need
         from llmkit.tools.bench.results import _pyplot
         from llmkit.models.loader import resolve_model_source  # noqa: F401
         _pyplot()
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready: {(tmp / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield {"url": url, "model": model, "proc": proc, "trace": trace, "tmp": tmp}
+        server.wait_ready(timeout=180)
+        yield {"url": server.base_url, "model": model, "proc": server.proc, "trace": trace,
+               "tmp": tmp}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log.close()
+        server.stop()
 
 
 def test_bench_serve_against_live_server(live, tmp_path, capsys):

@@ -238,7 +238,7 @@ def test_llm_data_parallel_2_matches_the_single_core_engine(tiny_model_dir, tmp_
 # -- DP=2 behind llmkit serve ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_dir, tmp_path_factory):
-    from test_server import ServerProcess
+    from helpers.server_process import ServerProcess
 
     model_dir = tiny_model_dir("llama")
     server = ServerProcess(model_dir, "parallel.data_parallel_size=2",

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from helpers.processes import free_port, wait_for
-from test_server import ServerProcess
+from helpers.server_process import ServerProcess
 
 from llmkit import LLM, SamplingParams
 

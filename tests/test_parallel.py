@@ -221,7 +221,7 @@ def test_server_with_tensor_parallel_serves_then_turns_unhealthy_when_a_worker_d
 
     import httpx
     from helpers.processes import wait_for
-    from test_server import ServerProcess
+    from helpers.server_process import ServerProcess
 
     model_dir = tiny_model_dir("llama")
     server = ServerProcess(model_dir, "parallel.tensor_parallel_size=2", "kv_cache.num_blocks=64",

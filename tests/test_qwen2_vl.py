@@ -215,7 +215,7 @@ def test_server_chat_with_data_url_images_matches_hf(model_dirs, hf_reference, t
     import io
 
     import httpx
-    from test_server import SERVER_THREADS, ServerProcess
+    from helpers.server_process import SERVER_THREADS, ServerProcess
 
     def data_url(image: Image.Image) -> str:
         buf = io.BytesIO()

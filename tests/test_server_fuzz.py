@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_server import SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -25,15 +25,11 @@ EXAMPLES_PER_OPERATION = 16  # per mode (valid, invalid): ~230 requests
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_model_dir("llama"), f"server.api_key={KEY}",
-                        f"model.max_model_len={MAX_MODEL_LEN}", "server.max_request_bytes=65536",
-                        "kv_cache.num_blocks=512", SERVER_THREADS,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(tiny_model_dir("llama"), f"server.api_key={KEY}",
+                       f"model.max_model_len={MAX_MODEL_LEN}", "server.max_request_bytes=65536",
+                       "kv_cache.num_blocks=512", SERVER_THREADS,
+                       log_path=tmp_path_factory.mktemp("server") / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_generated_requests_get_no_5xx_and_openai_errors(server):

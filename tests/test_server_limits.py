@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from helpers.processes import pid_alive, wait_for
-from test_server import PROMPT, SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import PROMPT, SERVER_THREADS, ServerProcess, error_body
 
 API_KEY = "sekret-123"
 
@@ -27,16 +27,12 @@ def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     gen_config = tmp / "generation_config.json"
     gen_config.write_text(json.dumps({"top_k": 1, "eos_token_id": 2}))
-    srv = ServerProcess(tiny_model_dir("llama"), f"server.api_key={API_KEY}",
-                        "scheduler.max_num_seqs=1", "server.max_waiting_requests=2",
-                        "server.shutdown_timeout=3", "kv_cache.num_blocks=128", SERVER_THREADS,
-                        f"model.generation_config={gen_config}",
-                        log_path=tmp / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(tiny_model_dir("llama"), f"server.api_key={API_KEY}",
+                       "scheduler.max_num_seqs=1", "server.max_waiting_requests=2",
+                       "server.shutdown_timeout=3", "kv_cache.num_blocks=128", SERVER_THREADS,
+                       f"model.generation_config={gen_config}",
+                       log_path=tmp / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from helpers.lora_adapters import build_adapter
-from test_server import SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 from llmkit import LLM, LoRARequest, SamplingParams
 

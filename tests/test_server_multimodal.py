@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from test_server import SERVER_THREADS, ServerProcess
+from helpers.server_process import SERVER_THREADS, ServerProcess
 from helpers.tiny_llava import build_llava_dir
 
 from llmkit import LLM, SamplingParams

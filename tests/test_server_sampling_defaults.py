@@ -11,9 +11,10 @@ import shutil
 import httpx
 import pytest
 
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
+from helpers.web_browser import open_page
+
 from llmkit.entrypoints.openai.serving_models import sampling_defaults
-from test_server import SERVER_THREADS, ServerProcess, error_body
-from test_server_web import browser, open_page  # noqa: F401  (a fixture and a helper)
 
 # Off the sliders' old 0.05 grid, and unlike SamplingParams' 1.0 / 1.0 and the page's old
 # 0.7 / 1.0, so each value can only have come from the model.
@@ -26,14 +27,10 @@ def server(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir("llama"), model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps(
         {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": TOP_K, "do_sample": True}))
-    srv = ServerProcess(model_dir, "model.served_name=tiny", "kv_cache.num_blocks=64",
-                        "server.shutdown_timeout=2", SERVER_THREADS,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(model_dir, "model.served_name=tiny", "kv_cache.num_blocks=64",
+                       "server.shutdown_timeout=2", SERVER_THREADS,
+                       log_path=tmp_path_factory.mktemp("server") / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_sampling_defaults_are_the_models_over_sampling_params():
@@ -63,7 +60,7 @@ def test_models_say_the_generation_config_defaults(server):
     assert missing.status_code == 404 and error_body(missing)["code"] == "model_not_found"
 
 
-def test_chat_page_starts_at_the_models_defaults(browser, server):  # noqa: F811
+def test_chat_page_starts_at_the_models_defaults(browser, server):
     chat, problems = open_page(browser, server, "/")
     chat.evaluate("localStorage.clear()")  # nothing the user set before
     chat.reload()

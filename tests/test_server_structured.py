@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from helpers.structured_backends import FAILS_IN_ENGINE
-from test_server import SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 TESTS = Path(__file__).resolve().parent
 
@@ -54,15 +54,11 @@ def server(tiny_model_dir, tmp_path_factory):
     # xgrammar, but one marked regex fails to compile inside the engine core
     backend = "structured_output._target_=helpers.structured_backends.FailInEngineBackend"
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    srv = ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
-                        "structured_output.disable_any_whitespace=true", backend,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log",
-                        env={"PYTHONPATH": pythonpath})
-    try:
-        srv.wait_ready()
+    with ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
+                       "structured_output.disable_any_whitespace=true", backend,
+                       log_path=tmp_path_factory.mktemp("server") / "server.log",
+                       env={"PYTHONPATH": pythonpath}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

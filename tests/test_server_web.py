@@ -6,9 +6,7 @@ is missing). Screenshots go to ``test-artifacts/web/`` (``LLMKIT_TEST_ARTIFACTS`
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,30 +15,26 @@ import httpx
 import pytest
 
 from helpers.processes import wait_for
-from test_server import SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
+from helpers.web_browser import ARTIFACTS, open_page
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "web-key-42"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://allowed.example"
 EVENTS_PER_S = 20
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     # A longer context than the default tiny model's, so that a reply can stream for seconds.
     model_dir = tiny_model_dir("llama", max_position_embeddings=4096)
-    srv = ServerProcess(model_dir, f"server.api_key={KEY}", f"server.allowed_origins=[{ORIGIN}]",
-                        "server.max_request_bytes=65536",
-                        f"server.engine_events_per_s={EVENTS_PER_S}",
-                        "kv_cache.num_blocks=1024", "server.shutdown_timeout=2", SERVER_THREADS,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(model_dir, f"server.api_key={KEY}", f"server.allowed_origins=[{ORIGIN}]",
+                       "server.max_request_bytes=65536",
+                       f"server.engine_events_per_s={EVENTS_PER_S}",
+                       "kv_cache.num_blocks=1024", "server.shutdown_timeout=2", SERVER_THREADS,
+                       log_path=tmp_path_factory.mktemp("server") / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -227,39 +221,6 @@ def test_request_body_limit_is_413(server, model):
 
 
 # --------------------------------------------------------------------------- the browser
-
-ARTIFACTS = Path(os.environ.get("LLMKIT_TEST_ARTIFACTS", REPO / "test-artifacts")) / "web"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """A persistent chromium context with a fresh user-data dir."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="the playwright package is not installed")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS, headless=True, viewport={"width": 1280, "height": 860})
-        context.set_default_timeout(90_000)  # a busy 2-core box can stall a page for tens of s
-        try:
-            yield context
-        finally:
-            context.close()
-
-
-def open_page(browser, server, path: str):
-    page = browser.new_page()
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: problems.append(str(e)))
-    page.goto(server.url(path))
-    return page, problems
-
 
 def chat_reply(server, model, messages, max_tokens) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}

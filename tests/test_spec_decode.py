@@ -694,7 +694,7 @@ def test_structured_output_greedy_equals_the_engine_without_speculation(model_di
 def test_server_speculates_and_exports_the_counters(succ_dir, references, tmp_path):
     """``llmkit serve speculative=ngram``: completions (token-id prompts, greedy) equal the
     offline engine's without speculation; /metrics counts the drafts the engine verified."""
-    from test_server import ServerProcess
+    from helpers.server_process import ServerProcess
 
     server = ServerProcess(succ_dir, "speculative=ngram", "speculative.num_speculative_tokens=3",
                            "speculative.prompt_lookup_min=1", "platform.num_threads=1",

@@ -255,7 +255,7 @@ sys.meta_path.insert(0, _GateTrace())
 def test_server_answers_while_compiling_and_the_same_after(tiny_model_dir, tmp_path,
                                                            shared_inductor_cache):
     from helpers.processes import wait_for
-    from test_server import PROMPT, SERVER_THREADS, ServerProcess
+    from helpers.server_process import PROMPT, SERVER_THREADS, ServerProcess
 
     site = tmp_path / "site"
     site.mkdir()
