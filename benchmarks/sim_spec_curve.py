@@ -30,11 +30,12 @@ def main() -> None:
     ap.add_argument("--out", default="sim_spec_curve.png")
     args = ap.parse_args()
 
-    from llmkit.config.compose import compose_config
+    from llmkit.tools.compose import compose_tool_config
+    from llmkit.tools.schema import SimToolConfig
     from llmkit.tools.sim.replay import run_sim
 
     def throughput(conc: int, extra: list[str]) -> tuple[float, dict | None]:
-        cfg = compose_config([
+        cfg = compose_tool_config(SimToolConfig, [
             f"sim.model={args.model}", f"hardware={args.hardware}",
             f"bench.num_requests={max(2 * conc, 16)}", f"bench.max_concurrency={conc}",
             f"bench.input_len={args.input_len}", f"bench.output_len={args.output_len}",

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from llmkit.tools.bench.throughput import format_throughput, run_throughput
-from llmkit.config.compose import build_tool_config
-from llmkit.config.tool_schema import BenchToolConfig
+from llmkit.tools.compose import build_tool_config
+from llmkit.tools.schema import BenchToolConfig
 from llmkit.platforms.cpu import has_native_bf16
 
 WORKLOADS = {

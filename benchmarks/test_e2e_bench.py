@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402
 
 from llmkit.tools.bench.throughput import format_throughput, run_throughput  # noqa: E402
-from llmkit.config.compose import build_tool_config  # noqa: E402
-from llmkit.config.tool_schema import BenchToolConfig  # noqa: E402
+from llmkit.tools.compose import build_tool_config  # noqa: E402
+from llmkit.tools.schema import BenchToolConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from helpers.bench_results import check_result_consistency
 from helpers.server_process import ServerProcess
 
 from llmkit.tools.bench.datasets import build_workload
-from llmkit.config.compose import compose_tool_config
-from llmkit.config.tool_schema import BenchToolConfig
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.schema import BenchToolConfig
 from llmkit.entrypoints import cli
 
 pytestmark = pytest.mark.slow

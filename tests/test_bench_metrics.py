@@ -14,8 +14,9 @@ from llmkit.tools.bench.datasets import build_workload, load_jsonl
 from llmkit.tools.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, request_record,
                                   stats, summarize)
 from llmkit.tools.bench.results import make_result, plot_serve_result, write_result
-from llmkit.config.compose import compose_config, compose_tool_config
-from llmkit.config.tool_schema import BenchToolConfig
+from llmkit.config.compose import compose_config
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.schema import BenchToolConfig, EvalToolConfig, SimToolConfig
 from llmkit.config.errors import ConfigError
 
 
@@ -256,15 +257,18 @@ def test_bench_config_keys_and_errors():
     cfg = compose_tool_config(BenchToolConfig, ["bench.rate=inf", "bench.arrival=constant",
                                                  "slo.ttft_ms=250", "bench.max_concurrency=4"])
     assert math.isinf(cfg.bench.rate) and cfg.slo.ttft_ms == 250
-    # the engine's config holds no tool's section; every command validates them all
+    # the engine's config holds no tool's section: its root (conf/config.yaml) rejects their
+    # keys, naming them; the tools' root validates every tool's sections whichever tool runs
     assert not {"bench", "slo", "hardware", "sim"} & set(type(cfg.engine).model_fields)
+    with pytest.raises(ConfigError, match=r"bench\.rate.*a key of the config: model"):
+        compose_config(["bench.rate=4"])
     with pytest.raises(ConfigError, match="bench.arrival"):
-        compose_config(["bench.arrival=gamma"])
+        compose_tool_config(SimToolConfig, ["bench.arrival=gamma"])
     with pytest.raises(ConfigError, match="bench.dataset_path"):
-        compose_config(["bench.dataset=jsonl"])
+        compose_tool_config(EvalToolConfig, ["bench.dataset=jsonl"])
     with pytest.raises(ConfigError, match="slo.ttft_ms"):
-        compose_config(["slo.ttft_ms=-1"])
-    from llmkit.config.tool_schema import BenchConfig
+        compose_tool_config(BenchToolConfig, ["slo.ttft_ms=-1"])
+    from llmkit.tools.schema import BenchConfig
     assert compose_tool_config(BenchToolConfig).bench == BenchConfig()
     # a config with rate=inf survives JSON (the engine process gets its config that way)
     assert math.isinf(BenchConfig.model_validate_json(BenchConfig().model_dump_json()).rate)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from llmkit.config import tool_schema
+from llmkit.tools import schema as tool_schema
 from llmkit.config.compose import config_groups, group_options
 from llmkit.config.schema import EngineConfig
 from llmkit.entrypoints import cli

@@ -91,8 +91,9 @@ TOOLS_REACH: dict[str, set[str]] = {
     "llmkit.tools.sim.speculation": {"llmkit.spec_decode.adaptive"},
 }
 
-# The only modules outside llmkit/tools/ that import a tool: the command line runs them.
-TOOLS_IMPORTED_BY = {"llmkit.entrypoints.cli"}
+# The only modules outside llmkit/tools/ that import a tool: the command line runs them (and
+# its --help lists their keys and groups).
+TOOLS_IMPORTED_BY = {"llmkit.entrypoints.cli", "llmkit.entrypoints.command_help"}
 
 
 def _module_files() -> dict[str, Path]:

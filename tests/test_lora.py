@@ -582,8 +582,8 @@ def test_bench_spreads_requests_over_adapters(adapters):
     from llmkit.tools.bench.client import ClientOptions, _payload
     from llmkit.tools.bench.datasets import WorkloadError, build_workload
     from llmkit.tools.bench.throughput import run_throughput
-    from llmkit.config.compose import build_tool_config
-    from llmkit.config.tool_schema import BenchToolConfig
+    from llmkit.tools.compose import build_tool_config
+    from llmkit.tools.schema import BenchToolConfig
 
     model_dir, r8, r16 = adapters["llama"]
     bench = {"num_requests": 6, "input_len": 12, "output_len": 4, "progress": False,
@@ -608,8 +608,8 @@ def test_bench_latency_and_sim_refuse_lora_names():
     """Tools that cannot spread requests over adapters refuse bench.lora_names (never ignore
     it silently)."""
     from llmkit.tools.bench.latency import run_latency
-    from llmkit.config.compose import build_tool_config
-    from llmkit.config.tool_schema import BenchToolConfig, SimToolConfig
+    from llmkit.tools.compose import build_tool_config
+    from llmkit.tools.schema import BenchToolConfig, SimToolConfig
     from llmkit.tools.sim.replay import run_sim
 
     groups = {"bench": {"lora_names": ["a"]}}

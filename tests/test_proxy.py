@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.tool_schema import ProxyConfig
+from llmkit.tools.schema import ProxyConfig
 from llmkit.tools.proxy import EnginePool, build_proxy_app
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmkit.config.compose import compose_tool_config
-from llmkit.config.tool_schema import SimToolConfig
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.schema import SimToolConfig
 from llmkit.entrypoints import cli
 from llmkit.tools.sim.calibrate import profile_yaml
 
@@ -187,14 +187,14 @@ def test_calibrated_terms_are_validated_beside_the_schema(tmp_path):
     from llmkit.config.errors import ConfigError
     from llmkit.tools.sim.hardware import load_profile, load_profile_yaml
 
-    text = (REPO / "conf" / "hardware" / "cpu-local.yaml").read_text()
+    text = (REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml").read_text()
     good = tmp_path / "good.yaml"
     good.write_text(text + "seq_overhead_us: 120\ntoken_overhead_us: 9.5\n"
                            "context_overhead_ns: 40\n")
     hw = load_profile(good)
     assert (hw.seq_overhead_s, hw.token_overhead_s, hw.context_overhead_s) == \
         pytest.approx((120e-6, 9.5e-6, 40e-9))
-    assert load_profile(REPO / "conf" / "hardware" / "cpu-local.yaml").seq_overhead_s == 0
+    assert load_profile(REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml").seq_overhead_s == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(text + "token_overhead_us: -1\n")
     with pytest.raises(ConfigError, match="hardware.token_overhead_us"):
@@ -237,7 +237,7 @@ def test_engine_calibration_of_a_tiny_model_predicts_its_own_steps(tiny_model_di
 
 
 def _calibrate_tiny(tiny_model_dir, tmp_path):
-    from llmkit.config.compose import build_tool_config
+    from llmkit.tools.compose import build_tool_config
     from llmkit.tools.sim.calibrate import run_engine_calibrate
     from llmkit.tools.sim.cost_model import CostModel
     from llmkit.tools.sim.hardware import resolve_hardware

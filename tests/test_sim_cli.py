@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from llmkit.config.compose import compose_tool_config
-from llmkit.config.tool_schema import SimToolConfig
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.schema import SimToolConfig
 from llmkit.entrypoints import cli
 
 

@@ -12,7 +12,7 @@ from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml
 from llmkit.tools.sim.model_shape import ModelShape, load_shape, shape_names
 
 REPO = Path(__file__).resolve().parents[1]
-HW_DIR = REPO / "conf" / "hardware"
+HW_DIR = REPO / "conf" / "tools" / "hardware"
 PROFILES = ("a100-80gb", "h100-sxm", "h200", "l4", "cpu-local")
 
 
@@ -219,7 +219,7 @@ SOURCED_KEYS = ("memory_gb", "memory_bandwidth_gbs", "link_bandwidth_gbs", "link
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_profile_validates_and_every_value_names_its_source(name):
-    from llmkit.config.tool_schema import HardwareConfig
+    from llmkit.tools.schema import HardwareConfig
 
     path = HW_DIR / f"{name}.yaml"
     cfg = HardwareConfig.model_validate(load_profile_yaml(path))
@@ -239,7 +239,7 @@ def test_profile_validates_and_every_value_names_its_source(name):
 def test_efficiencies_live_only_in_the_profiles():
     """No config key besides a hardware profile can set an efficiency (so no test or run can
     tune one): SimConfig has no such field."""
-    from llmkit.config.tool_schema import SimConfig
+    from llmkit.tools.schema import SimConfig
 
     assert not [f for f in SimConfig.model_fields if "eff" in f or "overhead" in f]
     for name in PROFILES:

@@ -6,8 +6,8 @@ import pytest
 
 from llmkit.tools.bench.datasets import WorkloadRequest, build_workload
 from llmkit.tools.bench.metrics import summarize
-from llmkit.config.compose import compose_tool_config
-from llmkit.config.tool_schema import SimToolConfig
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.schema import SimToolConfig
 from llmkit.tools.sim.cost_model import StepCost
 from llmkit.tools.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.tools.sim.virtual_clock import VirtualClock

@@ -1,6 +1,7 @@
 """Typed engine configuration: pydantic models per component, Hydra composition of ``conf/``
-(``compose_config`` for overrides, ``build_config`` for the Python API; ``*_tool_config`` for
-the tools' configs, which hold an engine config beside their own sections) and ``ConfigError``.
+(``compose_config`` for overrides, ``build_config`` for the Python API) and ``ConfigError``.
+The tools' configs (an engine config beside their own sections) and their root are
+``llmkit.tools.schema`` / ``llmkit.tools.compose``.
 
 The composition functions load Hydra on first use, so importing the schema stays cheap."""
 from __future__ import annotations
@@ -20,18 +21,14 @@ from llmkit.config.schema import (
     SchedulerConfig,
     ServerConfig,
 )
-from llmkit.config.tool_schema import BenchToolConfig, EvalToolConfig, SimToolConfig, ToolConfig
 
 if TYPE_CHECKING:
-    from llmkit.config.compose import (build_config, build_tool_config, compose_config,
-                                       compose_tool_config, config_to_yaml)
+    from llmkit.config.compose import build_config, compose_config, config_to_yaml
 
 __all__ = [
     "AttentionConfig",
-    "BenchToolConfig",
     "ConfigError",
     "EngineConfig",
-    "EvalToolConfig",
     "ExecutorConfig",
     "KVCacheConfig",
     "ModelConfig",
@@ -40,17 +37,12 @@ __all__ = [
     "SamplingDefaults",
     "SchedulerConfig",
     "ServerConfig",
-    "SimToolConfig",
-    "ToolConfig",
     "build_config",
-    "build_tool_config",
     "compose_config",
-    "compose_tool_config",
     "config_to_yaml",
 ]
 
-_LAZY = {"build_config", "build_tool_config", "compose_config", "compose_tool_config",
-         "config_to_yaml"}
+_LAZY = {"build_config", "compose_config", "config_to_yaml"}
 
 
 def __getattr__(name: str) -> Any:

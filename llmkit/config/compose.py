@@ -3,13 +3,14 @@ a one-line ``ConfigError`` (dotted key, value, what is allowed).
 
 - ``compose_config(overrides)``: the CLI's path — Hydra overrides only.
 - ``build_config(model, dtype=, overrides=, groups=)``: the Python API's path (``LLM(...)``).
-- ``build_tool_config(tool, model, ...)`` / ``compose_tool_config(tool, overrides)``: the same
-  composition as a tool's config (``BenchToolConfig``, ``SimToolConfig``: the engine's config
-  beside the tool's sections), for ``llmkit bench`` and ``llmkit sim``.
+- ``compose_document`` / ``build_document``: the same for any ``ConfigRoot`` — a primary config
+  and the model its whole document validates against. The engine's root is ``ENGINE_ROOT``
+  (``conf/config.yaml``, ``EngineConfig``); the tools' (``llmkit.tools.compose.TOOLS_ROOT``,
+  ``conf/tools/``) composes the engine's root and adds the tools' sections and groups.
 - ``config_to_yaml(cfg)``: what ``llmkit config`` prints.
 
-Every composition validates the whole document (``ComposedConfig``: the engine's sections and
-every tool's), so a key means the same and fails the same way whichever command runs.
+Every composition validates its whole document, so an unknown key fails with the keys its
+section has.
 
 ``recipes/*.yaml`` form the Hydra group ``recipe`` (default null): they are registered into
 Hydra's ConfigStore under that group with package ``_global_`` before each composition.
@@ -25,21 +26,25 @@ import importlib.resources
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from pydantic import BaseModel
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.hydra_errors import first_line, hydra_error_to_config_error, parse_override
 from llmkit.config.schema import EngineConfig
-from llmkit.config.schema_errors import (model_at, validate_engine_config, validate_tool_config,
+from llmkit.config.schema_errors import (model_at, validate_document,
                                          validation_error_to_config_error)
-from llmkit.config.tool_schema import ToolConfig
 
 __all__ = [
+    "ENGINE_ROOT",
+    "ConfigRoot",
     "build_config",
-    "build_tool_config",
+    "build_document",
     "compose_config",
-    "compose_tool_config",
+    "compose_document",
     "config_to_yaml",
     "conf_dir",
     "config_groups",
@@ -92,22 +97,49 @@ def recipes_dir() -> Path:
     return _package_dir("recipes", "recipes")
 
 
-def group_options(group: str) -> list[str]:
+@dataclass(frozen=True)
+class ConfigRoot:
+    """A primary config and what its composed document validates against.
+
+    ``folder``: where the primary config ``name``.yaml and the root's own groups live, under
+    ``conf/`` ("" = ``conf/`` itself); a root in a sub-folder composes the engine's root too,
+    so ``conf/``'s groups are found after its own. ``not_groups``: folders of ``conf/`` that
+    are another root's, not groups of this one."""
+
+    name: str
+    folder: str
+    schema: type[BaseModel]
+    not_groups: frozenset[str] = frozenset()
+
+    def dirs(self) -> list[Path]:
+        """Hydra's search path: the root's folder, then (for a sub-folder) ``conf/``."""
+        return [conf_dir() / self.folder, conf_dir()] if self.folder else [conf_dir()]
+
+
+#: The engine's root: ``conf/config.yaml``, validated as ``EngineConfig``. ``conf/tools/`` is
+#: the tools' root (``llmkit.tools.compose``), no group of the engine's.
+ENGINE_ROOT = ConfigRoot("config", "", EngineConfig, frozenset({"tools"}))
+
+
+def group_options(group: str, root: ConfigRoot = ENGINE_ROOT) -> list[str]:
     """The option names of a config group (its yaml files; for ``recipe``: the recipes)."""
-    d = recipes_dir() if group == RECIPE_GROUP else conf_dir() / group
-    if not d.is_dir():
-        return []
-    return sorted(p.stem for p in d.glob("*.yaml"))
+    if group == RECIPE_GROUP:
+        return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+    for d in root.dirs():
+        if group not in root.not_groups and (d / group).is_dir():
+            return sorted(p.stem for p in (d / group).glob("*.yaml"))
+    return []
 
 
-def _groups() -> list[str]:
-    return sorted([p.name for p in conf_dir().iterdir()
-                   if p.is_dir() and any(p.glob("*.yaml"))] + [RECIPE_GROUP])
+def _groups(root: ConfigRoot = ENGINE_ROOT) -> list[str]:
+    found = {p.name for d in root.dirs() for p in d.iterdir()
+             if p.is_dir() and p.name not in root.not_groups and any(p.glob("*.yaml"))}
+    return sorted(found | {RECIPE_GROUP})
 
 
-def config_groups() -> list[str]:
-    """The config groups a command line can pick from (``conf/``'s and ``recipe``)."""
-    return _groups()
+def config_groups(root: ConfigRoot = ENGINE_ROOT) -> list[str]:
+    """The config groups a command line can pick from (the root's folders and ``recipe``)."""
+    return _groups(root)
 
 
 def model_presets() -> list[str]:
@@ -136,7 +168,7 @@ def _register_recipes() -> None:
 
 
 @contextlib.contextmanager
-def _hydra_context() -> Iterator[None]:
+def _hydra_context(root: ConfigRoot) -> Iterator[None]:
     """``initialize_config_dir`` around one composition; works many times in one process and
     inside a running Hydra app (whose global state is put back afterwards)."""
     from hydra import initialize_config_dir
@@ -148,7 +180,7 @@ def _hydra_context() -> Iterator[None]:
     saved_base = VersionBase.instance().version_base
     gh.clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None,
+        with initialize_config_dir(config_dir=str(root.dirs()[0]), version_base=None,
                                    job_name="llmkit"):
             yield
     finally:
@@ -156,9 +188,10 @@ def _hydra_context() -> Iterator[None]:
         VersionBase.instance().version_base = saved_base
 
 
-def _check_overrides(overrides: Sequence[str], *, allow_sweeps: bool = False) -> None:
+def _check_overrides(overrides: Sequence[str], root: ConfigRoot, *,
+                     allow_sweeps: bool = False) -> None:
     """Parse each override; check group options ourselves for a clear message."""
-    groups = set(_groups())
+    groups = set(_groups(root))
     for text in overrides:
         if not isinstance(text, str):
             raise ConfigError("overrides", text, "strings like key=value")
@@ -171,7 +204,7 @@ def _check_overrides(overrides: Sequence[str], *, allow_sweeps: bool = False) ->
         if ov.is_delete() or key not in groups or ov.package is not None:
             continue
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
-        options = group_options(key)
+        options = group_options(key, root)
         for value in values:
             if value is None and key == RECIPE_GROUP:
                 continue
@@ -186,13 +219,14 @@ def _options_text(group: str, options: Sequence[str]) -> str:
     return text
 
 
-def expand_overrides(overrides: Sequence[str]) -> list[list[str]]:
+def expand_overrides(overrides: Sequence[str], root: ConfigRoot = ENGINE_ROOT
+                     ) -> list[list[str]]:
     """Expand sweeps (``key=a,b``, ``choice(...)``, ``range(...)``) into the cartesian product of
     plain override lists, as Hydra's basic sweeper (``-m``) does."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     overrides = list(overrides)
-    _check_overrides(overrides, allow_sweeps=True)
+    _check_overrides(overrides, root, allow_sweeps=True)
     parsed = [parse_override(o) for o in overrides]
     try:
         return BasicSweeper.split_arguments(parsed, None)[0]
@@ -201,33 +235,40 @@ def expand_overrides(overrides: Sequence[str]) -> list[list[str]]:
         raise ConfigError(key, None, "", message=first_line(str(e))) from None
 
 
-def _hydra_error(e: Exception, overrides: Sequence[str]) -> ConfigError:
+def _hydra_error(e: Exception, overrides: Sequence[str], root: ConfigRoot = ENGINE_ROOT
+                 ) -> ConfigError:
     """A Hydra/OmegaConf failure as one ConfigError line."""
-    return hydra_error_to_config_error(e, overrides, group_options)
+    return hydra_error_to_config_error(e, overrides, lambda g: group_options(g, root),
+                                       root.schema)
 
 
 # --------------------------------------------------------------------------- composition
 
-def _compose_dict(overrides: Sequence[str]) -> dict:
-    """Hydra-compose conf/config.yaml with ``overrides`` into a plain dict (resolved)."""
+def _compose_dict(overrides: Sequence[str], root: ConfigRoot) -> dict:
+    """Hydra-compose ``root``'s primary config with ``overrides`` into a plain dict
+    (resolved)."""
     from hydra import compose
     from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = list(overrides)
-    _check_overrides(overrides)
+    _check_overrides(overrides, root)
+    # a root in a sub-folder finds the engine's root and groups on Hydra's search path
+    search = ([f"hydra.searchpath=[file://{d}]" for d in root.dirs()[1:]]
+              if root.folder else [])
     try:
-        with _LOCK, _hydra_context():
+        with _LOCK, _hydra_context(root):
             _register_recipes()
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            cfg = compose(config_name=root.name, overrides=[*search, *overrides],
+                          return_hydra_config=True)
         choices = cfg.hydra.runtime.choices
         recipe = choices.get(RECIPE_GROUP)
         with open_dict(cfg):
             del cfg["hydra"]
         data = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as e:
-        raise _hydra_error(e, overrides) from None
+        raise _hydra_error(e, overrides, root) from None
     if recipe not in (None, "null"):
         data[RECIPE_GROUP] = recipe
     return data
@@ -238,18 +279,15 @@ def compose_config(overrides: Sequence[str] = ()) -> EngineConfig:
 
     Raises ``ConfigError`` (one line: dotted key, value, what is allowed) on any failure.
     """
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    return validate_engine_config(_compose_dict(overrides))
+    return cast(EngineConfig, compose_document(overrides, ENGINE_ROOT))
 
 
-def compose_tool_config(tool: type[ToolConfig], overrides: Sequence[str] = ()
-                        ) -> ToolConfig:
-    """``compose_config`` for a tool: its config class (``BenchToolConfig``,
-    ``SimToolConfig``) with the engine's config inside."""
+def compose_document(overrides: Sequence[str], root: ConfigRoot) -> BaseModel:
+    """``compose_config`` for any root: its primary config with Hydra overrides, validated
+    as ``root.schema``."""
     if isinstance(overrides, str):
         overrides = [overrides]
-    return validate_tool_config(_compose_dict(overrides), tool)
+    return validate_document(_compose_dict(overrides, root), root.schema)
 
 
 def resolve_model_arg(model: str) -> tuple[list[str], dict]:
@@ -303,31 +341,35 @@ def build_config(model: str | None = None, *, dtype: str | None = None,
     Order: Hydra composition (group choices, ``overrides``), then the mappings, then ``dtype``
     and the model path. Raises ``ConfigError``.
     """
-    return validate_engine_config(_build_dict(model, dtype, overrides, groups, quantization))
+    return cast(EngineConfig, build_document(ENGINE_ROOT, model, dtype=dtype,
+                                             overrides=overrides, groups=groups,
+                                             quantization=quantization))
 
 
-def build_tool_config(tool: type[ToolConfig], model: str | None = None, *,
-                      dtype: str | None = None, overrides: Sequence[str] = (),
-                      groups: Mapping[str, str | Mapping] | None = None) -> ToolConfig:
-    """``build_config`` for a tool: its config class (``BenchToolConfig``, ``SimToolConfig``)
-    with the engine's config inside."""
-    return validate_tool_config(_build_dict(model, dtype, overrides, groups), tool)
+def build_document(root: ConfigRoot, model: str | None = None, *, dtype: str | None = None,
+                   overrides: Sequence[str] = (),
+                   groups: Mapping[str, str | Mapping] | None = None,
+                   quantization: str | None = None) -> BaseModel:
+    """``build_config`` for any root, validated as ``root.schema``."""
+    return validate_document(_build_dict(root, model, dtype, overrides, groups, quantization),
+                             root.schema)
 
 
-def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
-                groups: Mapping[str, str | Mapping] | None,
+def _build_dict(root: ConfigRoot, model: str | None, dtype: str | None,
+                overrides: Sequence[str], groups: Mapping[str, str | Mapping] | None,
                 quantization: str | None = None) -> dict:
     if isinstance(overrides, str):
         overrides = [overrides]
     hydra_overrides: list[str] = []
     merges: dict = {}
-    group_names = set(_groups())
+    group_names = set(_groups(root))
     for key, value in (groups or {}).items():
-        if isinstance(value, str) and (key in group_names or model_at(key) is not None):
+        if isinstance(value, str) and (key in group_names
+                                       or model_at(key, root.schema) is not None):
             if key not in group_names:
                 raise ConfigError(key, value, f"a mapping of {key}'s fields ({key} is not a "
                                   f"config group; groups: {', '.join(sorted(group_names))})")
-            options = group_options(key)
+            options = group_options(key, root)
             if value not in options:
                 raise ConfigError(key, value, _options_text(key, options))
             hydra_overrides.append(f"{key}={value}")
@@ -336,7 +378,7 @@ def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
         elif isinstance(value, Mapping) and "name" in value and key in group_names:
             # {"name": impl, ...}: select that implementation's file, then merge the rest.
             name = value["name"]
-            options = group_options(key)
+            options = group_options(key, root)
             if name in options:
                 hydra_overrides.append(f"{key}={name}")
             merges[key] = _plain(value)
@@ -350,7 +392,7 @@ def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
             raise ConfigError("model", model, "a preset name or a path")
         model_overrides, model_merges = resolve_model_arg(str(model))
         hydra_overrides = model_overrides + hydra_overrides
-    data = _compose_dict(hydra_overrides + list(overrides))
+    data = _compose_dict(hydra_overrides + list(overrides), root)
     _deep_merge(data, merges)
     if dtype is not None:
         _deep_merge(data, {"model": {"dtype": dtype}})
@@ -362,20 +404,13 @@ def _build_dict(model: str | None, dtype: str | None, overrides: Sequence[str],
 
 # --------------------------------------------------------------------------- printing
 
-def config_to_yaml(cfg: EngineConfig | ToolConfig, *,
-                   tool_sections: Sequence[str] | None = None) -> str:
-    """The config as YAML, by alias (``_target_``), without ``_target_: null`` entries; a
-    tool's config shows the engine's sections and its own side by side (``flat_dump``), only
-    the ``tool_sections`` named if given."""
+def config_to_yaml(cfg: BaseModel | Mapping[str, Any]) -> str:
+    """The config (a model, or its ``model_dump(by_alias=True, mode="json")``) as YAML, by
+    alias (``_target_``), without ``_target_: null`` entries."""
     from omegaconf import OmegaConf
 
-    if isinstance(cfg, ToolConfig):
-        data = cfg.flat_dump(by_alias=True, mode="json")
-        if tool_sections is not None:
-            data = {k: v for k, v in data.items()
-                    if k in EngineConfig.model_fields or k in tool_sections}
-    else:
-        data = cfg.model_dump(by_alias=True, mode="json")
+    data = (cfg.model_dump(by_alias=True, mode="json") if isinstance(cfg, BaseModel)
+            else dict(cfg))
 
     def strip(node: Any) -> Any:
         if isinstance(node, dict):

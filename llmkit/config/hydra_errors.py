@@ -7,7 +7,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from llmkit.config.errors import ConfigError
+from llmkit.config.schema import EngineConfig
 from llmkit.config.schema_errors import known_keys_text, value_at
 
 __all__ = ["OVERRIDE_SYNTAX", "first_line", "hydra_error_to_config_error", "parse_override"]
@@ -41,9 +44,11 @@ def first_line(text: str) -> str:
 
 
 def hydra_error_to_config_error(e: Exception, overrides: Sequence[str],
-                                options_of: Callable[[str], list[str]]) -> ConfigError:
+                                options_of: Callable[[str], list[str]],
+                                schema: type[BaseModel] = EngineConfig) -> ConfigError:
     """A Hydra/OmegaConf failure as one ConfigError line. ``options_of(group)`` lists a
-    group's options where Hydra's error does not."""
+    group's options where Hydra's error does not; ``schema``: the composed document's model,
+    whose keys an unknown key's message lists."""
     from hydra.errors import MissingConfigException
 
     msg = str(e)
@@ -72,7 +77,7 @@ def hydra_error_to_config_error(e: Exception, overrides: Sequence[str],
         if isinstance(full_key, str) and full_key.startswith(key + "."):
             value = value_at(value, full_key[len(key) + 1:], value)
             key = full_key
-        return ConfigError(key, value, known_keys_text(key))
+        return ConfigError(key, value, known_keys_text(key, schema))
     m = re.search(r"Could not append to config. An item is already at '([^']+)'", msg)
     if m:
         key = m.group(1)

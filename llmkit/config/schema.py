@@ -1,10 +1,8 @@
 """Typed configs, one per component kind, and the engine config that holds the engine's.
 
-``conf/config.yaml`` composes one document with the engine's sections and the tools' (``bench``,
-``slo``, ``hardware``, ``sim``, ...) at the top level, so every key is typed the same way for
-every command (``scheduler.max_num_seqs=8``, ``bench.rate=4``); the tools' sections and the
-composed document are typed in ``tool_schema.py``. The engine receives only its
-``EngineConfig``.
+``conf/config.yaml`` composes to an ``EngineConfig``: the engine's sections only. The tools'
+root (``conf/tools/tools.yaml``) composes that file and adds the tools' sections beside it
+(``llmkit/tools/schema.py``); the engine never sees them.
 
 Every model forbids unknown keys, so a typo fails at start-up with the dotted key. Implementation
 names are checked against the component's registry by the composer (`compose.py`), which knows

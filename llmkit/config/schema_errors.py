@@ -1,9 +1,9 @@
-"""Pydantic validation errors against the composed config (``ComposedConfig``: the engine's
-sections and the tools') as one-line ``ConfigError``s: the
+"""Pydantic validation errors against a composed config (its root's schema: ``EngineConfig``
+for the engine's root, the tools' document for theirs) as one-line ``ConfigError``s: the
 dotted key the user typed, the value, and what the schema allows, in plain words ("an integer
 >= 1", "one of: fcfs, priority", "a key of scheduler: ...").
 
-Composition (``llmkit.config.compose``) validates through ``validate_engine_config``; Hydra's
+Composition (``llmkit.config.compose``) validates through ``validate_document``; Hydra's
 own errors reuse ``known_keys_text`` and ``value_at`` (``llmkit.config.hydra_errors``).
 """
 from __future__ import annotations
@@ -12,16 +12,17 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
-from llmkit.config.tool_schema import ComposedConfig, ToolConfig
 
-__all__ = ["known_keys_text", "model_at", "validate_composed", "validate_engine_config",
-           "validate_tool_config", "validation_error_to_config_error", "value_at"]
+__all__ = ["known_keys_text", "model_at", "validate_document",
+           "validation_error_to_config_error", "value_at"]
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def _fields_by_alias(model: type[BaseModel]) -> dict[str, Any]:
@@ -76,11 +77,13 @@ def _describe(ann: Any, metadata: Sequence[Any] = ()) -> str:
     return text + (" " + " and ".join(bounds) if bounds else "")
 
 
-def _walk_loc(loc: Sequence[Any]) -> tuple[str, Any | None, type[BaseModel] | None, Any]:
+def _walk_loc(loc: Sequence[Any], root: type[BaseModel]
+              ) -> tuple[str, Any | None, type[BaseModel] | None, Any]:
     """(dotted key, FieldInfo of the last field reached or None, the model the key names
-    (None unless the key is a section), the annotation of what the key names)."""
+    (None unless the key is a section), the annotation of what the key names), from the
+    document's model ``root``."""
     key = ""
-    model: type[BaseModel] | None = ComposedConfig
+    model: type[BaseModel] | None = root
     ann: Any = None
     field = None
     for part in loc:
@@ -117,16 +120,18 @@ def _looks_like_tag(part: Any) -> bool:
                                       or "[" in part or part.startswith(("function-", "lax-")))
 
 
-def validation_error_to_config_error(err: ValidationError, data: Any = None) -> ConfigError:
-    """The first error of a pydantic ValidationError as one ConfigError line."""
+def validation_error_to_config_error(err: ValidationError, data: Any = None,
+                                     root: type[BaseModel] = EngineConfig) -> ConfigError:
+    """The first error of a pydantic ValidationError as one ConfigError line (keys named from
+    the document's model ``root``)."""
     e = err.errors(include_url=False)[0]
     loc, etype, value = e["loc"], e["type"], e.get("input")
-    key, field, model, ann = _walk_loc(loc)
+    key, field, model, ann = _walk_loc(loc, root)
     msg = e["msg"]
     if etype == "extra_forbidden":
         parent = key.rpartition(".")[0]
         where = parent or "the config"
-        holder = model_at(parent)
+        holder = model_at(parent, root)
         keys = ", ".join(_fields_by_alias(holder)) if holder else ""
         return ConfigError(key, value, f"a key of {where}: {keys}" if keys else "a known key")
     if etype == "missing":
@@ -153,12 +158,12 @@ def validation_error_to_config_error(err: ValidationError, data: Any = None) -> 
     return ConfigError(key or "config", value, msg)
 
 
-def model_at(dotted: str) -> type[BaseModel] | None:
-    """The config section (a pydantic model) that ``dotted`` names; None for a plain field or
-    an unknown key."""
+def model_at(dotted: str, root: type[BaseModel] = EngineConfig) -> type[BaseModel] | None:
+    """The config section (a pydantic model) that ``dotted`` names in the document ``root``;
+    None for a plain field or an unknown key."""
     if not dotted:
-        return ComposedConfig
-    key, _, model, _ = _walk_loc(dotted.split("."))
+        return root
+    key, _, model, _ = _walk_loc(dotted.split("."), root)
     return model if key == dotted else None
 
 
@@ -172,30 +177,20 @@ def value_at(data: Any, dotted: str, default: Any) -> Any:
     return cur
 
 
-def validate_composed(data: dict) -> ComposedConfig:
-    """The whole composed document from plain data (every tool's sections too, so a bad
-    ``bench.*`` key fails whichever command runs); the first error as a ``ConfigError``."""
+def validate_document(data: dict, schema: type[M]) -> M:
+    """A whole composed document from plain data, as its root's ``schema``; the first error as
+    a ``ConfigError``."""
     try:
-        return ComposedConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
-        raise validation_error_to_config_error(e, data) from None
+        raise validation_error_to_config_error(e, data, schema) from None
 
 
-def validate_engine_config(data: dict) -> EngineConfig:
-    """The ``EngineConfig`` of a composed document (validated whole: ``validate_composed``)."""
-    return validate_composed(data).engine_config()
-
-
-def validate_tool_config(data: dict, tool: type[ToolConfig]) -> ToolConfig:
-    """A tool's config (``BenchToolConfig``, ``SimToolConfig``, ``EvalToolConfig``) of a composed
-    document."""
-    return validate_composed(data).tool_config(tool)
-
-
-def known_keys_text(dotted: str) -> str:
-    """'a key of scheduler: name, _target_, ...' for the section that holds ``dotted``."""
+def known_keys_text(dotted: str, root: type[BaseModel] = EngineConfig) -> str:
+    """'a key of scheduler: name, _target_, ...' for the section that holds ``dotted`` in the
+    document ``root``."""
     parts = dotted.split(".")
-    model: type[BaseModel] = ComposedConfig
+    model: type[BaseModel] = root
     where = "the config"
     for part in parts[:-1]:
         fields = _fields_by_alias(model)

@@ -157,16 +157,19 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
 def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
                 tool: type | None = None):
     """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
-    component name is registered (``llmkit.engine.components.validate_components``). ``tool``
-    (``BenchToolConfig``, ``SimToolConfig``): that tool's config, the engine's inside."""
-    from llmkit.config.compose import build_config, build_tool_config
-
+    component name is registered (``llmkit.engine.components.validate_components``). Without
+    ``tool``: the engine's root (``conf/config.yaml``); with one (``BenchToolConfig``,
+    ``SimToolConfig``, ...): the tools' root (``conf/tools/``), as that tool's config with the
+    engine's inside."""
+    from llmkit.config.compose import build_config
     from llmkit.engine.components import validate_components
     from llmkit.startup import startup_step
 
     overrides = args.overrides if overrides is None else overrides
     with startup_step("reading the configuration"):
         if tool is not None:
+            from llmkit.tools.compose import build_tool_config
+
             cfg = build_tool_config(tool, args.model, overrides=overrides)
             validate_components(cfg.engine)
             return cfg
@@ -176,8 +179,8 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
 
 
 def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
-    """The tools' sections (bench, slo, hardware, sim) that ``overrides`` set."""
-    from llmkit.config.tool_schema import TOOL_SECTIONS
+    """The tools' sections (bench, slo, hardware, sim, eval, proxy) that ``overrides`` set."""
+    from llmkit.tools.schema import TOOL_SECTIONS
 
     named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]
              for o in overrides}
@@ -186,18 +189,22 @@ def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
 
 def _cmd_config(args: CliArgs) -> int:
     """The engine's config; with the tools' sections that the command line sets (``llmkit
-    config hardware=h100-sxm`` shows the hardware profile too)."""
+    config hardware=h100-sxm`` shows the hardware profile too). It composes the tools' root,
+    which holds the engine's, so every key any command takes is shown and checked here."""
     from llmkit.config.compose import config_to_yaml, expand_overrides
-    from llmkit.config.tool_schema import EvalToolConfig, SimToolConfig
+    from llmkit.config.schema import EngineConfig
+    from llmkit.tools.compose import TOOLS_ROOT
+    from llmkit.tools.schema import AllToolsConfig
 
-    runs = expand_overrides(args.overrides) if args.multirun else [args.overrides]
+    runs = expand_overrides(args.overrides, TOOLS_ROOT) if args.multirun else [args.overrides]
     texts = []
     for overrides in runs:
         sections = _tool_sections_named(overrides)
-        tool_cfg = load_config(args, overrides,
-                               tool=EvalToolConfig if "eval" in sections else SimToolConfig)
+        tool_cfg = load_config(args, overrides, tool=AllToolsConfig)
         if sections:
-            text = config_to_yaml(tool_cfg, tool_sections=sections)
+            data = tool_cfg.flat_dump(by_alias=True, mode="json")
+            text = config_to_yaml({k: v for k, v in data.items()
+                                   if k in EngineConfig.model_fields or k in sections})
         else:
             # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
             # runs here: shown only when asked for, named in a closing hint.
@@ -320,7 +327,7 @@ def _cmd_sim(args: CliArgs) -> int:
 
 def _cmd_eval(args: CliArgs) -> int:
     _no_multirun(args)
-    from llmkit.config.tool_schema import EvalToolConfig
+    from llmkit.tools.schema import EvalToolConfig
 
     cfg = load_config(args, tool=EvalToolConfig)
     from llmkit.tools.eval.perplexity import run_eval_ppl
@@ -330,7 +337,7 @@ def _cmd_eval(args: CliArgs) -> int:
 
 def _cmd_proxy(args: CliArgs) -> int:
     _no_multirun(args)
-    from llmkit.config.tool_schema import ProxyToolConfig
+    from llmkit.tools.schema import ProxyToolConfig
 
     cfg = load_config(args, tool=ProxyToolConfig)
     from llmkit.tools.proxy import run_proxy

@@ -1,9 +1,9 @@
 """``llmkit <command> --help``: what one command reads from the config and two ways to run it.
 
-The groups come from ``conf/`` and the keys from the pydantic config classes, so the help
-follows the config as it changes: nothing here lists a key by hand. A command that builds an
-engine reads every engine group; its own sections (``server.*`` for serve, ``bench.*`` for
-bench, ...) are listed key by key with their defaults.
+The groups come from ``conf/`` (the engine's) and ``conf/tools/`` (the tools') and the keys from
+the pydantic config classes, so the help follows the config as it changes: nothing here lists a
+key by hand. A command that builds an engine reads every engine group; its own sections
+(``server.*`` for serve, ``bench.*`` for bench, ...) are listed key by key with their defaults.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pydantic import BaseModel
 __all__ = ["COMMAND_HELP", "CommandHelp", "command_help", "section_keys"]
 
 WIDTH = 96
-# groups that are no part of an engine: `llmkit sim`'s modelled accelerator
+# groups of the tools' root (conf/tools/) that are no part of an engine: `llmkit sim`'s
+# modelled accelerator
 TOOL_GROUPS = ("hardware",)
 
 
@@ -26,7 +27,8 @@ class CommandHelp:
     """One command's help. ``engine``: it builds (or composes) an engine, so the engine's
     groups apply; ``sections``: the config sections it reads beyond the components' (the
     engine's ``sampling``/``chat``/``server``, or its tool config's); ``tool``: its
-    ``ToolConfig`` class name in ``llmkit.config.tool_schema`` (whose sections are added)."""
+    ``ToolConfig`` class name in ``llmkit.tools.schema`` (whose sections are added);
+    ``extra_groups``: groups of the tools' root it reads."""
 
     usage: str
     about: str
@@ -132,7 +134,7 @@ def section_keys(section: str, model: type[BaseModel]) -> list[str]:
 
 
 def _sections(spec: CommandHelp) -> list[tuple[str, type[BaseModel]]]:
-    from llmkit.config import tool_schema
+    from llmkit.tools import schema as tool_schema
     from llmkit.config.schema import EngineConfig
 
     out = [(name, EngineConfig.model_fields[name].annotation) for name in spec.sections]
@@ -146,8 +148,9 @@ def _sections(spec: CommandHelp) -> list[tuple[str, type[BaseModel]]]:
 
 def _groups(spec: CommandHelp) -> list[str]:
     from llmkit.config.compose import config_groups
+    from llmkit.tools.compose import TOOLS_ROOT
 
-    return [g for g in config_groups()
+    return [g for g in config_groups(TOOLS_ROOT)
             if (spec.engine and g not in TOOL_GROUPS) or g in spec.extra_groups]
 
 
@@ -159,6 +162,7 @@ def _wrap(text: str, indent: str = "  ") -> str:
 def command_help(command: str) -> str:
     """The text of ``llmkit <command> --help``."""
     from llmkit.config.compose import group_options
+    from llmkit.tools.compose import TOOLS_ROOT
 
     spec = COMMAND_HELP[command]
     parts = [f"usage: {spec.usage}", "", textwrap.fill(spec.about, WIDTH), ""]
@@ -166,7 +170,8 @@ def command_help(command: str) -> str:
     if groups:
         parts.append("config groups (GROUP=OPTION picks one; `llmkit config` shows the "
                      "result):")
-        parts += [_wrap(f"{g}: {', '.join(group_options(g)) or '(none)'}") for g in groups]
+        parts += [_wrap(f"{g}: {', '.join(group_options(g, TOOLS_ROOT)) or '(none)'}")
+                  for g in groups]
         parts.append("  and each component's own keys, e.g. scheduler.max_num_seqs=64 "
                      "(`llmkit config` lists them)")
     else:

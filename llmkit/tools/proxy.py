@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.tool_schema import ProxyConfig
+from llmkit.tools.schema import ProxyConfig
 
 logger = logging.getLogger(__name__)
 

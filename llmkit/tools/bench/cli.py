@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llmkit.tools.bench.datasets import WorkloadError
-from llmkit.config.tool_schema import BenchToolConfig
+from llmkit.tools.schema import BenchToolConfig
 
 __all__ = ["SUBCOMMANDS", "rewrite_shorthands", "run_bench", "sweep_points"]
 
@@ -49,8 +49,9 @@ def sweep_points(overrides: Sequence[str], multirun: bool) -> list[tuple[list[st
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from llmkit.config.compose import expand_overrides
+    from llmkit.tools.compose import TOOLS_ROOT
 
-    runs = expand_overrides(overrides)
+    runs = expand_overrides(overrides, TOOLS_ROOT)
     parser = OverridesParser.create()
     swept = [o.key_or_group for o in parser.parse_overrides(list(overrides))
              if o.is_sweep_override()]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from llmkit.config.errors import ConfigError
-from llmkit.config.tool_schema import EvalToolConfig
+from llmkit.tools.schema import EvalToolConfig
 
 #: The text ``llmkit eval ppl`` reads when ``eval.text_file`` is not set: the Declaration of
 #: Independence (1776; a public-domain work), ~8 KB, ~1,700 tokens for SmolLM2.

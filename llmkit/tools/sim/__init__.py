@@ -6,7 +6,7 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
 
 - ``model_shape``: parameters, layers, heads and KV bytes from an HF ``config.json``
   (named shapes in ``shapes/``);
-- ``hardware``: profiles from ``conf/hardware/`` (``HardwareProfile``);
+- ``hardware``: profiles from ``conf/tools/hardware/`` (``HardwareProfile``);
 - ``cost_model``: the step-time equations;
 - ``executor``: ``SimExecutor``, the data plane that prices steps instead of running them;
 - ``source``: which model is simulated (named shape, config.json, HF folder, .gguf) and its
@@ -18,5 +18,6 @@ figure as ``bench serve``, marked ``"simulated": true``. Modules:
 
 The executor is ``llmkit.tools.sim.executor.SimExecutor`` (``executor=sim``, registered through
 the ``llmkit.executor`` entry point group in pyproject.toml). Modules here import nothing heavy
-at import time (no torch): the cost model runs with the standard library (and PyYAML to read a profile).
+at import time (no torch): the cost model runs with the standard library (and PyYAML to read a
+profile).
 """

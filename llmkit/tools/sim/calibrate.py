@@ -20,10 +20,10 @@ checking a shipped profile's peaks × efficiencies against a real device).
 ``llmkit sim calibrate engine [key=value ...]`` (or ``llmkit sim calibrate MODEL ...``) does the
 above and then times the real engine (the configured model, default the SmolLM2 preset) on steps
 of known shapes and fits the efficiencies and overheads to them
-(``llmkit.tools.sim.engine_measure``, ``engine_fit``), writing the fitted terms, with the
-model, date and fit error in comments, into the same file. With ``sim.calibrate_trace=PATH``
-(the step trace of ``llmkit serve`` running the same model under load) it also fits what the serving front end costs the engine per token it
-streams (``llmkit.tools.sim.frontend_cost``).
+(``llmkit.tools.sim.engine_measure``, ``engine_fit``), writing the fitted terms, with the model,
+date and fit error in comments, into the same file. With ``sim.calibrate_trace=PATH`` (the step
+trace of ``llmkit serve`` running the same model under load) it also fits what the serving front
+end costs the engine per token it streams (``llmkit.tools.sim.frontend_cost``).
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def measure(device: str = "cpu", gemm_size: int = 1024, buffer_mib: int = 256,
 
 def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None,
                  frontend: Any = None) -> str:
-    """A ``conf/hardware``-shaped YAML of measurement ``m``, each value with its source.
+    """A ``conf/tools/hardware``-shaped YAML of measurement ``m``, each value with its source.
     ``engine``: ``(EngineMeasurement, EngineFit)`` of ``llmkit sim calibrate engine``, whose
     fitted efficiencies and overheads then replace the microbenchmark's; ``frontend``: its
     ``FrontendFit`` from a served run's trace."""

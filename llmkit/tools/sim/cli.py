@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from llmkit.config.tool_schema import SimToolConfig
+from llmkit.tools.schema import SimToolConfig
 
 __all__ = ["SUBCOMMANDS", "SimError", "format_sim_block", "run_sim_command"]
 

@@ -39,7 +39,7 @@ import random
 from typing import Any, Callable
 
 from llmkit.config.schema import EngineConfig
-from llmkit.config.tool_schema import SimToolConfig
+from llmkit.tools.schema import SimToolConfig
 from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -88,8 +88,9 @@ class SimStats:
 
 def default_settings(config: EngineConfig) -> SimToolConfig:
     """The simulator's settings when an engine is built with ``executor=sim`` alone: the
-    composed defaults (``conf/config.yaml``'s ``hardware`` and ``sim``) around ``config``."""
-    from llmkit.config.compose import compose_tool_config
+    composed defaults (``conf/tools/tools.yaml``'s ``hardware`` and ``sim``) around
+    ``config``."""
+    from llmkit.tools.compose import compose_tool_config
 
     return compose_tool_config(SimToolConfig).model_copy(update={"engine": config})
 

@@ -144,7 +144,7 @@ def run(hardware: str, shape_name: str, device: str = "cuda", batches=(1, 8, 32,
     from llmkit.tools.sim import calibrate
 
     root = Path(__file__).resolve().parents[3]
-    hw = HardwareProfile.from_config(load_profile_yaml(root / "conf" / "hardware" /
+    hw = HardwareProfile.from_config(load_profile_yaml(root / "conf" / "tools" / "hardware" /
                                                        f"{hardware}.yaml"))
     shape = load_shape(shape_name)
     cm = CostModel(shape, hw, "bfloat16")

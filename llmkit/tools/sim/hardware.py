@@ -1,7 +1,7 @@
 """Hardware profiles: the figures the cost model needs about one accelerator.
 
-Profiles live in ``conf/hardware/NAME.yaml`` (Hydra group ``hardware``; validated as
-``llmkit.config.tool_schema.HardwareConfig``), each value with its public source in a comment.
+Profiles live in ``conf/tools/hardware/NAME.yaml`` (Hydra group ``hardware``; validated as
+``llmkit.tools.schema.HardwareConfig``), each value with its public source in a comment.
 ``HardwareProfile`` is the plain, SI-unit form the cost model computes with (no pydantic, so the
 cost model also runs where only the standard library and PyYAML are installed).
 
@@ -11,11 +11,11 @@ else the shipped, uncalibrated placeholder (with a warning).
 
 Three per-step terms that a CPU engine needs and a GPU profile leaves at 0 (see
 ``llmkit.tools.sim.cost_model``): ``seq_overhead_us`` (per request in the step),
-``token_overhead_us`` (per token the step computes) and ``context_overhead_ns`` (per token of context the step's
-requests attend over). ``llmkit sim calibrate engine`` fits them from timed steps of the real
-engine. They are read from a profile file (``resolve_hardware``, ``load_profile``) beside the
-``HardwareConfig`` fields; when ``HardwareConfig`` has no field of that name they are validated
-here (numbers >= 0) and kept out of its strict validation.
+``token_overhead_us`` (per token the step computes) and ``context_overhead_ns`` (per token of
+context the step's requests attend over). ``llmkit sim calibrate engine`` fits them from timed
+steps of the real engine. They are read from a profile file (``resolve_hardware``,
+``load_profile``) beside the ``HardwareConfig`` fields; when ``HardwareConfig`` has no field of
+that name they are validated here (numbers >= 0) and kept out of its strict validation.
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ class HardwareProfile:
 
 def hardware_names() -> list[str]:
     from llmkit.config.compose import group_options
-    return group_options("hardware")
+    from llmkit.tools.compose import TOOLS_ROOT
+    return group_options("hardware", TOOLS_ROOT)
 
 
 def default_calibration_path() -> Path:
@@ -133,7 +134,7 @@ def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     from pydantic import ValidationError
 
     from llmkit.config.errors import ConfigError
-    from llmkit.config.tool_schema import HardwareConfig
+    from llmkit.tools.schema import HardwareConfig
 
     try:
         cfg = HardwareConfig.model_validate(data)
@@ -146,7 +147,7 @@ def validate_profile(data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
-    """A profile file (``conf/hardware/NAME.yaml`` or a calibrated one), validated."""
+    """A profile file (``conf/tools/hardware/NAME.yaml`` or a calibrated one), validated."""
     return HardwareProfile.from_config(validate_profile(load_profile_yaml(path), str(path)),
                                        str(path))
 

@@ -1,18 +1,20 @@
 """The tools' configs (``bench``, ``sim``, ``eval``, ``proxy``): each holds an engine config
-beside its own sections; and ``ComposedConfig``, what ``conf/config.yaml`` composes to.
+beside its own sections; and ``ToolsConfig``, what the tools' root (``conf/tools/tools.yaml``)
+composes to.
 
-``ComposedConfig`` validates the composed document (the engine's sections and every tool's at
-the top level); the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
+``ToolsConfig`` validates the composed document (the engine's sections and every tool's at the
+top level); the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
 ``SimToolConfig`` / ``EvalToolConfig`` / ``ProxyToolConfig``. Every model forbids unknown keys,
-as in ``schema.py``.
+as in ``llmkit/config/schema.py``.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from llmkit.config.schema import EngineConfig, _Strict
+from llmkit.config.schema import EngineConfig
+from llmkit.config.strict import _Strict
 
 class BenchConfig(_Strict):
     """``llmkit bench serve|throughput|latency|plot`` (definitions:
@@ -132,7 +134,7 @@ class HardwareEfficiency(_Strict):
 
 
 class HardwareConfig(_Strict):
-    """One accelerator as ``llmkit sim`` models it (group ``hardware``: ``conf/hardware/``).
+    """One accelerator as ``llmkit sim`` models it (group ``hardware``: ``conf/tools/hardware/``).
 
     Decimal units, as vendors print them: GB = 1e9 bytes, TFLOP/s = 1e12."""
 
@@ -236,6 +238,9 @@ class ToolConfig(_Strict):
         return data
 
 
+T = TypeVar("T", bound=ToolConfig)
+
+
 class BenchToolConfig(ToolConfig):
     """``llmkit bench ...``: the engine (``bench throughput|latency`` build it; ``bench serve``
     takes its tokenizer and ``server.host|port``) and the benchmark's own sections."""
@@ -264,10 +269,18 @@ class SimToolConfig(BenchToolConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
 
 
-class ComposedConfig(EngineConfig):
-    """What ``conf/config.yaml`` composes to: the engine's sections and every tool's. Used to
-    validate a composition (every key, whichever command runs) and to name keys in errors;
-    nothing past the composer receives it."""
+class AllToolsConfig(SimToolConfig):
+    """``llmkit config``: every tool's sections beside the engine's (it shows those that the
+    command line sets)."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+
+
+class ToolsConfig(EngineConfig):
+    """What the tools' root (``conf/tools/tools.yaml``) composes to: the engine's sections and
+    every tool's. Used to validate a composition (every key of every tool, whichever tool runs)
+    and to name keys in errors; nothing past the composer receives it."""
 
     bench: BenchConfig = Field(default_factory=BenchConfig)
     slo: SloConfig = Field(default_factory=SloConfig)
@@ -285,10 +298,11 @@ class ComposedConfig(EngineConfig):
         return EngineConfig.model_construct(
             _fields_set=self.model_fields_set & set(fields), **fields)
 
-    def tool_config(self, tool: type[ToolConfig]) -> ToolConfig:
+    def tool_config(self, tool: type[T]) -> T:
+        """``tool``'s config: the engine's part and the sections ``tool`` declares."""
         sections = {name: getattr(self, name) for name in tool.model_fields if name != "engine"}
         return tool(engine=self.engine_config(), **sections)
 
 
 #: The top-level sections of the composed document that belong to tools, not to the engine.
-TOOL_SECTIONS = tuple(n for n in ComposedConfig.model_fields if n not in EngineConfig.model_fields)
+TOOL_SECTIONS = tuple(n for n in ToolsConfig.model_fields if n not in EngineConfig.model_fields)
