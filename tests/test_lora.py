@@ -392,7 +392,7 @@ def test_cli_generate_runs_with_lora_cli_adapter(llama_llm, capsys):
 
 
 def test_executor_and_scheduler_must_support_lora():
-    from llmkit.engine.core import EngineCore
+    from llmkit.engine.core_builder import check_lora_support
     from llmkit.scheduler.base import Scheduler
 
     class PlainScheduler(Scheduler):  # no max_loras in its constructor
@@ -403,10 +403,10 @@ def test_executor_and_scheduler_must_support_lora():
         supports_lora = True
 
     with pytest.raises(ConfigError, match="does not serve LoRA adapters"):
-        EngineCore._check_lora_support(object(), TokenBudgetScheduler)
+        check_lora_support(object(), TokenBudgetScheduler)
     with pytest.raises(ConfigError, match="cannot limit the adapters of a step"):
-        EngineCore._check_lora_support(Executor(), PlainScheduler)
-    EngineCore._check_lora_support(Executor(), TokenBudgetScheduler)
+        check_lora_support(Executor(), PlainScheduler)
+    check_lora_support(Executor(), TokenBudgetScheduler)
 
 
 def test_engine_and_server_number_configured_adapters_alike():

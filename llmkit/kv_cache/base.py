@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
 
@@ -99,6 +99,22 @@ class KVCacheManagerBase(ABC):
         """The request's first ``n`` block hashes (computed as needed). Needed by KV
         connectors."""
         raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
+
+    def set_eviction_listener(self, listener: "Callable[[list[tuple[int, bytes]]], None]"
+                              ) -> None:
+        """Call ``listener`` with the ``(block_id, block_hash)`` of cached blocks as they are
+        evicted. Needed by KV connectors."""
+        raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
+
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """Every cached full block as ``(block_id, block_hash)`` (a KV connector's last hand-off
+        at shutdown). Needed by KV connectors."""
+        raise NotImplementedError(f"{type(self).__name__} does not support KV connectors")
+
+    @property
+    def num_prefix_cached_blocks(self) -> int:
+        """Blocks that hold a cached full block of some prefix (0 without a prefix cache)."""
+        return 0
 
     @abstractmethod
     def free(self, request: Request) -> None:

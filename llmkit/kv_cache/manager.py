@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
 from llmkit.kv_cache.block_pool import BlockPool
@@ -350,6 +350,13 @@ class KVCacheManager(KVCacheManagerBase):
     def num_free_blocks(self) -> int:
         """Blocks available for allocation: empty, or cached and evictable (not pinned)."""
         return self.block_pool.num_free_blocks
+
+    def set_eviction_listener(self, listener: Callable[[list[tuple[int, bytes]]], None]
+                              ) -> None:
+        self.block_pool.eviction_listener = listener
+
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        return [(b.block_id, h) for h, b in self.block_pool.cached_block_hash_to_block.items()]
 
     @property
     def num_prefix_cached_blocks(self) -> int:

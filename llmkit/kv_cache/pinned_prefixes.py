@@ -1,13 +1,38 @@
-"""Pinned prefixes (``kv_cache.pinned_prefixes``): token-id prefixes whose full blocks the
-prefix cache never evicts once computed. They are hashed as a request's blocks are, with no
+"""Pinned prefixes (``kv_cache.pinned_prefixes``): token-id prefixes (or text, tokenized as
+prompts are) whose full blocks the prefix cache never evicts once computed. They are hashed as a request's blocks are, with no
 extra keys (no LoRA, images or salt), and must fit in half of the pool.
 """
 from __future__ import annotations
 
+import logging
 import operator
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from llmkit.kv_cache.hashing import hash_block_tokens_encoded
+
+logger = logging.getLogger(__name__)
+
+
+def pinned_prefix_ids(prefixes: Sequence[str | Sequence[int]], enable_prefix_caching: bool,
+                      load_tokenizer: Callable[[], Any]) -> list[list[int]]:
+    """``kv_cache.pinned_prefixes`` as token ids: text is tokenized as prompts are (the
+    tokenizer loads only if some prefix is text); none when prefix caching is off."""
+    if not prefixes:
+        return []
+    if not enable_prefix_caching:
+        logger.warning("kv_cache.pinned_prefixes is set but kv_cache.enable_prefix_caching is "
+                       "false: nothing is cached, so nothing can be pinned")
+        return []
+    tokenizer = None
+    ids = []
+    for p in prefixes:
+        if isinstance(p, str):
+            if tokenizer is None:
+                tokenizer = load_tokenizer()
+            ids.append(tokenizer.encode(p))
+        else:
+            ids.append(list(p))
+    return ids
 
 
 def pinned_prefix_hashes(prefixes: Sequence[Sequence[int]], num_blocks: int, block_size: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import numpy as np
 
@@ -170,6 +170,10 @@ class Scheduler(ABC):
     grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
     """
 
+    #: Whether the constructor takes ``max_loras`` and ``max_lora_skips`` (a step's adapters
+    #: kept within the LoRA slots); the engine refuses ``lora.enabled`` otherwise.
+    supports_lora: ClassVar[bool] = False
+
     @abstractmethod
     def add_request(self, request: Request) -> None: ...
 
@@ -192,6 +196,12 @@ class Scheduler(ABC):
     @abstractmethod
     def unfinished_requests(self) -> Iterable[Request]:
         """Every request the scheduler holds (waiting, compiling, running, preempted)."""
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, None if there is none (observers read a
+        running request's prompt length before the step's update)."""
+        return next((r for r in self.unfinished_requests() if r.request_id == request_id),
+                    None)
 
     @abstractmethod
     def stats(self) -> SchedulerStats: ...

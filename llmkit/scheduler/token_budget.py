@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class TokenBudgetScheduler(Scheduler):
+    supports_lora = True
+
     def __init__(
         self,
         config: SchedulerConfig,
