@@ -244,6 +244,11 @@ def _hydra_error(e: Exception, overrides: Sequence[str], root: ConfigRoot = ENGI
 
 # --------------------------------------------------------------------------- composition
 
+def _searchpath_override(dirs: Sequence[Path]) -> str:
+    quoted = ["'file://" + str(d).replace("'", "\\'") + "'" for d in dirs]
+    return f"hydra.searchpath=[{','.join(quoted)}]"
+
+
 def _compose_dict(overrides: Sequence[str], root: ConfigRoot) -> dict:
     """Hydra-compose ``root``'s primary config with ``overrides`` into a plain dict
     (resolved)."""
@@ -254,9 +259,9 @@ def _compose_dict(overrides: Sequence[str], root: ConfigRoot) -> dict:
 
     overrides = list(overrides)
     _check_overrides(overrides, root)
-    # a root in a sub-folder finds the engine's root and groups on Hydra's search path
-    search = ([f"hydra.searchpath=[file://{d}]" for d in root.dirs()[1:]]
-              if root.folder else [])
+    # a root in a sub-folder finds the engine's root and groups on Hydra's search path (quoted:
+    # an install path may hold '=', ',' or spaces, as pip's cache folders do)
+    search = [_searchpath_override(root.dirs()[1:])] if root.folder else []
     try:
         with _LOCK, _hydra_context(root):
             _register_recipes()
