@@ -419,6 +419,12 @@ class ServerConfig(_Strict):
     # parser's name, or auto = the one for the model's format (Hermes `<tool_call>` when the
     # model names none).
     tool_call_parser: str = "auto"
+    # How chat outputs split into thinking (`reasoning_content`) and answer `content`
+    # (llmkit/entrypoints/openai/reasoning/): deepseek_r1, qwen3, or none (all `content`).
+    reasoning_parser: str = "none"
+    # POST /v1/responses keeps this many responses in memory (the oldest go first), for
+    # `previous_response_id`; 0 = none are kept.
+    responses_store_size: int = Field(default=1000, ge=0)
     # Hosts whose http(s) image URLs a chat request may name (fetched by the server), e.g.
     # ["images.example.com"]. Empty = none: images come as data: URLs.
     allowed_media_domains: list[str] = Field(default_factory=list)

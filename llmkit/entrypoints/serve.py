@@ -103,6 +103,8 @@ def run_server(config: EngineConfig) -> int:
     srv = config.server
     from llmkit.entrypoints.openai.tool_parsers import check_tool_call_parser
     check_tool_call_parser(srv.tool_call_parser)
+    from llmkit.entrypoints.openai.reasoning import check_reasoning_parser
+    check_reasoning_parser(srv.reasoning_parser)
     sock = bind_socket(srv.host, srv.port)
     port = sock.getsockname()[1]
     # Start the engine process first: it imports torch and loads the model while this

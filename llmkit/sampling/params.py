@@ -36,6 +36,11 @@ class StructuredOutputsParams:
 
     The engine compiles the grammar off the step path; an invalid or unsupported spec fails
     that request alone with a ``ValueError`` naming what is wrong.
+
+    ``reasoning_end_token_ids``: the constraint starts after the output has written these
+    tokens (a reasoning model's end-of-thinking marker, e.g. ``</think>``): the thinking before
+    it is free, the answer after it follows the grammar (vLLM's reasoning-aware structured
+    output). None: from the first output token.
     """
 
     json: dict[str, Any] | str | None = None
@@ -43,6 +48,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -66,6 +72,12 @@ class StructuredOutputsParams:
                 raise ValueError("StructuredOutputsParams.choice: a non-empty list of "
                                  f"non-empty strings, got {self.choice!r}")
             self.choice = list(self.choice)
+        if self.reasoning_end_token_ids is not None:
+            ids = self.reasoning_end_token_ids
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError("StructuredOutputsParams.reasoning_end_token_ids: a non-empty "
+                                 f"list of token ids, got {ids!r}")
+            self.reasoning_end_token_ids = list(ids)
 
 
 class RequestOutputKind(enum.Enum):

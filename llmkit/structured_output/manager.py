@@ -94,7 +94,9 @@ class StructuredOutputManager:
             self._cache[key] = future
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)  # requests still hold their own futures
-        request.structured_output_request = StructuredOutputRequest(key, future)
+        end = request.sampling_params.structured_outputs.reasoning_end_token_ids
+        request.structured_output_request = StructuredOutputRequest(
+            key, future, reasoning_end=tuple(end) if end else None)
 
     def _compile(self, backend: Future[StructuredOutputBackend], key: StructuredOutputKey) -> Any:
         t0 = time.perf_counter()
@@ -170,17 +172,26 @@ class StructuredOutputManager:
         batch_rows: list[int] = []
         row = 0
         for rid in request_ids:
-            grammar = requests[rid].structured_output_request.grammar
-            drafts = spec_tokens.get(rid)
-            if not drafts:
+            so = requests[rid].structured_output_request
+            grammar = so.grammar
+            drafts = list(spec_tokens.get(rid, ()))
+            start = row
+            row += 1 + len(drafts)
+            if so.reasoning:
+                # Thinking: its rows allow everything, up to the row after a draft that
+                # completes the end marker; the grammar constrains the rows from there.
+                j = so.reasoning_ends_at(drafts)
+                if j is None:
+                    continue
+                start, drafts = start + j + 1, drafts[j + 1:]
+            elif not drafts:
                 if not grammar.is_terminated():
                     batch.append(grammar)
-                    batch_rows.append(row)
-                row += 1
+                    batch_rows.append(start)
                 continue
             # Each draft position sees the grammar after the drafts before it; a draft the
             # grammar refuses is rejected there, so the rows after it stay unconstrained.
-            start, advanced = row, 0
+            advanced = 0
             for i, tok in enumerate([*drafts, None]):
                 if grammar.is_terminated():
                     break
@@ -188,15 +199,20 @@ class StructuredOutputManager:
                 if tok is None or not grammar.accept_tokens([tok]):
                     break
                 advanced += 1
-            row = start + len(drafts) + 1
             grammar.rollback(advanced)
         backend.fill_bitmasks(batch, bitmask, batch_rows)
         return request_ids, bitmask
 
     # -- after a step ------------------------------------------------------------------------------
     def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
-        """Advance the request's matcher; False if the grammar refuses a token."""
-        return request.structured_output_request.grammar.accept_tokens(tokens)
+        """Advance the request's matcher; False if the grammar refuses a token. Tokens of
+        the thinking (up to its end marker) pass the matcher by."""
+        so = request.structured_output_request
+        for i, tok in enumerate(tokens):
+            if not so.reasoning:
+                return so.grammar.accept_tokens(tokens[i:])
+            so.see_reasoning_token(tok)
+        return True
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Take back the last ``num_tokens`` accepted tokens (rejected drafts)."""
@@ -207,6 +223,8 @@ class StructuredOutputManager:
         request: it may take EOS now instead of sampling it in another step. Not with
         ``logprobs`` (that EOS would have none to report)."""
         sp = request.sampling_params
+        if request.structured_output_request.reasoning:
+            return False
         if (sp.logprobs is not None or sp.ignore_eos or request.eos_token_id is None
                 or request.num_output_tokens + 1 < sp.min_tokens):
             return False

@@ -37,6 +37,7 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 PromptTokensDetails, SamplingFields,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
+from llmkit.entrypoints.openai.reasoning.request import RequestReasoning, make_reasoning_parser
 from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
 from llmkit.entrypoints.openai.serving_models import ServingModels
 from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
@@ -72,6 +73,8 @@ class OpenAIServing:
         if parser_name == "auto":
             parser_name = default_tool_parser(template)
         self.tool_parser = TOOL_PARSERS.get(parser_name)()
+        self.reasoning_parser = make_reasoning_parser(engine.config.server.reasoning_parser,
+                                                      self.tokenizer)
 
     # -- shared checks ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> LoRARequest | None:
@@ -304,6 +307,9 @@ class OpenAIServing:
         structured = self.structured_outputs(req, forced)
         req, images = await load_chat_images(self.frontend, req)
         ids = render_chat_prompt(self.frontend, req, use, self.template_has_tools, self.encode)
+        thinking = self.reasoning_for(ids)
+        if thinking is not None:
+            structured = thinking.constrain(structured)
         num_prompt_tokens = len(ids)
         prompt: list[int] | dict = ids
         if images:
@@ -324,7 +330,7 @@ class OpenAIServing:
         if req.stream:
             return EngineStreamingResponse(
                 self._chat_events(req, request_id, created, streams, num_prompt_tokens, k, use,
-                                  model),
+                                  model, thinking),
                 on_close=lambda: abort_all(streams))
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
@@ -336,7 +342,7 @@ class OpenAIServing:
         choices = []
         for c in ro.outputs:
             usage.completion_tokens += len(c.token_ids)
-            message, finish_reason = _chat_message(c.text, c.finish_reason, use)
+            message, finish_reason = _chat_message(c.text, c.finish_reason, use, thinking)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=chat_logprobs(self.tokenizer, c, k),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -348,13 +354,16 @@ class OpenAIServing:
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, created: int,
                            streams: list[RequestStream], num_prompt_tokens: int,
-                           k: int | None, use: ToolUse, model: str) -> AsyncIterator[str]:
+                           k: int | None, use: ToolUse, model: str,
+                           thinking: RequestReasoning | None = None) -> AsyncIterator[str]:
         base = dict(id=request_id, created=created, model=model)
         usage = Usage(prompt_tokens=num_prompt_tokens)
         cached = 0
         # Per choice: tool calls found as the text grows, sent as OpenAI deltas.
         streamers = {i: ToolCallStreamer(use.parser) for i in range(req.n)} \
             if use.parser is not None else {}
+        # Per choice: the thinking split off first (tool calls are in the answer).
+        thinkers = {i: thinking.streamer() for i in range(req.n)} if thinking else {}
         try:
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(**base, choices=[ChatStreamChoice(
@@ -365,13 +374,21 @@ class OpenAIServing:
                 for c in ro.outputs:
                     usage.completion_tokens += len(c.token_ids)
                     finish_reason = c.finish_reason
+                    text, reasoning = c.text, ""
+                    if (thinker := thinkers.get(c.index)) is not None:
+                        reasoning, text = thinker.feed(c.text)
+                        if finish_reason is not None:
+                            more_reasoning, more_text = thinker.finish()
+                            reasoning, text = reasoning + more_reasoning, text + more_text
                     streamer = streamers.get(c.index)
                     if streamer is not None:
-                        delta = streamer.feed(c.text, finish_reason is not None)
+                        delta = streamer.feed(text, finish_reason is not None)
                         if streamer.tools_called and finish_reason == "stop":
                             finish_reason = "tool_calls"
                     else:
-                        delta = {"content": c.text} if c.text else {}
+                        delta = {"content": text} if text else {}
+                    if reasoning:
+                        delta = {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
                     if not delta and finish_reason is None and c.logprobs is None:
                         continue
                     lp = chat_logprobs(self.tokenizer, c, k)
@@ -393,6 +410,13 @@ class OpenAIServing:
         except ValueError as e:  # the engine refused the request
             yield sse(bad_request(str(e)).body())
         yield sse("[DONE]")
+
+    def reasoning_for(self, prompt_ids: list[int]) -> RequestReasoning | None:
+        """How a chat output after ``prompt_ids`` splits into thinking and answer (None
+        without ``server.reasoning_parser``)."""
+        if self.reasoning_parser is None:
+            return None
+        return RequestReasoning.for_prompt(self.reasoning_parser, prompt_ids, self.tokenizer)
 
     # -- /tokenize, /detokenize -------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -421,19 +445,28 @@ class OpenAIServing:
 
 # --------------------------------------------------------------------------- tool calls
 
-def _chat_message(text: str, finish_reason: str | None,
-                  use: ToolUse) -> tuple[ChatResponseMessage, str | None]:
-    """A finished choice's message: its tool calls (``finish_reason`` "tool_calls") when the
-    tool-call parser finds any, else its text."""
-    if use.parser is None:
-        return ChatResponseMessage(content=text), finish_reason
-    parsed = use.parser.parse(text, final=True)
-    calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=c.name,
-                                                                    arguments=c.arguments))
-             for c in parsed.tool_calls]
-    if calls and finish_reason == "stop":
-        finish_reason = "tool_calls"
-    return ChatResponseMessage(content=parsed.content, tool_calls=calls), finish_reason
+def _chat_message(text: str, finish_reason: str | None, use: ToolUse,
+                  thinking: RequestReasoning | None = None
+                  ) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message: its thinking apart (``thinking``), then its tool calls
+    (``finish_reason`` "tool_calls") when the tool-call parser finds any, else its text."""
+    reasoning = None
+    content: str | None = text
+    if thinking is not None:
+        split = thinking.split(text)
+        reasoning, content = split.reasoning, split.content
+    if use.parser is None or content is None:
+        message = ChatResponseMessage(content=content)
+    else:
+        parsed = use.parser.parse(content, final=True)
+        calls = [ToolCall(id=new_tool_call_id(),
+                          function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.tool_calls]
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
+    message.reasoning_content = message.reasoning = reasoning
+    return message, finish_reason
 
 
 # --------------------------------------------------------------------------- usage
