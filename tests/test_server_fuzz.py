@@ -42,7 +42,7 @@ def test_generated_requests_get_no_5xx_and_openai_errors(server):
     paths = {op.split(" ", 1)[1] for op in report.by_operation}
     for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
                  "/detokenize", "/health", "/metrics", "/v1/engine/stats",
-                 "/v1/engine/events"):
+                 "/v1/engine/events", "/v1/responses", "/v1/responses/{response_id}"):
         assert path in paths, path  # every operation was exercised
     assert report.requests >= 200
     assert report.server_errors == 0 and report.num_failures == 0, "\n".join(report.failures)

@@ -148,3 +148,20 @@ def test_unknown_reasoning_parser_is_a_start_up_error_naming_the_key(model_dir):
     assert proc.returncode != 0
     assert "server.reasoning_parser" in proc.stderr and "'nope'" in proc.stderr, proc.stderr
     assert "qwen3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_has_a_reasoning_item(client, model, stream):
+    kw = dict(model=model, input=MESSAGES[0]["content"], temperature=0)
+    if stream:
+        with client.responses.stream(**kw) as s:
+            events = list(s)
+            r = s.get_final_response()
+        thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thinking == THINKING
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    else:
+        r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THINKING
+    assert r.output_text == ANSWER and r.status == "completed"

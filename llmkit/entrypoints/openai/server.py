@@ -8,7 +8,8 @@ Routes: ``GET /v1/models`` (the base model and its LoRA adapters, each with ``pa
 of them),
 ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (only with
 ``lora.allow_runtime_updates``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
-``stream`` is true), ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
+``stream`` is true), ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (``responses.py``),
+``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (200, or 503
 once the engine process is gone), ``GET /metrics`` (Prometheus text), ``GET /docs``;
 ``GET /v1/engine/stats`` and ``GET /v1/engine/events`` (``engine_view.py``); the pages ``/``
 and ``/engine`` (``web.py``).
@@ -45,6 +46,7 @@ from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
 from llmkit.entrypoints.openai.limits import RequestSizeLimit
+from llmkit.entrypoints.openai.responses import add_responses_routes
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, ErrorResponse,
                                                 LoadLoRAAdapterRequest, ModelCard, ModelList,
@@ -263,6 +265,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
             return PlainTextResponse(await serving.models.unload(request.lora_name))
 
+    add_responses_routes(app, serving, config.server.responses_store_size, _ERRORS)
     add_engine_view_routes(app, engine, events_per_s=config.server.engine_events_per_s)
     add_web_routes(app)
 
