@@ -15,8 +15,8 @@ import sys
 import jsonschema
 import pytest
 
-from scripted_models import build_scripted_model_dir, single_tokens, thinking_tokenizer
-from test_server import REPO, SERVER_THREADS, ServerProcess
+from helpers.scripted_models import build_scripted_model_dir, single_tokens, thinking_tokenizer
+from helpers.server_process import REPO, SERVER_THREADS, ServerProcess
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 THINKING, ANSWER = " capital is", " France the"
@@ -40,15 +40,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
-                        "server.reasoning_parser=qwen3",
-                        "structured_output.disable_any_whitespace=true",
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(model_dir, "kv_cache.num_blocks=512", SERVER_THREADS,
+                       "server.reasoning_parser=qwen3",
+                       "structured_output.disable_any_whitespace=true",
+                       log_path=tmp_path_factory.mktemp("server") / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

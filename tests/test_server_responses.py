@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_server import SERVER_THREADS, ServerProcess, error_body
+from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 STORE_SIZE = 4
 PERSON = {"type": "object", "properties": {
@@ -30,16 +30,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_model_dir("llama", max_position_embeddings=2048),
-                        "kv_cache.num_blocks=512", SERVER_THREADS,
-                        f"server.responses_store_size={STORE_SIZE}",
-                        "structured_output.disable_any_whitespace=true",
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
+    with ServerProcess(tiny_model_dir("llama", max_position_embeddings=2048),
+                       "kv_cache.num_blocks=512", SERVER_THREADS,
+                       f"server.responses_store_size={STORE_SIZE}",
+                       "structured_output.disable_any_whitespace=true",
+                       log_path=tmp_path_factory.mktemp("server") / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -159,15 +159,15 @@ class OpenAIServingResponses:
                        .structured_output.disable_any_whitespace)
         forced = (use.structured_outputs, "tools") if use.structured_outputs else None
         structured = s.structured_outputs(chat, forced)
-        chat, images = await load_chat_images(s.engine, chat)
-        ids = render_chat_prompt(s.tokenizer, chat, use, s.template_has_tools, s.encode)
+        chat, images = await load_chat_images(s.frontend, chat)
+        ids = render_chat_prompt(s.frontend, chat, use, s.template_has_tools, s.encode)
         thinking = s.reasoning_for(ids)
         if thinking is not None:
             structured = thinking.constrain(structured)
         num_prompt_tokens = len(ids)
         prompt: list[int] | dict = ids
         if images:
-            mm = s.engine.multimodal_processor
+            mm = s.frontend.mm_processor
             num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
             prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         s._check_length(num_prompt_tokens, req.max_output_tokens, "input")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import CHAT_TEMPLATE, build_tokenizer, make_config
+from helpers.tiny_models import CHAT_TEMPLATE, build_tokenizer, make_config
 
 # Qwen3's switch: enable_thinking=false closes an empty thinking block in the prompt.
 THINKING_TEMPLATE = CHAT_TEMPLATE + (
