@@ -305,7 +305,7 @@ def test_unsupported_combinations_fail_at_start(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     with pytest.raises(ConfigError, match="model.linear_method: .*cannot be wrapped by LoRA"):
         LLM(str(model_dir), dtype="float32", lora={"enabled": True},
-            overrides=["model.linear_method=lora_adapters.NoLoRALinearMethod"])
+            overrides=["model.linear_method=helpers.lora_adapters.NoLoRALinearMethod"])
     with pytest.raises(ConfigError, match="lora.modules"):
         LLM(str(model_dir), dtype="float32", lora={"enabled": True,
                                                    "modules": ["x=/does/not/exist"]})
