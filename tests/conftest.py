@@ -13,6 +13,9 @@ os.environ.setdefault("LLMKIT_COMPILATION_MODE", "eager")
 # A test that asks for step graphs gets them before its first step (the tests of the background
 # capture, tests/test_step_graphs_background.py, ask for it).
 os.environ.setdefault("LLMKIT_COMPILATION_BACKGROUND", "false")
+# The CPU dispatch table's speed-only fields keep the tier's defaults (platform.calibrate): no
+# test depends on a timing (tests/test_cpu_calibration.py times on a fake clock).
+os.environ.setdefault("LLMKIT_CALIBRATE", "off")
 
 from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402  (after the env)
 from helpers.web_browser import browser  # noqa: E402,F401  (the web page tests' fixture)

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tuning.h"
 #include "vec.h"
 
 namespace llmkit_cpu {
@@ -113,12 +114,11 @@ inline void dot4_rows2(const float* x0, const float* x1, const T* w0, int64_t k,
   out1[3] = lane_sum(b3);
 }
 
-// How far ahead of the rows being read the weight is prefetched, in bytes of its contiguous
-// stream. The hardware prefetchers stop at 4 KiB pages and ramp up slowly on each of the ~120
-// short streams a decode step reads; requesting both cache lines of every 64-element block this
-// far ahead sped a decode step's linears up (docs/cpu-speed.md has the figures; distances of
-// 1-8 KiB measured alike).
-constexpr int64_t kPrefetchBytes = 2048;
+// How far ahead of the rows being read the weight is prefetched (tuning::prefetch_bytes, in
+// bytes of its contiguous stream; 0: not at all). The hardware prefetchers stop at 4 KiB pages
+// and ramp up slowly on each of the ~120 short streams a decode step reads; requesting both
+// cache lines of every 64-element block ahead sped a decode step's linears up
+// (docs/cpu-speed.md has the figures). The platform times the distance per machine.
 
 // The pairwise tree over dot_torch_order's eight accumulators (into acc[0]).
 inline void torch_order_tree(Vec* acc) {
@@ -143,10 +143,11 @@ inline float torch_order_finish(Vec* acc, const float* xf, const T* w, int64_t k
   return sum;
 }
 
-// Prefetches run kPrefetchBytes ahead while below ``prefetch_end`` (nullptr: none).
+// Prefetches run the tuned distance ahead while below ``prefetch_end`` (nullptr: none).
 inline void prefetch_ahead(const void* at, const char* prefetch_end) {
-  const char* ahead = static_cast<const char*>(at) + kPrefetchBytes;
-  if (prefetch_end != nullptr && ahead < prefetch_end) {
+  const int64_t distance = tuning::prefetch_bytes();
+  const char* ahead = static_cast<const char*>(at) + distance;
+  if (prefetch_end != nullptr && distance > 0 && ahead < prefetch_end) {
     __builtin_prefetch(ahead);
     __builtin_prefetch(ahead + 64);
   }
@@ -233,9 +234,11 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     std::vector<float> xf(rows * k);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < k; ++i) xf[r * k + i] = static_cast<float>(xp[r * x.stride(0) + i]);
-    // Chunks of whole 4-row tiles; each thread streams its own part of the weight.
+    // Chunks of whole 4-row tiles; each thread streams its own part of the weight (how many
+    // threads share it changes no output: tuning.h).
     const int64_t tiles = (n_out + 3) / 4;
-    at::parallel_for(0, tiles, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+    const int64_t grain = tuning::grain(4 * k * int64_t(sizeof(scalar_t)));
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       float acc[8];
       // This thread's part of the weight: prefetching past it would fetch the other's rows.
       const char* prefetch_end =

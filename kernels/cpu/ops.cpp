@@ -13,6 +13,7 @@
 #include "quant_linear.h"
 #include "quant_repack.h"
 #include "rotary.h"
+#include "tuning.h"
 
 #ifndef LLMKIT_OPS
 #define LLMKIT_OPS llmkit_cpu_generic
@@ -41,6 +42,11 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
         "Tensor? scales=None, Tensor? bias=None, bool float_activations=False, "
         "bool portable=False) -> Tensor");
   m.def("quantize_activations_q8(Tensor x, bool portable=False) -> (Tensor, Tensor, Tensor)");
+  // The linears' speed-only tuning (tuning.h): set by the platform, read back by tests.
+  // (no tensor arguments: one implementation for every dispatch key)
+  m.def("set_linear_tuning(int prefetch_bytes, int thread_min_bytes) -> ()",
+        &llmkit_cpu::tuning::set_linear_tuning);
+  m.def("linear_tuning() -> int[]", &llmkit_cpu::tuning::linear_tuning);
 }
 
 TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {

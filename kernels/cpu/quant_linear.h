@@ -56,10 +56,12 @@ struct TileRows {
   const float* xf[kMaxTileRows];
 };
 
-// Prefetch a packed block's bytes kPrefetchBytes ahead, while below ``end`` (nullptr: none).
+// Prefetch a packed block's bytes the tuned distance ahead (tuning.h), while below ``end``
+// (nullptr: none).
 inline void prefetch_block(const uint8_t* p, int64_t bytes, const char* end) {
-  if (end == nullptr) return;
-  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  const int64_t distance = tuning::prefetch_bytes();
+  if (end == nullptr || distance == 0) return;
+  const char* ahead = reinterpret_cast<const char*>(p) + distance;
   for (int64_t off = 0; off < bytes && ahead + off < end; off += 64)
     __builtin_prefetch(ahead + off);
 }
@@ -508,8 +510,9 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
 #if defined(CPU_CAPABILITY_AVX2)
   float_tile = F == Format::FP8 && !use_portable && rows > 2 * kMaxTileRows;
 #endif
-  // Threads split the weight into contiguous runs of groups; each streams its own.
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(group_stride, 1));
+  // Threads split the weight into contiguous runs of groups; each streams its own (how many
+  // threads share it changes no output: tuning.h).
+  const int64_t grain = tuning::grain(group_stride);
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     const char* prefetch_end = reinterpret_cast<const char*>(packed + end * group_stride);
     float res[kMaxTileRows][kRows];

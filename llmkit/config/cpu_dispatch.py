@@ -6,11 +6,22 @@ so they are data: defaults per instruction-set tier (``llmkit.config.cpu_isa``),
 by ``platform.dispatch.<field>``, resolved once by the platform and handed to the components
 it builds. ``llmkit config`` prints the resolved table.
 
-Rule: a choice that could be timed at start-up must never change outputs. The paths that
-``linear_*``, ``lora_*``, ``attention_*`` and ``top_p_candidates`` choose between compute
-different bits for a row (another kernel, another summation order), so those are fixed per
-tier, never timed. Step graphs compute the eager step's bits, but timing their row count
-means compiling graphs (minutes on a CPU): nothing here is calibrated yet.
+Rule: a choice that is timed at start-up must never change outputs. The paths that the row
+counts (``linear_*_max_rows``, ``lora_*``, ``attention_*``) and ``top_p_candidates`` choose
+between compute different bits for a row (another kernel, another summation order), so those
+are fixed per tier, never timed. Step graphs compute the eager step's bits, but timing their
+row count means compiling graphs (minutes on a CPU), so it is fixed too. The fields in
+``CALIBRATED`` change speed only: the C++ linears' prefetch distance (prefetches only warm the
+cache) and the least weight bytes one of their threads streams (each output is one thread's
+fixed chain of sums, however many threads share the weight: ``kernels/cpu/tuning.h``). Those
+the platform times on the real kernels at first start, a few seconds, and caches with the
+kernel build keyed by the CPU's model, flags and threads (``llmkit.platforms.cpu_calibration``;
+``platform.calibrate``); tests check that every candidate computes the same bits. The torch
+thread count (``platform.num_threads``) is given, never timed: oneDNN's and MKL's GEMMs may
+split their sums by thread.
+
+Each field's source is one of ``SOURCES``: the tier's default, the calibration, or given in
+``platform.dispatch`` (which always wins).
 
 Lives in ``llmkit.config`` (below every layer) because the linear methods, the LoRA ops, the
 attention backend and the sampler take it in their constructors without seeing the platform.
@@ -23,8 +34,8 @@ from typing import Any
 from llmkit.config.cpu_isa import TIER_NAMES
 from llmkit.config.errors import ConfigError
 
-__all__ = ["CpuDispatch", "DISPATCH_KEY", "TIER_DEFAULTS", "dispatch_for_tier",
-           "describe_dispatch", "resolve_dispatch"]
+__all__ = ["CALIBRATED", "CpuDispatch", "DISPATCH_KEY", "SOURCES", "TIER_DEFAULTS",
+           "dispatch_for_tier", "dispatch_sources", "describe_dispatch", "resolve_dispatch"]
 
 DISPATCH_KEY = "platform.dispatch"
 
@@ -59,6 +70,13 @@ class CpuDispatch:
     #: CPU ranks allowed per usable core (tensor / pipeline parallel): tiny models in tests run
     #: TP=2 x PP=2 on two cores; more would only thrash.
     ranks_per_core: int = 2
+    #: Bytes ahead of the block being read at which llmkit's C++ bf16 and quantized linears
+    #: prefetch the weight (0: no software prefetch). Speed only: calibrated.
+    linear_prefetch_bytes: int = 2048
+    #: The least weight bytes one thread of llmkit's C++ linears streams: a smaller weight
+    #: runs on fewer threads, which saves waking them (0: every thread, always). Speed only:
+    #: calibrated.
+    linear_thread_min_bytes: int = 8192
 
 
 #: The defaults of each tier (``None``: a CPU without AVX2, so without llmkit's kernels). Every
@@ -71,7 +89,13 @@ MINIMUMS: dict[str, int] = {
     "linear_small_batch_max_rows": 0, "linear_packed_max_rows": 0,
     "lora_small_batch_max_rows": 0, "attention_min_compiled_decode_rows": 1,
     "attention_max_expanded_query_len": 1, "step_graph_max_rows": 1, "top_p_candidates": 1,
-    "ranks_per_core": 1}
+    "ranks_per_core": 1, "linear_prefetch_bytes": 0, "linear_thread_min_bytes": 0}
+
+#: The fields a start-up timing may set: every value of each computes the same bits.
+CALIBRATED: tuple[str, ...] = ("linear_prefetch_bytes", "linear_thread_min_bytes")
+
+#: Where a resolved field's value came from.
+SOURCES = ("tier", "calibrated", "given")
 
 
 def dispatch_for_tier(tier: str | None) -> CpuDispatch:
@@ -79,14 +103,19 @@ def dispatch_for_tier(tier: str | None) -> CpuDispatch:
     return TIER_DEFAULTS[tier]
 
 
-def resolve_dispatch(tier: str | None, overrides: Any = None) -> CpuDispatch:
-    """The tier's table with ``overrides`` (``platform.dispatch``: an object or mapping whose
-    non-null fields replace the tier's). An unset ``step_graph_max_rows`` follows the resolved
+def resolve_dispatch(tier: str | None, overrides: Any = None,
+                     calibrated: dict[str, int] | None = None) -> CpuDispatch:
+    """The tier's table with ``calibrated`` (timed values of ``CALIBRATED`` fields) and then
+    ``overrides`` (``platform.dispatch``: an object or mapping whose non-null fields replace
+    the rest). An unset ``step_graph_max_rows`` follows the resolved
     ``linear_small_batch_max_rows`` when the tier ties them, so raising the linear's rows
     raises the graphs' too. Raises ``ConfigError`` naming the key for a value out of range."""
     base = dispatch_for_tier(tier)
     given = _given(overrides)
-    table = replace(base, **given)
+    timed = dict(calibrated or {})
+    if not set(timed) <= set(CALIBRATED):
+        raise ValueError(f"only {CALIBRATED} are timed, not {sorted(set(timed) - set(CALIBRATED))}")
+    table = replace(base, **{**timed, **given})
     for name, value in given.items():
         low = MINIMUMS[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -102,9 +131,24 @@ def resolve_dispatch(tier: str | None, overrides: Any = None) -> CpuDispatch:
     return table
 
 
-def describe_dispatch(table: CpuDispatch) -> str:
-    """``name=value`` pairs in field order, for ``llmkit config`` and start-up logs."""
-    return " ".join(f"{f.name}={getattr(table, f.name)}" for f in fields(table))
+def dispatch_sources(overrides: Any = None, calibrated: dict[str, int] | None = None
+                     ) -> dict[str, str]:
+    """Each field's source (``SOURCES``) in the table ``resolve_dispatch`` builds from the
+    same arguments."""
+    given, timed = _given(overrides), calibrated or {}
+    return {f.name: "given" if f.name in given else "calibrated" if f.name in timed else "tier"
+            for f in fields(CpuDispatch)}
+
+
+def describe_dispatch(table: CpuDispatch, sources: dict[str, str] | None = None) -> str:
+    """``name=value`` pairs in field order, for ``llmkit config`` and start-up logs; with
+    ``sources``, grouped by source (``tier: ... | calibrated: ... | given: ...``)."""
+    pairs = {f.name: f"{f.name}={getattr(table, f.name)}" for f in fields(table)}
+    if sources is None:
+        return " ".join(pairs.values())
+    groups = [f"{source}: " + " ".join(pairs[n] for n in pairs if sources[n] == source)
+              for source in SOURCES if source in sources.values()]
+    return " | ".join(groups)
 
 
 def _given(overrides: Any) -> dict[str, int]:

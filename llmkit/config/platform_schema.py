@@ -2,6 +2,7 @@
 kernels, their instruction-set tier and dispatch table)."""
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -15,7 +16,9 @@ class CpuDispatchConfig(_Strict):
     """Overrides of the CPU dispatch table (``llmkit.config.cpu_dispatch.CpuDispatch``, which
     documents each choice): the row counts at which the CPU components switch kernels. null =
     the table's value for the instruction-set tier (``platform.isa``); ``llmkit config`` shows
-    the resolved table. Each path computes its own bits, so a change here can change outputs."""
+    the resolved table. Each path of the row counts computes its own bits, so a change there can
+change outputs; ``linear_prefetch_bytes`` and ``linear_thread_min_bytes`` change speed only
+(``platform.calibrate`` times them)."""
 
     linear_small_batch_max_rows: int | None = Field(default=None, ge=0)
     linear_packed_max_rows: int | None = Field(default=None, ge=0)
@@ -26,6 +29,9 @@ class CpuDispatchConfig(_Strict):
     step_graph_max_rows: int | None = Field(default=None, ge=1)
     top_p_candidates: int | None = Field(default=None, ge=1)
     ranks_per_core: int | None = Field(default=None, ge=1)
+    # speed only (each value computes the same bits): timed at first start unless given
+    linear_prefetch_bytes: int | None = Field(default=None, ge=0)
+    linear_thread_min_bytes: int | None = Field(default=None, ge=0)
 
 
 class PlatformConfig(_Component):
@@ -49,6 +55,14 @@ class PlatformConfig(_Component):
     # CPU: the dispatch table's overrides (which kernel runs at which row count); null = the
     # tier's defaults.
     dispatch: CpuDispatchConfig = Field(default_factory=CpuDispatchConfig)
+    # CPU: time the dispatch table's speed-only fields (llmkit.config.cpu_dispatch.CALIBRATED)
+    # on the kernels at first start (a few seconds) and cache the fastest with the kernel
+    # build, keyed by the CPU's model, flags and threads. auto: time once, then read the
+    # cache; force: time again; off: the tier's defaults. Fields given in dispatch are never
+    # timed. Default: $LLMKIT_CALIBRATE, else auto (the test suite sets off).
+    calibrate: Literal["auto", "off", "force"] = Field(
+        default_factory=lambda: os.environ.get("LLMKIT_CALIBRATE", "auto"),
+        validate_default=True)
 
     @field_validator("isa")
     @classmethod

@@ -221,22 +221,29 @@ def _cmd_config(args: CliArgs) -> int:
 
 def _cpu_dispatch_comment(config) -> str:
     """The CPU dispatch table the engine's platform resolves (``platform.dispatch`` over the
-    tier's defaults), as closing comment lines: which kernel runs at which row count is part
-    of what the config means on this machine. Nothing for a CUDA or plugin platform."""
+    calibrated fields over the tier's defaults), each field with its source, as closing comment
+    lines: which kernel runs at which row count is part of what the config means on this
+    machine. Nothing for a CUDA or plugin platform."""
     platform = config.platform
     if platform.name not in ("auto", "cpu") or platform.target:
         return ""
     import textwrap
 
-    from llmkit.config.cpu_dispatch import describe_dispatch, resolve_dispatch
+    from llmkit.config.cpu_dispatch import describe_dispatch, dispatch_sources, resolve_dispatch
     from llmkit.config.cpu_isa import resolve_tier
+    from llmkit.platforms.cpu_calibration import cached_fields
 
     tier = resolve_tier(platform.isa)
-    table = resolve_dispatch(tier, platform.dispatch)
+    calibrated, note = cached_fields(tier, platform)
+    table = resolve_dispatch(tier, platform.dispatch, calibrated)
+    sources = dispatch_sources(platform.dispatch, calibrated)
     head = (f"# CPU dispatch (tier {tier or 'none: no AVX2'}; platform.dispatch.KEY=N "
-            "overrides):\n")
-    return head + textwrap.fill(describe_dispatch(table), 96, initial_indent="#   ",
-                                subsequent_indent="#   ") + "\n"
+            f"overrides):\n#   ({note})\n")
+    lines = []
+    for group in describe_dispatch(table, sources).split(" | "):
+        lines.append(textwrap.fill(group, 96, initial_indent="#   ",
+                                   subsequent_indent="#     "))
+    return head + "\n".join(lines) + "\n"
 
 
 def _set_openmp_env(args: CliArgs) -> None:

@@ -9,7 +9,8 @@ from llmkit.compilation.base import StepGraphs
 from llmkit.config.paths import cache_dir
 from llmkit.config.schema import CompilationConfig
 from llmkit.config import cpu_isa
-from llmkit.config.cpu_dispatch import CpuDispatch, resolve_dispatch
+from llmkit.config.cpu_dispatch import (CpuDispatch, dispatch_for_tier, dispatch_sources,
+                                        resolve_dispatch)
 from llmkit.linear.base import LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
@@ -41,6 +42,10 @@ class CpuPlatform(Platform):
         #: The tier's dispatch table with ``platform.dispatch``'s overrides: every row count
         #: at which a component this platform builds switches kernels.
         self.dispatch: CpuDispatch = resolve_dispatch(self.isa, getattr(config, "dispatch", None))
+        #: Each field's source (tier, calibrated, given); the speed-only fields are calibrated
+        #: when the kernels load (``platform.calibrate``).
+        self.dispatch_sources: dict[str, str] = dispatch_sources(getattr(config, "dispatch", None))
+        self._tuned = False
 
     # -- model.dtype=auto --------------------------------------------------------------------
     def preferred_dtype(self) -> torch.dtype:
@@ -140,13 +145,35 @@ class CpuPlatform(Platform):
 
         try:
             # (no tier: a CPU without AVX2 gets the kernels' portable build, as before tiers)
-            return load_cpu_kernels(self.isa)
+            kernels = load_cpu_kernels(self.isa)
         except CpuKernelBuildError as exc:
             if mode == "on":
                 raise ValueError(f"platform.native_kernels=on: {exc}") from exc
             logger.warning("%s; computing with torch ops instead (slower decoding; "
                            "platform.native_kernels=off silences this)", exc)
             return None
+        self._tune(kernels)
+        return kernels
+
+    def _tune(self, kernels) -> None:
+        """The table's speed-only fields: calibrated (or read from the calibration cached with
+        the kernel build) unless given, then handed to the kernels. Once per platform."""
+        if self._tuned:
+            return
+        self._tuned = True
+        from llmkit.kernels.cpu_native import build_directory, kernels_build_key
+        from llmkit.platforms.cpu_calibration import apply_tuning, calibrated_fields
+
+        overrides = getattr(self.config, "dispatch", None)
+        given = {name for name, source in dispatch_sources(overrides).items()
+                 if source == "given"}
+        key = kernels_build_key(self.isa)
+        calibrated = calibrated_fields(kernels, self.isa, dispatch_for_tier(self.isa),
+                                       getattr(self.config, "calibrate", "auto"), given,
+                                       build_directory(key), key)
+        self.dispatch = resolve_dispatch(self.isa, overrides, calibrated)
+        self.dispatch_sources = dispatch_sources(overrides, calibrated)
+        apply_tuning(kernels, self.dispatch)
 
     def apply_runtime_settings(self) -> None:
         threads = self.config.num_threads or len(os.sched_getaffinity(0))

@@ -1,0 +1,243 @@
+"""The CPU dispatch table's calibration: the speed-only fields timed on the real kernels.
+
+``llmkit.config.cpu_dispatch.CALIBRATED`` names the fields whose every value computes the same
+bits (the C++ linears' prefetch distance and least weight bytes per thread,
+``kernels/cpu/tuning.h``). The platform times each field's ``CANDIDATES`` at first start on a
+decode-shaped workload -- one row through a small model's worth of Q4_1 and bf16 weights,
+tens of MB, so that the weights stream from memory as a decode step's do -- in alternated
+rounds (the candidates' order reversed every other round, so a drift in the machine's load
+weighs on all alike), and keeps the fastest median; the tier's default stays unless another
+is faster by ``MARGIN``, so that noise does not flip the table from start to start. The whole
+takes a few seconds; the result is cached next to the kernel build
+(``<llmkit cache>/cpu_kernels/<build key>/``), in a file keyed by the CPU's model name and
+flags, the tier, the torch thread count and the candidates, which later starts read.
+``platform.calibrate`` (auto, force, off) decides; fields given in ``platform.dispatch`` are
+never timed.
+
+The timer, the kernels and the cache folder are parameters, so that tests time on a fake clock
+(deterministic) and no test depends on a real timing.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmkit.config import cpu_isa
+from llmkit.config.cpu_dispatch import CALIBRATED, CpuDispatch, dispatch_sources
+from llmkit.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CANDIDATES", "MARGIN", "apply_tuning", "calibrate", "calibration_key",
+           "cached_calibration", "cached_fields", "calibration_file", "calibrated_fields",
+           "time_candidates"]
+
+#: The values timed per field. ``linear_thread_min_bytes``' largest keeps every weight on one
+#: thread.
+CANDIDATES: dict[str, tuple[int, ...]] = {
+    "linear_prefetch_bytes": (0, 512, 1024, 2048, 4096, 8192),
+    "linear_thread_min_bytes": (0, 8192, 32768, 131072, 524288, 1 << 30),
+}
+#: A candidate replaces the tier's default only when its median is this much faster.
+MARGIN = 0.03
+#: Timed rounds per field (each times every candidate once).
+ROUNDS = 5
+#: Bumped when the workload changes, which invalidates every cached calibration.
+WORKLOAD_VERSION = 1
+
+Timer = Callable[[], float]
+
+
+def calibration_key(tier: str | None, kernels_key: str, threads: int) -> dict[str, Any]:
+    """What a calibration's result depends on besides the kernels' build (whose folder holds
+    it): the CPU, the tier, the threads, the candidates and the workload."""
+    return {"cpu_model": cpu_isa.cpu_model(), "cpu_flags": sorted(cpu_isa.cpu_flags()),
+            "tier": tier, "kernels": kernels_key, "threads": threads,
+            "candidates": {name: list(values) for name, values in CANDIDATES.items()},
+            "workload": WORKLOAD_VERSION}
+
+
+def calibration_file(folder: Path, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"dispatch_calibration-{digest}.json"
+
+
+def cached_calibration(path: Path, key: dict[str, Any]) -> dict[str, int] | None:
+    """The fields cached at ``path`` for ``key``; None when absent, unreadable, of another key
+    or holding a value that is not a candidate."""
+    with contextlib.suppress(OSError, ValueError):  # absent or torn: time again
+        data = json.loads(path.read_text())
+        choice = data.get("choice") if data.get("key") == key else None
+        if isinstance(choice, dict) and set(choice) == set(CALIBRATED) and all(
+                choice[name] in CANDIDATES[name] for name in CALIBRATED):
+            return {name: int(choice[name]) for name in CALIBRATED}
+    return None
+
+
+def _write_cache(path: Path, key: dict[str, Any], choice: dict[str, int],
+                 medians: dict[str, dict[int, float]]) -> None:
+    # whole or not at all: another process may be reading it
+    data = {"key": key, "choice": choice,
+            "median_seconds": {n: {str(v): t for v, t in m.items()} for n, m in medians.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache: the next start times again
+        logger.warning("could not cache the CPU dispatch calibration in %s: %s", path, exc)
+
+
+def apply_tuning(kernels, table: CpuDispatch) -> None:
+    """Hand the table's speed-only fields to the loaded kernels."""
+    kernels.set_linear_tuning(table.linear_prefetch_bytes, table.linear_thread_min_bytes)
+
+
+def time_candidates(candidates: tuple[int, ...], run: Callable[[int], None], timer: Timer,
+                    rounds: int = ROUNDS) -> dict[int, float]:
+    """Median seconds of ``run(value)`` per candidate over ``rounds`` alternated rounds (each
+    candidate warmed once first)."""
+    for value in candidates:
+        run(value)
+    times: dict[int, list[float]] = {value: [] for value in candidates}
+    for r in range(rounds):
+        for value in candidates if r % 2 == 0 else reversed(candidates):
+            start = timer()
+            run(value)
+            times[value].append(timer() - start)
+    return {value: statistics.median(t) for value, t in times.items()}
+
+
+def pick(medians: dict[int, float], default: int) -> int:
+    """The fastest candidate, if faster than ``default`` by ``MARGIN``; else ``default``.
+    Ties go to the first candidate."""
+    best = min(medians, key=lambda v: (medians[v], list(medians).index(v)))
+    if default in medians and medians[best] > medians[default] * (1 - MARGIN):
+        return default
+    return best
+
+
+class _Workload:
+    """One decode row through a small Llama's worth of weights (tens of MB: more than the
+    caches of most CPUs, so the weights stream from memory): Q4_1 (the default model's
+    format) merged q|k|v, o, gate|up and down projections of a 576-wide model, and a few bf16
+    weights for the bf16 linear's prefetch."""
+
+    Q4_1_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    LAYERS = 16
+    BF16_SHAPES = ((1536, 576), (576, 1536)) * 2
+
+    def __init__(self, kernels, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.kernels = kernels
+        self.q4 = [(self._q4_1(rng, out, k), out, k)
+                   for _ in range(self.LAYERS) for out, k in self.Q4_1_SHAPES]
+        gen = torch.Generator().manual_seed(seed)
+        self.bf16 = [torch.randn(out, k, generator=gen).mul_(0.05).to(torch.bfloat16)
+                     for out, k in self.BF16_SHAPES]
+        self.x = {k: torch.randn(1, k, generator=gen) for k in (576, 1536)}
+        self.xb = {k: v.to(torch.bfloat16) for k, v in self.x.items()}
+
+    def _q4_1(self, rng: np.random.Generator, out: int, k: int) -> torch.Tensor:
+        blocks = rng.integers(0, 256, size=(out * k // 32, 20), dtype=np.uint8)
+        for at, scale in ((0, 0.002), (2, -0.01)):  # valid fp16 d and m
+            value = (rng.uniform(0.5, 1.5, len(blocks)) * scale).astype(np.float16)
+            blocks[:, at:at + 2] = value.view(np.uint8).reshape(-1, 2)
+        raw = torch.from_numpy(blocks.reshape(out, -1))
+        return self.kernels.quant_repack(raw, "q4_1", k)
+
+    def step(self) -> None:
+        for packed, out, k in self.q4:
+            self.kernels.quant_linear(self.x[k], packed, "q4_1", out, None, None, False, False)
+        for w in self.bf16:
+            self.kernels.linear(self.xb[w.shape[1]], w, None)
+
+
+def calibrate(kernels, defaults: CpuDispatch, fields: tuple[str, ...] = CALIBRATED, *,
+              timer: Timer = time.perf_counter, rounds: int = ROUNDS
+              ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+    """Time ``fields``' candidates one field after the other (the others at their value so
+    far: the defaults, then the fields chosen), leaving the kernels tuned to the choice.
+    Returns the choice and each field's medians."""
+    work = _Workload(kernels)
+    chosen = {name: getattr(defaults, name) for name in CALIBRATED}
+    medians: dict[str, dict[int, float]] = {}
+
+    def run(name: str, value: int) -> None:
+        tuning = {**chosen, name: value}
+        kernels.set_linear_tuning(tuning["linear_prefetch_bytes"],
+                                  tuning["linear_thread_min_bytes"])
+        work.step()
+
+    for name in fields:
+        medians[name] = time_candidates(CANDIDATES[name], lambda v, n=name: run(n, v), timer,
+                                        rounds)
+        chosen[name] = pick(medians[name], getattr(defaults, name))
+    kernels.set_linear_tuning(chosen["linear_prefetch_bytes"], chosen["linear_thread_min_bytes"])
+    return {name: chosen[name] for name in fields}, medians
+
+
+def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: str,
+                      given: set[str], folder: Path, kernels_key: str, *,
+                      timer: Timer = time.perf_counter) -> dict[str, int]:
+    """The calibrated values of the fields not in ``given`` (``platform.calibrate`` =
+    ``mode``): read from the cache in ``folder`` (auto), timed now and cached (auto on a miss,
+    force), or none (off)."""
+    if mode not in ("auto", "off", "force"):
+        raise ConfigError("platform.calibrate", mode, "auto, off or force")
+    fields = tuple(name for name in CALIBRATED if name not in given)
+    if mode == "off" or not fields:
+        return {}
+    key = calibration_key(tier, kernels_key, torch.get_num_threads())
+    path = calibration_file(folder, key)
+    cached = cached_calibration(path, key) if mode == "auto" else None
+    if cached is not None:
+        return {name: cached[name] for name in fields}
+    logger.info("timing the CPU kernels' prefetch distance and thread split (once per machine "
+                "and build, a few seconds; platform.calibrate=off skips it) ...")
+    start = time.perf_counter()
+    choice, medians = calibrate(kernels, defaults, CALIBRATED, timer=timer)
+    _write_cache(path, key, choice, medians)
+    logger.info("CPU dispatch calibrated in %.1f s: %s (cached in %s)",
+                time.perf_counter() - start, " ".join(f"{n}={v}" for n, v in choice.items()),
+                path)
+    return {name: choice[name] for name in fields}
+
+
+def cached_fields(tier: str | None, config) -> tuple[dict[str, int], str]:
+    """For ``llmkit config``: the calibrated fields that a start with the platform group
+    ``config`` would read from the cache now (nothing is timed), and a note saying where they
+    stand."""
+    if config.native_kernels == "off":
+        return {}, "platform.native_kernels=off: no C++ kernels to tune"
+    if config.calibrate == "off":
+        return {}, "platform.calibrate=off: the tier's speed-only fields"
+    given = {name for name, source in dispatch_sources(config.dispatch).items()
+             if source == "given"}
+    fields = [name for name in CALIBRATED if name not in given]
+    if not fields:
+        return {}, "every speed-only field given"
+    from llmkit.kernels.cpu_native import build_directory, kernels_build_key
+
+    kernels_key = kernels_build_key(tier)
+    key = calibration_key(tier, kernels_key,
+                          config.num_threads or len(os.sched_getaffinity(0)))
+    path = calibration_file(build_directory(kernels_key), key)
+    cached = cached_calibration(path, key) if config.calibrate == "auto" else None
+    if cached is None:
+        return {}, (f"platform.calibrate={config.calibrate}: the next start times the "
+                    "speed-only fields")
+    return {name: cached[name] for name in fields}, f"calibration {path}"
