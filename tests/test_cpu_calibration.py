@@ -130,11 +130,12 @@ def _cost(prefetch, thread_bytes):
 
 def test_the_calibration_on_a_fake_clock_is_deterministic():
     fake = FakeKernels(_cost)
-    choice, medians = calibrate(fake, DEFAULTS, timer=fake.clock, rounds=3)
+    choice, medians = calibrate(fake, DEFAULTS, timer=fake.clock, rounds=3, budget_s=1e9)
     assert choice == {"linear_prefetch_bytes": 4096, "linear_thread_min_bytes": 32768}
     assert fake.tuning == (4096, 32768)  # left tuned to the choice
     again = FakeKernels(_cost)
-    assert calibrate(again, DEFAULTS, timer=again.clock, rounds=3) == (choice, medians)
+    assert calibrate(again, DEFAULTS, timer=again.clock, rounds=3, budget_s=1e9) == (
+        choice, medians)
     # the second field was timed with the first one chosen
     per_step = fake.calls / (2 * len(CANDIDATES["linear_prefetch_bytes"]) * 4)
     assert medians["linear_thread_min_bytes"][32768] == pytest.approx(per_step * 1.0)
@@ -146,10 +147,14 @@ def test_the_default_stays_unless_clearly_faster():
     assert pick({0: 1.0, 512: 1.0, 2048: 2.0}, default=2048) == 0  # a tie: the first
 
 
-def test_rounds_alternate_the_candidates_order():
+def test_rounds_alternate_the_candidates_order_within_the_budget():
     seen = []
     time_candidates((1, 2, 3), seen.append, timer=lambda: 0.0, rounds=2)
     assert seen == [1, 2, 3, 1, 2, 3, 3, 2, 1]  # warm-up, then forward and reversed
+    clock = iter(range(1000))
+    seen.clear()  # a warm-up of 1 "s" (two clock reads) with 3.5 s left: 3 rounds of 7
+    time_candidates((1, 2, 3), seen.append, timer=lambda: next(clock), rounds=7, budget_s=3.5)
+    assert len(seen) == 3 + 3 * 3
 
 
 # -- the cache ---------------------------------------------------------------------------------

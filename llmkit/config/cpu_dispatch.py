@@ -113,8 +113,9 @@ def resolve_dispatch(tier: str | None, overrides: Any = None,
     base = dispatch_for_tier(tier)
     given = _given(overrides)
     timed = dict(calibrated or {})
-    if not set(timed) <= set(CALIBRATED):
-        raise ValueError(f"only {CALIBRATED} are timed, not {sorted(set(timed) - set(CALIBRATED))}")
+    if not set(timed) <= set(CALIBRATED):  # a row count would change outputs
+        raise ValueError(f"only {CALIBRATED} are timed, not "
+                         f"{sorted(set(timed) - set(CALIBRATED))}")
     table = replace(base, **{**timed, **given})
     for name, value in given.items():
         low = MINIMUMS[name]

@@ -2,8 +2,9 @@
 
 ``$LLMKIT_CACHE`` (default ``~/.cache/llmkit``) holds the default model's file
 (``packages/``), converted GGUF tokenizers and configs (``gguf/``), the built C++ CPU kernels
-(``cpu_kernels/``) and ``llmkit sim calibrate``'s profile (``hardware/``). ``LLMKIT_CACHE_DIR``,
-the kernels' old name for it, is still read, with a deprecation warning.
+(``cpu_kernels/``, each build with its dispatch calibration) and ``llmkit sim calibrate``'s
+profile (``hardware/``). ``LLMKIT_CACHE_DIR``, the kernels' old name for it, is still read,
+with a deprecation warning.
 """
 from __future__ import annotations
 

@@ -8,11 +8,13 @@ tens of MB, so that the weights stream from memory as a decode step's do -- in a
 rounds (the candidates' order reversed every other round, so a drift in the machine's load
 weighs on all alike), and keeps the fastest median; the tier's default stays unless another
 is faster by ``MARGIN``, so that noise does not flip the table from start to start. The whole
-takes a few seconds; the result is cached next to the kernel build
+takes a few seconds (fewer rounds where the machine is so loaded that the warm-up says the
+rounds would take more than ``BUDGET_S`` per field); the result is cached next to the kernel build
 (``<llmkit cache>/cpu_kernels/<build key>/``), in a file keyed by the CPU's model name and
 flags, the tier, the torch thread count and the candidates, which later starts read.
 ``platform.calibrate`` (auto, force, off) decides; fields given in ``platform.dispatch`` are
-never timed.
+never timed. Ranks of one engine that start together on a cold cache each time (with their own
+thread counts, so under their own keys) and write whole files.
 
 The timer, the kernels and the cache folder are parameters, so that tests time on a fake clock
 (deterministic) and no test depends on a real timing.
@@ -40,9 +42,9 @@ from llmkit.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CANDIDATES", "MARGIN", "apply_tuning", "calibrate", "calibration_key",
-           "cached_calibration", "cached_fields", "calibration_file", "calibrated_fields",
-           "time_candidates"]
+__all__ = ["BUDGET_S", "CANDIDATES", "MARGIN", "ROUNDS", "apply_tuning", "calibrate",
+           "calibration_key", "cached_calibration", "cached_fields", "calibration_file",
+           "calibrated_fields", "pick", "time_candidates"]
 
 #: The values timed per field. ``linear_thread_min_bytes``' largest keeps every weight on one
 #: thread.
@@ -52,8 +54,9 @@ CANDIDATES: dict[str, tuple[int, ...]] = {
 }
 #: A candidate replaces the tier's default only when its median is this much faster.
 MARGIN = 0.03
-#: Timed rounds per field (each times every candidate once).
-ROUNDS = 5
+#: Timed rounds per field (each times every candidate once), and the seconds they may take.
+ROUNDS = 7
+BUDGET_S = 2.0
 #: Bumped when the workload changes, which invalidates every cached calibration.
 WORKLOAD_VERSION = 1
 
@@ -107,11 +110,15 @@ def apply_tuning(kernels, table: CpuDispatch) -> None:
 
 
 def time_candidates(candidates: tuple[int, ...], run: Callable[[int], None], timer: Timer,
-                    rounds: int = ROUNDS) -> dict[int, float]:
-    """Median seconds of ``run(value)`` per candidate over ``rounds`` alternated rounds (each
-    candidate warmed once first)."""
+                    rounds: int = ROUNDS, budget_s: float = BUDGET_S) -> dict[int, float]:
+    """Median seconds of ``run(value)`` per candidate over alternated rounds (each candidate
+    warmed once first): ``rounds``, fewer (2 at least) where the warm-up says they would take
+    more than ``budget_s`` (a loaded machine)."""
+    start = timer()
     for value in candidates:
         run(value)
+    per_round = max(timer() - start, 1e-9)
+    rounds = max(2, min(rounds, int(budget_s / per_round)))
     times: dict[int, list[float]] = {value: [] for value in candidates}
     for r in range(rounds):
         for value in candidates if r % 2 == 0 else reversed(candidates):
@@ -167,8 +174,8 @@ class _Workload:
 
 
 def calibrate(kernels, defaults: CpuDispatch, fields: tuple[str, ...] = CALIBRATED, *,
-              timer: Timer = time.perf_counter, rounds: int = ROUNDS
-              ) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+              timer: Timer = time.perf_counter, rounds: int = ROUNDS,
+              budget_s: float = BUDGET_S) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
     """Time ``fields``' candidates one field after the other (the others at their value so
     far: the defaults, then the fields chosen), leaving the kernels tuned to the choice.
     Returns the choice and each field's medians."""
@@ -184,7 +191,7 @@ def calibrate(kernels, defaults: CpuDispatch, fields: tuple[str, ...] = CALIBRAT
 
     for name in fields:
         medians[name] = time_candidates(CANDIDATES[name], lambda v, n=name: run(n, v), timer,
-                                        rounds)
+                                        rounds, budget_s)
         chosen[name] = pick(medians[name], getattr(defaults, name))
     kernels.set_linear_tuning(chosen["linear_prefetch_bytes"], chosen["linear_thread_min_bytes"])
     return {name: chosen[name] for name in fields}, medians
