@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from llmkit.tools.bench.metrics import percentile
 from llmkit.executor.multiproc import free_port
+from llmkit.tools.bench.metrics import percentile
 from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
 
 REPO = Path(__file__).resolve().parents[1]

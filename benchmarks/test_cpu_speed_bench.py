@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 
+from llmkit.platforms.cpu import has_native_bf16
 from llmkit.tools.bench.throughput import format_throughput, run_throughput
 from llmkit.tools.compose import build_tool_config
 from llmkit.tools.schema import BenchToolConfig
-from llmkit.platforms.cpu import has_native_bf16
 
 WORKLOADS = {
     "A": ["bench.num_requests=64", "bench.hf_batch_size=64", "bench.input_len=128",

@@ -14,10 +14,10 @@ import pytest
 from helpers.bench_results import check_result_consistency
 from helpers.server_process import ServerProcess
 
+from llmkit.entrypoints import cli
 from llmkit.tools.bench.datasets import build_workload
 from llmkit.tools.compose import compose_tool_config
 from llmkit.tools.schema import BenchToolConfig
-from llmkit.entrypoints import cli
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ def live(tiny_model_dir, tmp_path_factory):
                            log_path=tmp / "server.log")
     try:
         # while the server starts: the imports the bench command will need
-        from llmkit.tools.bench.results import _pyplot
         from llmkit.models.loader import resolve_model_source  # noqa: F401
+        from llmkit.tools.bench.results import _pyplot
         _pyplot()
         server.wait_ready(timeout=180)
         yield {"url": server.base_url, "model": model, "proc": server.proc, "trace": trace,

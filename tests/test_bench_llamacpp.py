@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmkit.tools.bench.llamacpp_baseline import check_llamacpp, run_llamacpp
 from llmkit.config.errors import ConfigError
+from llmkit.tools.bench.llamacpp_baseline import check_llamacpp, run_llamacpp
 
 BENCH = """#!/bin/sh
 echo "$@" >> "$(dirname "$0")/calls.txt"

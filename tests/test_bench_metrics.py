@@ -13,11 +13,11 @@ from llmkit.tools.bench.arrivals import arrival_times
 from llmkit.tools.bench.datasets import build_workload, load_jsonl
 from llmkit.tools.bench.metrics import (RequestRecord, Slo, meets_slo, percentile, request_record,
                                   stats, summarize)
-from llmkit.tools.bench.results import make_result, plot_serve_result, write_result
 from llmkit.config.compose import compose_config
+from llmkit.config.errors import ConfigError
+from llmkit.tools.bench.results import make_result, plot_serve_result, write_result
 from llmkit.tools.compose import compose_tool_config
 from llmkit.tools.schema import BenchToolConfig, EvalToolConfig, SimToolConfig
-from llmkit.config.errors import ConfigError
 
 
 # --------------------------------------------------------------------------- one request

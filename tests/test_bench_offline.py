@@ -9,9 +9,9 @@ import json
 import pytest
 
 from llmkit import LLM, SamplingParams
-from llmkit.tools.bench.hf_baseline import load_hf_model, make_batches, run_hf_generate
 from llmkit.engine.step_trace import StepTrace
 from llmkit.entrypoints import cli
+from llmkit.tools.bench.hf_baseline import load_hf_model, make_batches, run_hf_generate
 
 
 @pytest.fixture(scope="module")

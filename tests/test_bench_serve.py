@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.bench_results import check_result_consistency  # noqa: E402
 from helpers.fake_openai_server import EMPTY_TOKEN, FAIL_TOKEN, FakeServer  # noqa: E402
 
+from llmkit.entrypoints import cli  # noqa: E402
 from llmkit.tools.bench.client import ClientOptions, run_load_sync  # noqa: E402
 from llmkit.tools.bench.datasets import WorkloadRequest  # noqa: E402
 from llmkit.tools.bench.metrics import summarize  # noqa: E402
-from llmkit.entrypoints import cli  # noqa: E402
 
 FIRST, GAP = 0.1, 0.02  # the fake server's delays (s)
 SLACK_MS = 2000  # loose upper bound on what a busy 2-core machine adds

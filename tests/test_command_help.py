@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from llmkit.tools import schema as tool_schema
 from llmkit.config.compose import config_groups, group_options
 from llmkit.config.schema import EngineConfig
 from llmkit.entrypoints import cli
+from llmkit.tools import schema as tool_schema
 
 ENGINE_GROUPS = ("scheduler", "kv_cache", "attention", "speculative", "model", "recipe")
 # command -> the sections whose every key its help lists

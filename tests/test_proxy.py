@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmkit.config.errors import ConfigError
-from llmkit.tools.schema import ProxyConfig
 from llmkit.tools.proxy import EnginePool, build_proxy_app
+from llmkit.tools.schema import ProxyConfig
 
 
 class Engines:

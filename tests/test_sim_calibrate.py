@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from llmkit.entrypoints import cli
 from llmkit.tools.compose import compose_tool_config
 from llmkit.tools.schema import SimToolConfig
-from llmkit.entrypoints import cli
 from llmkit.tools.sim.calibrate import profile_yaml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from llmkit.entrypoints import cli
 from llmkit.tools.compose import compose_tool_config
 from llmkit.tools.schema import SimToolConfig
-from llmkit.entrypoints import cli
 
 
 def test_hardware_group_and_sim_executor_compose():

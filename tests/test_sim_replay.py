@@ -29,11 +29,11 @@ def strip_wall(result: dict) -> dict:
 def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
     from llmkit.engine.core import EngineCore
     from llmkit.executor import EXECUTORS
-    from llmkit.tools.sim.executor import SimExecutor
     from llmkit.kv_cache import KV_CACHE_MANAGERS
     from llmkit.kv_cache.manager import KVCacheManager
     from llmkit.scheduler import SCHEDULERS
     from llmkit.scheduler.token_budget import TokenBudgetScheduler
+    from llmkit.tools.sim.executor import SimExecutor
 
     cfg = cfg_of()
     core, executor, clock = build_sim_engine(cfg)

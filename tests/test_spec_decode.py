@@ -607,8 +607,8 @@ def test_prometheus_names():
 
 # -- the simulator reads the same group --------------------------------------------------------
 def test_sim_speculation_with_an_acceptance_model():
-    from llmkit.tools.schema import SimToolConfig
     from llmkit.tools.compose import compose_tool_config
+    from llmkit.tools.schema import SimToolConfig
     from llmkit.tools.sim.replay import run_sim
 
     def compose_config(overrides):

@@ -134,8 +134,8 @@ def section_keys(section: str, model: type[BaseModel]) -> list[str]:
 
 
 def _sections(spec: CommandHelp) -> list[tuple[str, type[BaseModel]]]:
-    from llmkit.tools import schema as tool_schema
     from llmkit.config.schema import EngineConfig
+    from llmkit.tools import schema as tool_schema
 
     out = [(name, EngineConfig.model_fields[name].annotation) for name in spec.sections]
     if spec.tool is not None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+from llmkit.config.errors import ConfigError
 from llmkit.tools.bench.datasets import build_workload
 from llmkit.tools.bench.metrics import stats
-from llmkit.config.errors import ConfigError
 
 __all__ = ["format_latency", "run_latency"]
 
@@ -23,9 +23,9 @@ __all__ = ["format_latency", "run_latency"]
 def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                 llm: Any = None) -> dict[str, Any]:
     from llmkit.engine.llm import LLM
+    from llmkit.engine.step_trace import StepTrace
     from llmkit.sampling.params import SamplingParams
     from llmkit.tools.bench.results import make_result
-    from llmkit.engine.step_trace import StepTrace
 
     b = cfg.bench
     if b.lora_names:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from llmkit.tools.sim.cost_model import CostModel
+from llmkit.tools.sim.engine_measure import StepSample, Work
 from llmkit.tools.sim.hardware import HardwareProfile
 from llmkit.tools.sim.model_shape import ModelShape
-from llmkit.tools.sim.engine_measure import StepSample, Work
 
 __all__ = ["EngineFit", "StepGroup", "fit_engine", "group_samples"]
 

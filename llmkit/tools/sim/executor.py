@@ -39,10 +39,10 @@ import random
 from typing import Any, Callable
 
 from llmkit.config.schema import EngineConfig
-from llmkit.tools.schema import SimToolConfig
 from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
+from llmkit.tools.schema import SimToolConfig
 from llmkit.tools.sim.cost_model import CostModel, StepCost
 from llmkit.tools.sim.frontend_cost import StreamRate
 from llmkit.tools.sim.hardware import HardwareProfile, resolve_hardware

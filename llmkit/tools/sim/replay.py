@@ -32,9 +32,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from llmkit.config.errors import ConfigError
 from llmkit.tools.bench.datasets import WorkloadError, WorkloadRequest, build_workload
 from llmkit.tools.bench.metrics import RequestRecord, request_record, summarize
-from llmkit.config.errors import ConfigError
 from llmkit.tools.sim.virtual_clock import VirtualClock
 
 __all__ = ["SimRun", "build_sim_engine", "replay", "run_sim"]
@@ -63,8 +63,8 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
     set."""
     from llmkit.config.errors import ConfigError
     from llmkit.engine.core import EngineCore
-    from llmkit.tools.sim.executor import SimExecutor
     from llmkit.platforms import resolve_platform
+    from llmkit.tools.sim.executor import SimExecutor
 
     clock = clock or VirtualClock()
     engine = cfg.engine

@@ -19,8 +19,8 @@ import dataclasses
 import random
 from typing import Any
 
-from llmkit.tools.sim.cost_model import CostModel, SeqWork
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
+from llmkit.tools.sim.cost_model import CostModel, SeqWork
 
 __all__ = ["SimSpeculation", "ridge_tokens"]
 
