@@ -161,3 +161,5 @@ def test_responses_api_has_a_reasoning_item(client, model, stream):
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == THINKING
     assert r.output_text == ANSWER and r.status == "completed"
+    # <think>, " capital", " is", </think> of 7 output tokens
+    assert (r.usage.output_tokens_details.reasoning_tokens, r.usage.output_tokens) == (4, 7)

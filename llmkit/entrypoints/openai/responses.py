@@ -202,7 +202,8 @@ class OpenAIServingResponses:
             output.append(OutputMessage(id=_new_id("msg"), content=[
                 OutputText(text=message.content or "")]))
         response = self._finish(base, output, finish_reason, len(ro.prompt_token_ids),
-                                len(c.token_ids), ro.num_cached_tokens)
+                                len(c.token_ids), ro.num_cached_tokens,
+                                _reasoning_tokens(thinking, c.token_ids, c.text))
         self._keep(req, response, conversation)
         return response
 
@@ -226,7 +227,8 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _finish(base: ResponseObject, output: list[Any], finish_reason: str | None,
-                input_tokens: int, output_tokens: int, cached: int) -> ResponseObject:
+                input_tokens: int, output_tokens: int, cached: int,
+                reasoning_tokens: int = 0) -> ResponseObject:
         incomplete = finish_reason == "length"
         return base.model_copy(update={
             "status": "incomplete" if incomplete else "completed",
@@ -235,7 +237,9 @@ class OpenAIServingResponses:
             "output": output,
             "usage": ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
                                    total_tokens=input_tokens + output_tokens,
-                                   input_tokens_details={"cached_tokens": cached})})
+                                   input_tokens_details={"cached_tokens": cached},
+                                   output_tokens_details={"reasoning_tokens": reasoning_tokens})
+        })
 
     def _keep(self, req: ResponsesRequest, response: ResponseObject,
               conversation: list[dict[str, Any]]) -> None:
@@ -262,12 +266,15 @@ class OpenAIServingResponses:
         yield events.emit("response.in_progress", response=base.model_dump(mode="json"))
         tools = ToolCallStreamer(use.parser) if use.parser is not None else None
         thinker = thinking.streamer() if thinking is not None else None
-        output_tokens, cached, finish_reason = 0, 0, None
+        cached, finish_reason = 0, None
+        token_ids: list[int] = []
+        text_so_far: list[str] = []
         try:
             async for _p, ro in merge(streams):
                 cached = ro.num_cached_tokens
                 for c in ro.outputs:
-                    output_tokens += len(c.token_ids)
+                    token_ids += c.token_ids
+                    text_so_far.append(c.text)
                     finished = c.finish_reason is not None
                     text, reasoning = c.text, ""
                     if thinker is not None:
@@ -300,10 +307,18 @@ class OpenAIServingResponses:
             for e in [*events.text(""), *events.close()]:
                 yield e
         response = self._finish(base, events.output, finish_reason, num_prompt_tokens,
-                                output_tokens, cached)
+                                len(token_ids), cached,
+                                _reasoning_tokens(thinking, token_ids, "".join(text_so_far)))
         self._keep(req, response, conversation)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         yield events.emit(kind, response=response.model_dump(mode="json"))
+
+
+def _reasoning_tokens(thinking: RequestReasoning | None, token_ids: list[int],
+                      text: str) -> int:
+    if thinking is None:
+        return 0
+    return thinking.num_reasoning_tokens(list(token_ids), thinking.split(text))
 
 
 class _EventWriter:

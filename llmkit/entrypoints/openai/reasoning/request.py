@@ -43,6 +43,18 @@ class RequestReasoning:
             return params
         return dataclasses.replace(params, reasoning_end_token_ids=end)
 
+    def num_reasoning_tokens(self, token_ids: list[int], split: ReasoningSplit) -> int:
+        """The output tokens up to and including the end marker's (all of them for an
+        output cut off while thinking; none when it never thought)."""
+        if split.reasoning is None:
+            return 0
+        end = self.parser.end_token_ids() or []
+        n = len(end)
+        for i in range(len(token_ids) - n + 1):
+            if n and token_ids[i:i + n] == end:
+                return i + n
+        return len(token_ids)
+
     def split(self, text: str) -> ReasoningSplit:
         return self.parser.split(text, self.state)
 
