@@ -51,6 +51,7 @@ from typing import AsyncGenerator, Sequence
 
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
+from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
 from llmkit.engine.dp_client import DPClient, start_engine_cores
@@ -100,7 +101,7 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, stat_logger: StatLogger | None = None,
-                    engine_core: MPClient | DPClient | None = None) -> "AsyncLLM":
+                    engine_core: EngineProcessClient | None = None) -> "AsyncLLM":
         """``engine_core``: the engine process(es) already started with
         ``start_engine_cores`` (so that they load the model while this process imports and
         loads the tokenizer)."""
@@ -109,7 +110,7 @@ class AsyncLLM:
         return llm
 
     def _init_from_config(self, config: EngineConfig, stat_logger: StatLogger | None,
-                          engine_core: MPClient | DPClient | None = None) -> None:
+                          engine_core: EngineProcessClient | None = None) -> None:
         # The engine process starts first and loads the model while this process loads the
         # tokenizer.
         if engine_core is None:
@@ -123,7 +124,7 @@ class AsyncLLM:
         self.engine_core = engine_core
         # a replacement engine core while it loads (data parallel: the client restarting its
         # dead cores)
-        self._starting: MPClient | DPClient | None = None
+        self._starting: EngineProcessClient | None = None
         self.num_engine_restarts = 0
         self.step_feed = EngineStepFeed()
         try:

@@ -151,6 +151,11 @@ class EngineCore:
         if lora_id is not None:  # released by the request's final output
             self.adapters.hold(request.request_id, lora_id)
 
+    def add_requests(self, requests: Iterable[Request]) -> None:
+        """One user request's engine requests (``SteppedEngineClient``'s entry)."""
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort(request_ids)
         if self.adapters.in_use:

@@ -142,7 +142,7 @@ class InprocClient:
 # --------------------------------------------------------------------------- own process
 
 class MPClient(EngineCoreHandlers):
-    """The engine core in a child process. Construction blocks until the engine is ready
+    """The engine core in a child process (an ``EngineProcessClient``). Construction blocks until the engine is ready
     (model loaded, KV cache allocated) and raises ``EngineStartupError`` if it is not."""
 
     def __init__(self, config: EngineConfig, *,
@@ -321,6 +321,13 @@ class MPClient(EngineCoreHandlers):
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid]
+
+    def core_states(self) -> list:
+        return []  # one core: its state is the engine's
 
     def encode(self, msg) -> bytes:
         """msgpack bytes of an input message (raises for values that cannot cross)."""

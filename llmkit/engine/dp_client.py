@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 class DPClient(EngineCoreHandlers):
-    """N engine core processes behind ``MPClient``'s interface (see the module docstring)."""
+    """N engine core processes behind ``MPClient``'s interface, ``EngineProcessClient`` (see
+    the module docstring)."""
 
     def __init__(self, config: EngineConfig, *, wait: bool = True,
                  startup_timeout: float = 900.0, router: DPRouter | None = None) -> None:
@@ -97,7 +98,6 @@ class DPClient(EngineCoreHandlers):
         first = self.cores[0]
         self.ready = first.ready
         self.pid = first.pid
-        self.pids = [c.pid for c in self.cores]
         self.max_model_len = first.max_model_len
         self.eos_token_id = first.eos_token_id
         self.model_facts = first.model_facts
@@ -110,6 +110,14 @@ class DPClient(EngineCoreHandlers):
     @property
     def num_cores(self) -> int:
         return len(self.cores)
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.cores]
+
+    def core_states(self) -> list[tuple[bool, SchedulerStats | None]]:
+        """Each core's (alive, latest stats), for ``/metrics``'s per-engine series."""
+        return [(not c.is_dead, self.per_core_stats[i]) for i, c in enumerate(self.cores)]
 
     # -- what the cores send (their reader threads) -----------------------------------------
     def _core_message(self, index: int, msg: EngineCoreOutputs) -> None:
@@ -242,7 +250,6 @@ class DPClient(EngineCoreHandlers):
                 self.router.revive(i)
                 self.per_core_stats[i] = None
                 self.num_blocks[i] = new.ready.num_blocks
-                self.pids[i] = new.pid
                 if i == 0:
                     self.ready, self.pid = new.ready, new.pid
                 if not any(c.is_dead for c in self.cores):

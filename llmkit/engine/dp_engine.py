@@ -1,7 +1,7 @@
 """``DataParallelEngine``: what the offline ``LLM`` drives when
-``parallel.data_parallel_size > 1`` — ``EngineCore``'s synchronous interface (``add_request``,
-``step``, ``abort_requests``, ``stats``, LoRA adapters) over a ``DPClient`` of engine core
-processes.
+``parallel.data_parallel_size > 1`` — a ``SteppedEngineClient`` (``add_requests``, ``step``,
+``abort_requests``, ``stats``, LoRA adapters; ``llmkit.engine.client``) over a ``DPClient`` of
+engine core processes.
 
 The cores run on their own; ``step()`` returns the outputs that arrived from any of them since
 the last call (waiting for at least one batch while requests are unfinished). ``stats()`` sums
@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import EngineDeadError, with_resolved_model
@@ -39,7 +39,7 @@ class _Lost:
 
 
 class DataParallelEngine:
-    """``EngineCore``'s interface over several engine core processes (module docstring)."""
+    """A ``SteppedEngineClient`` over several engine core processes (module docstring)."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 900.0) -> None:
         self.config = config
@@ -62,10 +62,7 @@ class DataParallelEngine:
         return self.client.num_cores
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.add_requests([request])
-
-    def add_requests(self, requests: list[Request]) -> None:
+    def add_requests(self, requests: Sequence[Request]) -> None:
         """One user request's engine requests (its ``n`` samples): routed to one core."""
         if self.client.is_dead:
             raise self.client.dead_error

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.openmp_env import warn_if_threads_spin
 from llmkit.config.schema import EngineConfig
+from llmkit.engine.client import SteppedEngineClient
 from llmkit.engine.core import EngineCore
 from llmkit.engine.frontend import Frontend, FrontendModel, Message
 from llmkit.engine.input_processor import PromptType
@@ -20,8 +21,9 @@ from llmkit.sampling.params import SamplingParams
 
 class LLM:
     """An engine in this process for batch generation (with
-    ``parallel.data_parallel_size > 1``: that many engine core processes behind a router,
-    ``llm.engine`` a ``DataParallelEngine`` with the same interface).
+    ``parallel.data_parallel_size > 1``: that many engine core processes behind a router).
+    ``llm.engine`` is a ``SteppedEngineClient`` (``llmkit.engine.client``): the
+    ``EngineCore``, or a ``DataParallelEngine``; requests reach it through ``llm.frontend``.
 
     ``LLM(model, dtype=..., overrides=[...], scheduler={...}, attention="torch", ...)``: ``model``
     is a preset name or a path (HF folder or .gguf); each keyword names a config group, a
@@ -48,17 +50,19 @@ class LLM:
     def _init_from_config(self, config: EngineConfig) -> None:
         model = FrontendModel.load(config.model)
         self.config = config
+        self.engine: SteppedEngineClient
         if config.parallel.data_parallel_size > 1:
-            # N engine core processes behind a router (dp_engine.py): same interface.
+            # N engine core processes behind a router (dp_engine.py).
             from llmkit.engine.dp_engine import DataParallelEngine
-            self.engine: EngineCore | DataParallelEngine = DataParallelEngine(config)
+            self.engine = DataParallelEngine(config)
         else:
-            self.engine = EngineCore(config, model_source=model.source)
+            core = EngineCore(config, model_source=model.source)
             # This process computes, and llmkit loaded torch before it could set the wait
             # policy (llmkit.config.openmp_env): say what the user must export. The sim
             # executor computes nothing.
-            warn_if_threads_spin(self.engine.platform.device.type == "cpu"
+            warn_if_threads_spin(core.platform.device.type == "cpu"
                                  and config.executor.name != "sim")
+            self.engine = core
         self.frontend = Frontend(config, model, self.engine.model_facts)
         self.tokenizer = model.tokenizer
         self.model_source = model.source
@@ -76,7 +80,7 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine.model_facts.max_model_len
 
     # -- requests --------------------------------------------------------------------------
     def _add(self, prompt: PromptType, params: SamplingParams, kind: RequestOutputKind,
@@ -91,16 +95,11 @@ class LLM:
             lora_id = lora_request.lora_int_id
         rid = str(next(self._ids))
         engine = self.engine
-        children = [p.to_request(child_id, child_params,
-                                 eos_token_id=engine.model_facts.eos_token_id,
-                                 arrival_time=engine.clock(), lora_id=lora_id)
-                    for child_id, child_params in self.frontend.fan_out(rid, p, kind)]
-        add_group = getattr(engine, "add_requests", None)
-        if add_group is not None:  # data parallel: the n samples go to one engine core
-            add_group(children)
-        else:
-            for child in children:
-                engine.add_request(child)
+        # The n samples go together (data parallel: to one engine core).
+        engine.add_requests([p.to_request(child_id, child_params,
+                                          eos_token_id=engine.model_facts.eos_token_id,
+                                          arrival_time=engine.clock(), lora_id=lora_id)
+                             for child_id, child_params in self.frontend.fan_out(rid, p, kind)])
         return rid
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from llmkit.engine.core_client import MPClient
+from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_proc import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
 from llmkit.engine.request_stream import RequestStream
@@ -41,7 +41,7 @@ class _Tracked:
 class RequestTracker:
     """The engine requests in flight and their streams (see the module docstring)."""
 
-    def __init__(self, processor: OutputProcessor, engine_core: MPClient,
+    def __init__(self, processor: OutputProcessor, engine_core: EngineProcessClient,
                  stat_logger: StatLogger | None) -> None:
         self.processor = processor
         self.engine_core = engine_core

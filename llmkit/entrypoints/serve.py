@@ -64,11 +64,7 @@ def startup_line(pids: list[int], model_name: str, host: str, port: int) -> str:
 def engine_core_states(engine) -> list:
     """Each data-parallel engine core's (alive, latest stats), for ``/metrics``'s per-engine
     series; empty with one engine core."""
-    cores = getattr(getattr(engine, "engine_core", None), "cores", None)
-    if not cores:
-        return []
-    stats = engine.engine_core.per_core_stats
-    return [(not c.is_dead, stats[i]) for i, c in enumerate(cores)]
+    return [] if engine is None else engine.engine_core.core_states()
 
 
 def _server_class():
@@ -144,8 +140,7 @@ def run_server(config: EngineConfig) -> int:
     try:
         app = build_app(engine, config, metrics=metrics, api_key=resolve_api_key(config),
                         engine_stop_timeout=5.0)
-        pids = getattr(engine.engine_core, "pids", None) or [engine.engine_core.pid]
-        logger.info("%s", startup_line(pids, model_name, srv.host, port))
+        logger.info("%s", startup_line(engine.engine_core.pids, model_name, srv.host, port))
         uv_config = uvicorn.Config(app, host=srv.host, port=port, log_level="info",
                                    timeout_graceful_shutdown=srv.shutdown_timeout,
                                    lifespan="on")

@@ -54,12 +54,10 @@ def summary_json(summary: Any) -> dict[str, Any] | None:
 
 
 def engine_facts(engine: AsyncLLM, events_per_s: float) -> dict[str, Any]:
-    core = engine.engine_core
-    ready = getattr(core, "ready", None)
+    ready = engine.engine_core.ready  # set: AsyncLLM waited for it
     return {"up": engine.is_running, "restarting": engine.restarting,
-            "restarts": engine.num_engine_restarts, "pid": getattr(ready, "pid", None),
-            "num_blocks": getattr(ready, "num_blocks", None),
-            "block_size": getattr(ready, "block_size", None),
+            "restarts": engine.num_engine_restarts, "pid": ready.pid,
+            "num_blocks": ready.num_blocks, "block_size": ready.block_size,
             "max_model_len": engine.max_model_len, "events_per_s": events_per_s}
 
 
