@@ -25,6 +25,8 @@ def test_the_engines_root_names_no_tool():
     assert "hardware" not in compose_mod.config_groups()
     assert "tools" not in compose_mod.config_groups()
     assert "hardware" in compose_mod.config_groups(TOOLS_ROOT)
+    assert "tools" not in compose_mod.config_groups(TOOLS_ROOT)  # a root, no group of either
+    assert compose_mod.group_options("tools", TOOLS_ROOT) == []
     assert set(compose_mod.config_groups()) < set(compose_mod.config_groups(TOOLS_ROOT))
     with pytest.raises(ConfigError, match=r"^hardware"):
         compose_config(["hardware=h100-sxm"])

@@ -115,6 +115,10 @@ class ConfigRoot:
         """Hydra's search path: the root's folder, then (for a sub-folder) ``conf/``."""
         return [conf_dir() / self.folder, conf_dir()] if self.folder else [conf_dir()]
 
+    def is_group(self, folder: str) -> bool:
+        """Whether a folder on the search path is a group (not this root's own or another's)."""
+        return folder not in self.not_groups and folder != self.folder
+
 
 #: The engine's root: ``conf/config.yaml``, validated as ``EngineConfig``. ``conf/tools/`` is
 #: the tools' root (``llmkit.tools.compose``), no group of the engine's.
@@ -126,14 +130,14 @@ def group_options(group: str, root: ConfigRoot = ENGINE_ROOT) -> list[str]:
     if group == RECIPE_GROUP:
         return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
     for d in root.dirs():
-        if group not in root.not_groups and (d / group).is_dir():
+        if root.is_group(group) and (d / group).is_dir():
             return sorted(p.stem for p in (d / group).glob("*.yaml"))
     return []
 
 
 def _groups(root: ConfigRoot = ENGINE_ROOT) -> list[str]:
     found = {p.name for d in root.dirs() for p in d.iterdir()
-             if p.is_dir() and p.name not in root.not_groups and any(p.glob("*.yaml"))}
+             if p.is_dir() and root.is_group(p.name) and any(p.glob("*.yaml"))}
     return sorted(found | {RECIPE_GROUP})
 
 
