@@ -1,7 +1,7 @@
 """The dispatch table's speed-only fields on this machine: what the calibration picks, and what
 each candidate is worth against the tier's default.
 
-Runs the start-up calibration (``llmkit.platforms.cpu_calibration.calibrate``, real timer)
+Runs the start-up calibration (``llmkit.kernels.cpu_calibration.calibrate``, real timer)
 ``--calibrations`` times and prints each choice (how stable it is here), then times every
 candidate of each field on two decode-shaped workloads -- one row through 16 layers of a
 576-wide model's Q4_1 weights (the default model's format) and through the same layers in
@@ -10,7 +10,7 @@ candidate's time is divided by the default's, and the median ratio is printed wi
 quartiles over the rounds (< 1: faster than the default). The other field stays at its
 default. Every candidate computes the same bits (tests/test_cpu_calibration.py).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_calibration_bench.py [--rounds 21]
+    GOMP_SPINCOUNT=1000 python benchmarks/cpu_calibration_bench.py [--rounds 21]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from llmkit.config.cpu_dispatch import CALIBRATED, CpuDispatch
 from llmkit.config.cpu_isa import best_tier, cpu_model
 from llmkit.kernels.cpu_native import load_cpu_kernels
-from llmkit.platforms.cpu_calibration import CANDIDATES, _Workload, calibrate
+from llmkit.kernels.cpu_calibration import CANDIDATES, _Workload, calibrate
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 16

@@ -1,4 +1,4 @@
-"""The CPU dispatch table's calibration (``llmkit.platforms.cpu_calibration``): the fields it
+"""The CPU dispatch table's calibration (``llmkit.kernels.cpu_calibration``): the fields it
 times change speed only (every candidate computes the same bits on the real kernels, every
 tier), the choice on a fake clock is deterministic, the cache is written, read and keyed,
 ``platform.dispatch`` wins, and bad values are config errors naming the key. No test here
@@ -21,8 +21,8 @@ from llmkit.entrypoints.cli import main
 from llmkit.kernels.cpu_native import build_directory, kernels_build_key, load_cpu_kernels
 from llmkit.kernels.quant.testing import random_gguf_rows
 from llmkit.platforms import CpuPlatform
-from llmkit.platforms import cpu_calibration as calibration
-from llmkit.platforms.cpu_calibration import (CANDIDATES, calibrate, calibrated_fields,
+from llmkit.kernels import cpu_calibration as calibration
+from llmkit.kernels.cpu_calibration import (CANDIDATES, calibrate, calibrated_fields,
                                               calibration_file, calibration_key, pick,
                                               time_candidates)
 

@@ -1,6 +1,6 @@
 // The linears' run-time tuning: values that change how fast they run and never what they
 // compute, so that the platform can time candidates at first start and keep the fastest
-// (llmkit.platforms.cpu_calibration; llmkit.config.cpu_dispatch holds the tier defaults).
+// (llmkit.kernels.cpu_calibration; llmkit.config.cpu_dispatch holds the tier defaults).
 //  - prefetch distance: how far ahead of the block being read the weight is prefetched;
 //    prefetches only warm the cache.
 //  - the minimum weight bytes one thread streams: threads split a linear's output features

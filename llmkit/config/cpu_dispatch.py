@@ -15,7 +15,7 @@ row count means compiling graphs (minutes on a CPU), so it is fixed too. The fie
 cache) and the least weight bytes one of their threads streams (each output is one thread's
 fixed chain of sums, however many threads share the weight: ``kernels/cpu/tuning.h``). Those
 the platform times on the real kernels at first start, a few seconds, and caches with the
-kernel build keyed by the CPU's model, flags and threads (``llmkit.platforms.cpu_calibration``;
+kernel build keyed by the CPU's model, flags and threads (``llmkit.kernels.cpu_calibration``;
 ``platform.calibrate``); tests check that every candidate computes the same bits. The torch
 thread count (``platform.num_threads``) is given, never timed: oneDNN's and MKL's GEMMs may
 split their sums by thread.

@@ -231,7 +231,7 @@ def _cpu_dispatch_comment(config) -> str:
 
     from llmkit.config.cpu_dispatch import describe_dispatch, dispatch_sources, resolve_dispatch
     from llmkit.config.cpu_isa import resolve_tier
-    from llmkit.platforms.cpu_calibration import cached_fields
+    from llmkit.kernels.cpu_calibration import cached_fields
 
     tier = resolve_tier(platform.isa)
     calibrated, note = cached_fields(tier, platform)

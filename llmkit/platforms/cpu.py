@@ -162,7 +162,7 @@ class CpuPlatform(Platform):
             return
         self._tuned = True
         from llmkit.kernels.cpu_native import build_directory, kernels_build_key
-        from llmkit.platforms.cpu_calibration import apply_tuning, calibrated_fields
+        from llmkit.kernels.cpu_calibration import apply_tuning, calibrated_fields
 
         overrides = getattr(self.config, "dispatch", None)
         given = {name for name, source in dispatch_sources(overrides).items()

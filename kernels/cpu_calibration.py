@@ -39,6 +39,7 @@ import torch
 from llmkit.config import cpu_isa
 from llmkit.config.cpu_dispatch import CALIBRATED, CpuDispatch, dispatch_sources
 from llmkit.config.errors import ConfigError
+from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +214,10 @@ def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: st
     cached = cached_calibration(path, key) if mode == "auto" else None
     if cached is not None:
         return {name: cached[name] for name in fields}
-    logger.info("timing the CPU kernels' prefetch distance and thread split (once per machine "
-                "and build, a few seconds; platform.calibrate=off skips it) ...")
     start = time.perf_counter()
-    choice, medians = calibrate(kernels, defaults, CALIBRATED, timer=timer)
+    with startup_step("timing the CPU kernels' prefetch distance and thread split (once per "
+                      "machine and build, a few seconds; platform.calibrate=off skips it)"):
+        choice, medians = calibrate(kernels, defaults, CALIBRATED, timer=timer)
     _write_cache(path, key, choice, medians)
     logger.info("CPU dispatch calibrated in %.1f s: %s (cached in %s)",
                 time.perf_counter() - start, " ".join(f"{n}={v}" for n, v in choice.items()),
