@@ -11,7 +11,9 @@ is faster by ``MARGIN``, so that noise does not flip the table from start to sta
 takes a few seconds (fewer rounds where the machine is so loaded that the warm-up says the
 rounds would take more than ``BUDGET_S`` per field); the result is cached next to the kernel build
 (``<llmkit cache>/cpu_kernels/<build key>/``), in a file keyed by the CPU's model name and
-flags, the tier, the torch thread count and the candidates, which later starts read.
+flags, the tier, the torch thread count and the candidates, which later starts read -- unless
+the machine was busy while it timed (its load average above ``BUSY_LOAD`` per core): then the
+values serve that start only, and the next one times again.
 ``platform.calibrate`` (auto, force, off) decides; fields given in ``platform.dispatch`` are
 never timed. Ranks of one engine that start together on a cold cache each time (with their own
 thread counts, so under their own keys) and write whole files.
@@ -43,9 +45,9 @@ from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUDGET_S", "CANDIDATES", "MARGIN", "ROUNDS", "apply_tuning", "calibrate",
+__all__ = ["BUDGET_S", "BUSY_LOAD", "CANDIDATES", "MARGIN", "ROUNDS", "apply_tuning", "calibrate",
            "calibration_key", "cached_calibration", "cached_fields", "calibration_file",
-           "calibrated_fields", "pick", "time_candidates"]
+           "calibrated_fields", "load_per_core", "pick", "time_candidates"]
 
 #: The values timed per field. ``linear_thread_min_bytes``' largest keeps every weight on one
 #: thread.
@@ -62,6 +64,19 @@ BUDGET_S = 2.0
 WORKLOAD_VERSION = 1
 
 Timer = Callable[[], float]
+
+#: Runnable processes per usable core (the 1-minute load average) above which an ``auto``
+#: calibration is not cached: with the cores shared, one thread per weight wins, which an
+#: idle machine would not choose.
+BUSY_LOAD = 0.75
+
+
+def load_per_core() -> float:
+    """The 1-minute load average per core this process may use (0 where unknown)."""
+    try:
+        return os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):  # not Linux / no load average
+        return 0.0
 
 
 def calibration_key(tier: str | None, kernels_key: str, threads: int) -> dict[str, Any]:
@@ -100,6 +115,7 @@ def _write_cache(path: Path, key: dict[str, Any], choice: dict[str, int],
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
+        os.chmod(tmp, 0o644)  # like the build beside it (mkstemp makes it private)
         os.replace(tmp, path)
     except OSError as exc:  # a read-only cache: the next start times again
         logger.warning("could not cache the CPU dispatch calibration in %s: %s", path, exc)
@@ -200,10 +216,13 @@ def calibrate(kernels, defaults: CpuDispatch, fields: tuple[str, ...] = CALIBRAT
 
 def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: str,
                       given: set[str], folder: Path, kernels_key: str, *,
-                      timer: Timer = time.perf_counter) -> dict[str, int]:
+                      timer: Timer = time.perf_counter,
+                      load: Callable[[], float] | None = None) -> dict[str, int]:
     """The calibrated values of the fields not in ``given`` (``platform.calibrate`` =
     ``mode``): read from the cache in ``folder`` (auto), timed now and cached (auto on a miss,
-    force), or none (off)."""
+    force), or none (off). With ``auto`` on a busy machine (``load()``, default
+    ``load_per_core``, above ``BUSY_LOAD``) the values timed are used but not cached: they reflect
+    the other processes, and the next start times again."""
     if mode not in ("auto", "off", "force"):
         raise ConfigError("platform.calibrate", mode, "auto, off or force")
     fields = tuple(name for name in CALIBRATED if name not in given)
@@ -214,14 +233,19 @@ def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: st
     cached = cached_calibration(path, key) if mode == "auto" else None
     if cached is not None:
         return {name: cached[name] for name in fields}
+    busy = (load or load_per_core)()
     start = time.perf_counter()
     with startup_step("timing the CPU kernels' prefetch distance and thread split (once per "
                       "machine and build, a few seconds; platform.calibrate=off skips it)"):
         choice, medians = calibrate(kernels, defaults, CALIBRATED, timer=timer)
-    _write_cache(path, key, choice, medians)
-    logger.info("CPU dispatch calibrated in %.1f s: %s (cached in %s)",
-                time.perf_counter() - start, " ".join(f"{n}={v}" for n, v in choice.items()),
-                path)
+    took, summary = time.perf_counter() - start, " ".join(f"{n}={v}" for n, v in choice.items())
+    if mode == "auto" and busy > BUSY_LOAD:
+        logger.info("CPU dispatch calibrated in %.1f s: %s, for this start only: the machine is "
+                    "busy (load %.1f per core), so the next start times again "
+                    "(platform.calibrate=force caches it anyway)", took, summary, busy)
+    else:
+        _write_cache(path, key, choice, medians)
+        logger.info("CPU dispatch calibrated in %.1f s: %s (cached in %s)", took, summary, path)
     return {name: choice[name] for name in fields}
 
 

@@ -159,9 +159,9 @@ def test_rounds_alternate_the_candidates_order_within_the_budget():
 
 # -- the cache ---------------------------------------------------------------------------------
 
-def _fields(fake, tmp_path, mode="auto", given=(), kernels_key="k1", tier="avx2"):
+def _fields(fake, tmp_path, mode="auto", given=(), kernels_key="k1", tier="avx2", load=0.1):
     return calibrated_fields(fake, tier, DEFAULTS, mode, set(given), tmp_path, kernels_key,
-                             timer=fake.clock)
+                             timer=fake.clock, load=lambda: load)
 
 
 def test_the_cache_is_written_read_and_keyed(tmp_path, monkeypatch):
@@ -197,6 +197,21 @@ def test_the_cache_is_written_read_and_keyed(tmp_path, monkeypatch):
     assert torn.calls > 0
 
 
+def test_a_busy_machine_times_for_this_start_only(tmp_path, monkeypatch):
+    """Timed while other processes share the cores, the choice is used but not cached (auto);
+    force caches it anyway."""
+    monkeypatch.setattr(calibration, "ROUNDS", 1)
+    busy = calibration.BUSY_LOAD + 1
+    fake = FakeKernels(_cost)
+    assert _fields(fake, tmp_path, load=busy)["linear_prefetch_bytes"] == 4096
+    assert not list(tmp_path.iterdir())
+    again = FakeKernels(_cost)
+    _fields(again, tmp_path, load=busy)
+    assert again.calls > 0  # timed again
+    _fields(FakeKernels(_cost), tmp_path, mode="force", load=busy)
+    assert len(list(tmp_path.glob("dispatch_calibration-*.json"))) == 1
+
+
 def test_off_and_given_fields_time_nothing(tmp_path):
     fake = FakeKernels(_cost)
     assert _fields(fake, tmp_path, mode="off") == {}
@@ -211,6 +226,7 @@ def test_the_platform_applies_calibrated_and_given_values(tmp_path, monkeypatch)
     platform.dispatch wins over the calibration."""
     load_cpu_kernels(resolve_tier("auto"))  # loaded (built) before the cache folder moves
     monkeypatch.setenv("LLMKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "load_per_core", lambda: 0.0)
     monkeypatch.setattr(calibration, "calibrate", lambda kernels, defaults, fields, timer:
                         ({"linear_prefetch_bytes": 4096, "linear_thread_min_bytes": 0}, {}))
     platform = CpuPlatform(PlatformConfig(name="cpu", calibrate="auto",
