@@ -82,6 +82,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     draft_token_ids: dict[str, list[int]] = {}
     # KV connector (llmkit/kv_transfer): finished transfers and this step's counters.
     kv_connector_output: KVConnectorOutput | None = None
+    # Pooling (model.runner=pooling): the embedding of each request whose prompt this step
+    # completed; such a request samples nothing and finishes (llmkit/worker/pooling.py).
+    pooler_output: dict[str, list[float]] = {}
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -103,6 +106,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Disaggregated serving: what a producer hands back so that a consumer can load the
     # request's KV (``llmkit/kv_transfer``); set on the finishing output only.
     kv_transfer_params: dict | None = None
+    # Pooling: the prompt's embedding, on the (finishing) output of a pooling request.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,3 +147,24 @@ class RequestOutput:
     metrics: dict[str, float | None] = field(default_factory=dict)
     # Disaggregated serving: a producer's transfer handle (see ``EngineCoreOutput``).
     kv_transfer_params: dict | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's name: the prompt's pooled hidden state (normalized where the model's pooling
+    says), ``model.runner=pooling``."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape: ``.outputs.embedding``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict[str, float | None] = field(default_factory=dict)

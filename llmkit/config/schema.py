@@ -60,6 +60,10 @@ class ModelConfig(_Strict):
     # a path = that folder's generation_config.json, or that JSON file.
     generation_config: str = "auto"
     generation_defaults: GenerationDefaults = Field(default_factory=GenerationDefaults)
+    # What the engine computes (vLLM's --runner): generate = next tokens; pooling = one
+    # embedding per prompt (prefill only; /v1/embeddings, LLM.embed); auto = pooling for
+    # embedding architectures (``*Model``, e.g. Qwen3Model, BertModel), generate otherwise.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":

@@ -22,6 +22,7 @@ from llmkit.kv_cache import KV_CACHE_MANAGERS, KVCacheManagerBase
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_ids
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
+from llmkit.models.pooling_config import prefix_caching_allowed
 from llmkit.platforms import resolve_platform
 from llmkit.platforms.base import Platform
 from llmkit.scheduler import SCHEDULERS, Scheduler
@@ -83,10 +84,12 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
         return source.load_tokenizer()
 
     kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
-    kv = kv_cls(num_blocks, block_size, enable_prefix_caching=kv_cfg.enable_prefix_caching,
+    prefix_caching = kv_cfg.enable_prefix_caching and prefix_caching_allowed(config.model,
+                                                                             model_source)
+    kv = kv_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                 max_model_len=facts.max_model_len, eviction_policy=kv_cfg.eviction_policy,
                 pinned_prefixes=pinned_prefix_ids(kv_cfg.pinned_prefixes,
-                                                  kv_cfg.enable_prefix_caching, load_tokenizer))
+                                                  prefix_caching, load_tokenizer))
     # Grammars compile in its thread pool; its tokenizer loads with the first grammar.
     structured = StructuredOutputManager(
         config.structured_output, vocab_size=facts.vocab_size, tokenizer_loader=load_tokenizer,

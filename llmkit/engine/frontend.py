@@ -28,7 +28,8 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.facts import ModelFacts
 from llmkit.models.generation_config import default_sampling_fields, describe_defaults
 from llmkit.models.loader import ModelSource, resolve_model_source
-from llmkit.outputs import EngineCoreOutput, RequestOutput
+from llmkit.models.pooling_config import PoolingSpec, resolve_pooling
+from llmkit.outputs import EmbeddingRequestOutput, EngineCoreOutput, RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.startup import startup_step
 
@@ -75,6 +76,8 @@ class Frontend:
         self.inputs: InputProcessor = build_input_processor(model.source, model.tokenizer,
                                                             facts, config)
         self.outputs = outputs if outputs is not None else OutputProcessor(model.tokenizer)
+        #: model.runner=pooling: how a prompt becomes its embedding; None: the engine generates
+        self.pooling: PoolingSpec | None = resolve_pooling(config.model, model.source)
 
     @property
     def mm_processor(self) -> Any:
@@ -162,7 +165,20 @@ class Frontend:
     def process(self, prompt: PromptType, params: SamplingParams, *,
                 cache_salt: str | None = None) -> ProcessedPrompt:
         """The prompt validated and its parameters completed (``InputProcessor.process``)."""
+        if self.pooling is not None:
+            raise ValueError("this engine computes embeddings (model.runner=pooling); use "
+                             "embed() or /v1/embeddings, or serve with model.runner=generate")
         return self.inputs.process(prompt, params, cache_salt=cache_salt)
+
+    def process_embedding(self, prompt: PromptType, *,
+                          cache_salt: str | None = None) -> ProcessedPrompt:
+        """A prompt to embed, validated: a pooling request (prefill only; it finishes with
+        its prompt's embedding, ``EmbeddingRequestOutput``)."""
+        if self.pooling is None:
+            raise ValueError("this engine generates (model.runner resolved to generate for "
+                             f"{self.model_source.architecture}); embeddings need "
+                             "model.runner=pooling")
+        return self.inputs.process(prompt, SamplingParams(max_tokens=1), cache_salt=cache_salt)
 
     def fan_out(self, request_id: str, prompt: ProcessedPrompt, output_kind: RequestOutputKind,
                 prompt_text: str | None = None) -> list[tuple[str, SamplingParams]]:
@@ -178,7 +194,8 @@ class Frontend:
         return self.outputs.child_request_ids(request_id)
 
     def process_outputs(self, outputs: list[EngineCoreOutput],
-                        stopped: list[str] | None = None) -> list[RequestOutput]:
+                        stopped: list[str] | None = None
+                        ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """User-facing outputs of the engine's; engine requests a stop string finished are
         appended to ``stopped`` (abort them in the engine)."""
         return self.outputs.process(outputs, stopped)

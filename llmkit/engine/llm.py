@@ -15,7 +15,7 @@ from llmkit.engine.frontend import Frontend, FrontendModel, Message
 from llmkit.engine.input_processor import PromptType
 from llmkit.engine.output_processor import RequestOutputKind
 from llmkit.lora.request import LoRARequest
-from llmkit.outputs import RequestOutput
+from llmkit.outputs import EmbeddingRequestOutput, RequestOutput
 from llmkit.sampling.params import SamplingParams
 
 
@@ -83,9 +83,11 @@ class LLM:
         return self.engine.model_facts.max_model_len
 
     # -- requests --------------------------------------------------------------------------
-    def _add(self, prompt: PromptType, params: SamplingParams, kind: RequestOutputKind,
+    def _add(self, prompt: PromptType, params: SamplingParams | None, kind: RequestOutputKind,
              lora_request: LoRARequest | None = None) -> str:
-        p = self.frontend.process(prompt, params)
+        """``params=None``: a pooling request (``embed``)."""
+        p = (self.frontend.process_embedding(prompt) if params is None
+             else self.frontend.process(prompt, params))
         lora_id = None
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
@@ -122,6 +124,23 @@ class LLM:
                 rids.append(self._add(p, sp, RequestOutputKind.FINAL_ONLY, lr))
         except BaseException:
             self.abort(rids)  # nothing of a refused batch runs
+            raise
+        return self._run_to_completion(rids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``), pooled as the model says
+        (``model.runner=pooling``; a generating engine raises ``ValueError``)."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = _one_per_prompt(lora_request, LoRARequest, len(prompt_list), "LoRA requests",
+                                " (None = the base model)")
+        rids: list[str] = []
+        try:
+            for p, lr in zip(prompt_list, loras):
+                rids.append(self._add(p, None, RequestOutputKind.FINAL_ONLY, lr))
+        except BaseException:
+            self.abort(rids)
             raise
         return self._run_to_completion(rids, use_tqdm)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from llmkit.outputs import (CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists,
-                            RequestOutput)
+from llmkit.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                            EngineCoreOutput, Logprob, LogprobsLists, RequestOutput)
 from llmkit.sampling.parallel import ParentRequest
 from llmkit.sampling.params import RequestOutputKind, SamplingParams
 from llmkit.sampling.stop_strings import find_stop_string, holdback_chars
@@ -80,14 +80,19 @@ class OutputProcessor:
 
     # -- one step -------------------------------------------------------------------------
     def process(self, outputs: list[EngineCoreOutput],
-                reqs_to_abort: list[str] | None = None) -> list[RequestOutput]:
+                reqs_to_abort: list[str] | None = None
+                ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """User-facing outputs for one step's engine outputs. Engine requests finished here
         by a stop string are appended to ``reqs_to_abort``: abort them in the core."""
         touched: dict[str, ParentRequest] = {}
+        embeddings: list[EmbeddingRequestOutput] = []
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # finished here already (a stop string), or unknown
+            if out.pooling_output is not None:
+                embeddings.append(self._embedding(state, out))
+                continue
             new_ids, new_logprobs = self._update(state, out)
             parent = state.parent
             if out.num_cached_tokens and state.index == 0:
@@ -109,7 +114,15 @@ class OutputProcessor:
                 results.append(ro)
             if parent.finished:
                 del self.parents[parent.request_id]
-        return results
+        return results + embeddings
+
+    def _embedding(self, state: RequestState, out: EngineCoreOutput) -> EmbeddingRequestOutput:
+        """A pooling request's one output (it has no text: its prompt's embedding)."""
+        del self.states[out.request_id]
+        parent = self.parents.pop(state.parent.request_id)
+        return EmbeddingRequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                                      EmbeddingOutput(out.pooling_output),
+                                      num_cached_tokens=out.num_cached_tokens)
 
     def _update(self, state: RequestState,
                 out: EngineCoreOutput) -> tuple[list[int], list[dict[int, Logprob]]]:

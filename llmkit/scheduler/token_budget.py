@@ -456,6 +456,13 @@ class TokenBudgetScheduler(Scheduler):
                 continue  # aborted while the step ran
             if req.mm_features:
                 self._encoder.free_computed(req)
+            pooled = model_runner_output.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prompt: no decode
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                stopped.append(req)
+                outputs.append(self._output(req, []))
+                outputs[-1].pooling_output = pooled
+                continue
             i = index.get(req_id)
             new_tokens = sampled[i] if i is not None else []
             if not new_tokens:

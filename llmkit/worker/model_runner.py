@@ -30,6 +30,7 @@ from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.mm_inputs import MultimodalInputs
 from llmkit.worker.mrope_positions import MRoPEPositions
+from llmkit.worker.pooling import PoolingRunner
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
@@ -114,6 +115,8 @@ class ModelRunner:
         # KV connector, worker side (llmkit/kv_transfer): loads before and saves after the
         # forward; it may own the pool's memory (a shared-memory producer).
         self.kv_connector: KVConnectorBase | None = None
+        # model.runner=pooling: each prompt's embedding instead of sampled tokens.
+        self.pooler: PoolingRunner | None = None
 
     # -- KV cache ------------------------------------------------------------------------
     def _cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -367,6 +370,11 @@ class ModelRunner:
             return hidden  # a pipeline stage before the last: nothing samples here
         if conn is not None:
             conn.wait_for_save()
+        if self.pooler is not None:  # model.runner=pooling: embeddings, no logits
+            return self.pooler.step_output(
+                inputs.req_ids, inputs.query_starts, inputs.computed, inputs.num_scheduled,
+                self.batch.num_tokens[inputs.rows], hidden,
+                so.finished_req_ids | so.preempted_req_ids)
         prompt_lps = self._score_prompts(inputs, hidden) if self._prompt_logprobs else {}
         sampled_by_row: dict[int, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}

@@ -31,6 +31,7 @@ from llmkit.lora.base import LoRARequest
 from llmkit.lora.manager import LoRAManager, LoRASetup
 from llmkit.models.base import ModelContext
 from llmkit.models.interfaces import supports_multimodal
+from llmkit.models.pooling_config import resolve_pooling
 from llmkit.models.loader import ModelSource, build_model, resolve_model_source, text_config
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.platforms.base import Platform
@@ -38,6 +39,7 @@ from llmkit.sampling import SAMPLERS
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode import ProposerEnv, build_proposer
 from llmkit.worker.model_runner import ModelRunner
+from llmkit.worker.pooling import PoolingRunner
 from llmkit.worker.spec_setup import adaptive_length_policy, time_decode_step
 from llmkit.worker.model_setup import (describe_backend, linear_method_factory, resolve_dtype,
                                        resolve_kv_cache_dtype)
@@ -123,6 +125,9 @@ class Worker:
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache.cache_dtype, dtype),
             device=platform.device,
         )
+        pooling = resolve_pooling(config.model, source)
+        if pooling is not None:  # model.runner=pooling (llmkit/worker/pooling.py)
+            self.runner.pooler = PoolingRunner(pooling)
         # Every rank builds the proposer (a draft model or EAGLE head split like the target,
         # with its ctx): the same tokens, seeds and gathered logits give every rank the same
         # drafts.

@@ -1,0 +1,105 @@
+"""Pooling engines (model.runner=pooling): LLM.embed against transformers' hidden states pooled
+the same way (float32, cosine >= 0.9999), over chunked prefills and prefix-cache hits, with the
+pooling read from sentence-transformers files or the architecture's default."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmkit import LLM, SamplingParams
+
+PROMPTS = ["Hello there, how are you doing today?",
+           "The quick brown fox jumps over the lazy dog, " * 3,
+           "a"]
+
+
+def _reference(model_dir: Path, tokenizer, prompts: list[str], kind: str,
+               normalize: bool) -> list[torch.Tensor]:
+    """transformers' final hidden states (the base model's, after its final norm), pooled."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([tokenizer.encode(p)])
+        with torch.no_grad():
+            h = model(input_ids=ids).last_hidden_state[0]
+        v = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
+        out.append(torch.nn.functional.normalize(v, dim=-1) if normalize else v)
+    return out
+
+
+def _assert_close(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g = torch.tensor(g.outputs.embedding)
+        assert g.shape == w.shape
+        cos = torch.nn.functional.cosine_similarity(g, w, dim=0).item()
+        assert cos >= 0.9999, cos
+        assert torch.allclose(g, w, rtol=1e-3, atol=1e-4), (g - w).abs().max()
+
+
+def _with_sentence_transformers(src: Path, dst: Path, mode: str, normalize: bool) -> Path:
+    shutil.copytree(src, dst)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir()
+    flags = {f"pooling_mode_{m}": m == mode
+             for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                               **flags}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_model_dir):
+    return tiny_model_dir("qwen3")
+
+
+def test_last_token_default_matches_transformers_chunked_and_cached(qwen3_dir, tiny_tokenizer):
+    # a 6-token step budget cuts the long prompt into chunks; the repeat hits the prefix cache
+    llm = LLM(str(qwen3_dir), dtype="float32", overrides=["model.runner=pooling"],
+              scheduler={"max_num_batched_tokens": 6})
+    want = _reference(qwen3_dir, tiny_tokenizer, PROMPTS, "LAST", normalize=True)
+    _assert_close(llm.embed(PROMPTS, use_tqdm=False), want)
+    again = llm.embed(PROMPTS[1], use_tqdm=False)
+    assert again[0].num_cached_tokens > 0  # last-token pooling keeps prefix caching
+    _assert_close(again, want[1:2])
+    # token ids are prompts too
+    ids = tiny_tokenizer.encode(PROMPTS[0])
+    _assert_close(llm.embed([ids], use_tqdm=False), want[:1])
+    with pytest.raises(ValueError, match="model.runner"):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("mode,kind,normalize", [("mean_tokens", "MEAN", False),
+                                                 ("cls_token", "CLS", True)])
+def test_sentence_transformers_pooling_matches_transformers(qwen3_dir, tiny_tokenizer,
+                                                            tmp_path, mode, kind, normalize):
+    folder = _with_sentence_transformers(qwen3_dir, tmp_path / "st", mode, normalize)
+    llm = LLM(str(folder), dtype="float32", overrides=["model.runner=pooling"],
+              scheduler={"max_num_batched_tokens": 6})
+    want = _reference(qwen3_dir, tiny_tokenizer, PROMPTS, kind, normalize)
+    _assert_close(llm.embed(PROMPTS, use_tqdm=False), want)
+    again = llm.embed(PROMPTS[1], use_tqdm=False)  # no prefix hit may skip a token's state
+    assert again[0].num_cached_tokens == 0
+    _assert_close(again, want[1:2])
+    llm.shutdown()
+
+
+def test_embed_on_a_generating_engine_names_model_runner(qwen3_dir):
+    llm = LLM(str(qwen3_dir), dtype="float32")  # auto: *ForCausalLM generates
+    with pytest.raises(ValueError, match="model.runner"):
+        llm.embed("hello", use_tqdm=False)
+    llm.shutdown()
