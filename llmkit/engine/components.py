@@ -86,7 +86,7 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
     except Exception:  # an unavailable platform fails with its own error when the engine starts
         return
     backend = attention_backend_class(config.attention, platform)
-    allowed = getattr(backend, "kv_cache_dtypes", ("auto",))
+    allowed = backend.kv_cache_dtypes
     if value not in allowed:
         raise ConfigError("kv_cache.cache_dtype", value, "", message=(
             f"got {value!r}, but attention backend {backend.name!r} reads "
@@ -167,8 +167,7 @@ def _check_attention_available(config: EngineConfig) -> None:
         return
     attn = config.attention
     backend = attention_backend_class(attn, platform)
-    check = getattr(backend, "check_available", None)
-    why = check(platform) if check is not None else None
+    why = backend.check_available(platform)
     if why:
         key = "attention._target_" if attn.target else "attention.name"
         value = attn.target or backend.name

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from llmkit.config.schema import ObservabilityConfig
 from llmkit.engine.observer import StepEvent, split_prefill_decode
 
 # split_prefill_decode lived here before the observer API; it is re-exported for its callers.
@@ -81,9 +82,9 @@ class StepTrace:
             atexit.register(self.close)
 
     @classmethod
-    def from_config(cls, observability: Any) -> "StepTrace | None":
+    def from_config(cls, observability: ObservabilityConfig) -> "StepTrace | None":
         """A trace for ``observability.trace_file``, or ``None`` when it is unset."""
-        path = getattr(observability, "trace_file", None) if observability is not None else None
+        path = observability.trace_file
         if not path:
             return None
         return cls(path, max_steps=observability.trace_max_steps)
@@ -94,7 +95,7 @@ class StepTrace:
             self.dropped += 1
             return
         stats, split = event.stats, event.split
-        spec = getattr(stats, "step_spec_decode", None)
+        spec = stats.step_spec_decode
         with self._lock:
             self.steps.append(StepRecord(
                 step=len(self.steps) + self.dropped, start_s=event.start_s,
@@ -106,9 +107,8 @@ class StepTrace:
                 num_preempted=event.num_preempted, num_running=stats.num_running,
                 num_waiting=stats.num_waiting, kv_usage=float(stats.kv_usage),
                 prefill_context=split.prefill_context, decode_context=split.decode_context,
-                spec_drafts=spec.num_drafts if spec else 0,
-                spec_draft_tokens=spec.num_draft_tokens if spec else 0,
-                spec_accepted_tokens=spec.num_accepted_tokens if spec else 0))
+                spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+                spec_accepted_tokens=spec.num_accepted_tokens))
 
     def clear(self) -> None:
         with self._lock:

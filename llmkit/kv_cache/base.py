@@ -67,6 +67,9 @@ class KVCacheManagerBase(ABC):
     4. ``free(req)`` when it finishes, is aborted or is preempted.
     """
 
+    # take_step_stats' previous snapshot (a class default: subclasses need not call __init__)
+    _last_step_stats: PrefixCacheStats | None = None
+
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
@@ -154,7 +157,7 @@ class KVCacheManagerBase(ABC):
         """The prefix-cache counters since the previous call (or since start-up), for per-step
         metrics. O(1): the difference of two snapshots of ``prefix_cache_stats``."""
         now = self.prefix_cache_stats
-        last: PrefixCacheStats = getattr(self, "_last_step_stats", None) or PrefixCacheStats()
+        last = self._last_step_stats or PrefixCacheStats()
         self._last_step_stats = now
         return PrefixCacheStats(
             requests=now.requests - last.requests, queries=now.queries - last.queries,

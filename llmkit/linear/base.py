@@ -89,6 +89,9 @@ class LinearMethod(ABC):
     #: The embedding module a tied LM head shares its weight with (set by the model); methods
     #: that keep weights packed read the embedding's packed rows from it.
     tied_embedding: nn.Module | None = None
+    #: Whether LoRA may wrap this method (``llmkit.lora.layers``); a method whose weights the
+    #: LoRA path cannot read next to its own says False.
+    supports_lora: bool = True
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         layer.weight = nn.Parameter(torch.empty(spec.out_features, spec.in_features,

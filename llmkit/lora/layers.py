@@ -31,7 +31,7 @@ class LoRALinearMethod(LinearMethod):
     def __init__(self, base: LinearMethod, spec: LinearSpec, *, num_slots: int, max_rank: int,
                  mapping: LoRAMapping, ops: TorchLoRAOps, module_names: tuple[str, ...],
                  on_logits: bool = False) -> None:
-        if not getattr(base, "supports_lora", True):
+        if not base.supports_lora:
             raise ConfigError("model.linear_method", base.describe(), "", message=(
                 f"{spec.prefix}: linear method {base.describe()!r} cannot be wrapped by LoRA "
                 "(lora.enabled=true needs another model.linear_method, or lora.enabled=false)"))

@@ -34,6 +34,9 @@ class Platform(ABC):
     #: built from (``llmkit.config.cpu_dispatch.CpuDispatch`` on the CPU); None: the
     #: components' own defaults.
     dispatch: CpuDispatch | None = None
+    #: The instruction-set tier the kernels were built for (``platform.isa``, CPU only);
+    #: None: no native kernels' tier.
+    isa: str | None = None
 
     def __init__(self, config: PlatformConfig) -> None:
         self.config = config

@@ -38,13 +38,13 @@ class CpuPlatform(Platform):
         self._native: dict[torch.dtype, object] = {}
         #: The instruction-set tier of the kernels and of every choice made from the CPU's
         #: flags (``platform.isa``; None: no AVX2, so no kernels).
-        self.isa = cpu_isa.resolve_tier(getattr(config, "isa", "auto"))
+        self.isa = cpu_isa.resolve_tier(config.isa)
         #: The tier's dispatch table with ``platform.dispatch``'s overrides: every row count
         #: at which a component this platform builds switches kernels.
-        self.dispatch: CpuDispatch = resolve_dispatch(self.isa, getattr(config, "dispatch", None))
+        self.dispatch: CpuDispatch = resolve_dispatch(self.isa, config.dispatch)
         #: Each field's source (tier, calibrated, given); the speed-only fields are calibrated
         #: when the kernels load (``platform.calibrate``).
-        self.dispatch_sources: dict[str, str] = dispatch_sources(getattr(config, "dispatch", None))
+        self.dispatch_sources: dict[str, str] = dispatch_sources(config.dispatch)
         self._tuned = False
 
     # -- model.dtype=auto --------------------------------------------------------------------
@@ -164,12 +164,12 @@ class CpuPlatform(Platform):
         from llmkit.kernels.cpu_native import build_directory, kernels_build_key
         from llmkit.kernels.cpu_calibration import apply_tuning, calibrated_fields
 
-        overrides = getattr(self.config, "dispatch", None)
+        overrides = self.config.dispatch
         given = {name for name, source in dispatch_sources(overrides).items()
                  if source == "given"}
         key = kernels_build_key(self.isa)
         calibrated = calibrated_fields(kernels, self.isa, dispatch_for_tier(self.isa),
-                                       getattr(self.config, "calibrate", "auto"), given,
+                                       self.config.calibrate, given,
                                        build_directory(key), key)
         self.dispatch = resolve_dispatch(self.isa, overrides, calibrated)
         self.dispatch_sources = dispatch_sources(overrides, calibrated)

@@ -76,4 +76,4 @@ def describe_backend(runner: ModelRunner, attention: str, ops: str, dtype: torch
                        step_graphs=graphs.name if graphs is not None else None,
                        step_graphs_max_rows=graphs.max_rows if graphs is not None else 0,
                        step_graphs_pending=pending is not None,
-                       isa=getattr(platform, "isa", None) if ops != "torch" else None)
+                       isa=platform.isa if ops != "torch" else None)
