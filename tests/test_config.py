@@ -138,6 +138,35 @@ def test_recipe_with_defaults_override(tmp_path, monkeypatch):
     assert cfg.recipe == "tri"
 
 
+def test_recipe_path_loads_a_yaml_file_anywhere(tmp_path, monkeypatch):
+    """recipe=PATH (what llmkit plan writes) composes like a named recipe: a defaults override,
+    its values, the command line after it; the config keeps the path as given."""
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "planned.yaml"
+    path.write_text("# @package _global_\ndefaults:\n  - override /platform: cpu\n"
+                    "scheduler:\n  max_num_seqs: 7\n  max_num_batched_tokens: 96\n")
+    cfg = compose_config([f"recipe={path}"])
+    assert (cfg.platform.name, cfg.scheduler.max_num_seqs,
+            cfg.scheduler.max_num_batched_tokens) == ("cpu", 7, 96)
+    assert cfg.recipe == str(path)
+    assert compose_config([f"recipe={path}", "scheduler.max_num_seqs=3"]
+                          ).scheduler.max_num_seqs == 3
+    assert build_config(groups={"recipe": str(path)}).scheduler.max_num_seqs == 7
+    monkeypatch.chdir(tmp_path)
+    assert compose_config(["recipe=sub/planned.yaml"]).scheduler.max_num_seqs == 7
+    # two files of one name in two folders are two recipes
+    (tmp_path / "planned.yaml").write_text("scheduler:\n  max_num_seqs: 5\n")
+    assert compose_config(["recipe=planned.yaml"]).scheduler.max_num_seqs == 5
+    assert compose_config([f"recipe={path}"]).scheduler.max_num_seqs == 7
+
+
+def test_recipe_path_missing_is_an_error_naming_recipe(tmp_path):
+    with pytest.raises(ConfigError, match=r"^recipe: got .*nope\.yaml.*cpu-chat.*YAML file"):
+        compose_config([f"recipe={tmp_path / 'nope.yaml'}"])
+    with pytest.raises(ConfigError, match=r"^recipe: "):
+        build_config(groups={"recipe": str(tmp_path / "nope.yaml")})
+
+
 # --------------------------------------------------------------------------- build_config
 
 def test_build_config_groups_dtype_overrides():

@@ -14,6 +14,9 @@ section has.
 
 ``recipes/*.yaml`` form the Hydra group ``recipe`` (default null): they are registered into
 Hydra's ConfigStore under that group with package ``_global_`` before each composition.
+``recipe=PATH`` (a value ending in ``.yaml``/``.yml`` or holding a ``/``) loads a YAML file
+anywhere (``llmkit plan`` writes them): it is registered the same way under a name of its own,
+and ``EngineConfig.recipe`` keeps the path as given.
 
 Failures are put into words by ``llmkit.config.hydra_errors`` (Hydra, OmegaConf) and
 ``llmkit.config.schema_errors`` (pydantic validation).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.resources
 import re
 import threading
@@ -50,6 +54,7 @@ __all__ = [
     "config_groups",
     "expand_overrides",
     "group_options",
+    "is_recipe_path",
     "model_presets",
     "recipes_dir",
     "resolve_model_arg",
@@ -152,23 +157,68 @@ def model_presets() -> list[str]:
 
 # --------------------------------------------------------------------------- Hydra plumbing
 
-def _register_recipes() -> None:
+def _store_recipe(path: Path, name: str) -> None:
+    """Register one recipe file in Hydra's ConfigStore (group ``recipe``, as ``name``), in the
+    package its ``# @package`` header names (default ``_global_``)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    cs = ConfigStore.instance()
+    package = "_global_"
+    for line in path.read_text().splitlines():
+        m = re.match(r"\s*#\s*@package\s+(\S+)", line)
+        if m:
+            package = m.group(1)
+            break
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+    node = OmegaConf.load(path)
+    ConfigStore.instance().store(group=RECIPE_GROUP, name=name, node=node, package=package,
+                                 provider="llmkit")
+
+
+def _register_recipes() -> None:
     for path in sorted(recipes_dir().glob("*.yaml")):
-        package = "_global_"
-        for line in path.read_text().splitlines():
-            m = re.match(r"\s*#\s*@package\s+(\S+)", line)
-            if m:
-                package = m.group(1)
-                break
-            if line.strip() and not line.lstrip().startswith("#"):
-                break
-        node = OmegaConf.load(path)
-        cs.store(group=RECIPE_GROUP, name=path.stem, node=node, package=package,
-                 provider="llmkit")
+        _store_recipe(path, path.stem)
+
+
+def is_recipe_path(value: object) -> bool:
+    """Whether a ``recipe`` value names a file rather than a recipe in ``recipes/``."""
+    return isinstance(value, str) and (value.endswith((".yaml", ".yml")) or "/" in value)
+
+
+def _recipe_file(value: str) -> Path:
+    """The recipe file ``recipe=PATH`` names; a ``ConfigError`` naming ``recipe`` if it is
+    missing."""
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(RECIPE_GROUP, value, "a recipe name ("
+                          + ", ".join(group_options(RECIPE_GROUP))
+                          + ") or the path of a YAML file that exists")
+    return path.resolve()
+
+
+def _file_recipe_name(path: Path) -> str:
+    # A ConfigStore name of its own per file: no '/' (a name is a path in Hydra's repository)
+    # and no clash with recipes/'s names.
+    return f"file-{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+
+
+def _file_recipe_overrides(overrides: Sequence[str]
+                           ) -> tuple[list[str], dict[str, tuple[Path, str]]]:
+    """``recipe=PATH`` overrides rewritten to the name each file is registered under, and
+    ``{name: (file, the value as given)}``."""
+    out: list[str] = []
+    files: dict[str, tuple[Path, str]] = {}
+    for text in overrides:
+        ov = parse_override(text)
+        if (ov.key_or_group == RECIPE_GROUP and not ov.is_sweep_override()
+                and not ov.is_delete() and is_recipe_path(ov.value())):
+            path = _recipe_file(ov.value())
+            name = _file_recipe_name(path)
+            files[name] = (path, ov.value())
+            text = f"{RECIPE_GROUP}={name}"
+        out.append(text)
+    return out, files
 
 
 @contextlib.contextmanager
@@ -210,7 +260,9 @@ def _check_overrides(overrides: Sequence[str], root: ConfigRoot, *,
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
         options = group_options(key, root)
         for value in values:
-            if value is None and key == RECIPE_GROUP:
+            if key == RECIPE_GROUP and (value is None or is_recipe_path(value)):
+                if value is not None:
+                    _recipe_file(value)
                 continue
             if not isinstance(value, str) or value not in options:
                 raise ConfigError(key, value, _options_text(key, options))
@@ -263,12 +315,16 @@ def _compose_dict(overrides: Sequence[str], root: ConfigRoot) -> dict:
 
     overrides = list(overrides)
     _check_overrides(overrides, root)
+    given = overrides
+    overrides, files = _file_recipe_overrides(overrides)
     # a root in a sub-folder finds the engine's root and groups on Hydra's search path (quoted:
     # an install path may hold '=', ',' or spaces, as pip's cache folders do)
     search = [_searchpath_override(root.dirs()[1:])] if root.folder else []
     try:
         with _LOCK, _hydra_context(root):
             _register_recipes()
+            for name, (path, _) in files.items():
+                _store_recipe(path, name)
             cfg = compose(config_name=root.name, overrides=[*search, *overrides],
                           return_hydra_config=True)
         choices = cfg.hydra.runtime.choices
@@ -277,7 +333,9 @@ def _compose_dict(overrides: Sequence[str], root: ConfigRoot) -> dict:
             del cfg["hydra"]
         data = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as e:
-        raise _hydra_error(e, overrides, root) from None
+        raise _hydra_error(e, given, root) from None
+    if recipe in files:  # the path as given, not the name it was registered under
+        recipe = files[recipe][1]
     if recipe not in (None, "null"):
         data[RECIPE_GROUP] = recipe
     return data
@@ -379,7 +437,9 @@ def _build_dict(root: ConfigRoot, model: str | None, dtype: str | None,
                 raise ConfigError(key, value, f"a mapping of {key}'s fields ({key} is not a "
                                   f"config group; groups: {', '.join(sorted(group_names))})")
             options = group_options(key, root)
-            if value not in options:
+            if key == RECIPE_GROUP and is_recipe_path(value):
+                _recipe_file(value)
+            elif value not in options:
                 raise ConfigError(key, value, _options_text(key, options))
             hydra_overrides.append(f"{key}={value}")
         elif value is None and key == RECIPE_GROUP:
