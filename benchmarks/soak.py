@@ -512,7 +512,6 @@ def run_soak(model: str, *, clients: int = 64, duration_s: float = 120.0,
         jobs = make_jobs(model, num_jobs, seed, engine)  # while the server starts
         server.wait_ready()
         if fuzz_examples:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             from server_fuzz import fuzz_server
 
             report = fuzz_server(server.base_url, API_KEY, fuzz_examples, seed=seed)
@@ -563,7 +562,6 @@ def check(figures: dict[str, Any], rss_limit_pct: float = 10.0) -> list[str]:
 
 def tiny_model(out: Path) -> str:
     """The test suite's tiny random Llama (weights x3: robust greedy), saved under ``out``."""
-    sys.path.insert(0, str(REPO / "tests"))
     from helpers.tiny_models import build_model_dir, build_tokenizer
 
     return str(build_model_dir("llama", out, build_tokenizer()))

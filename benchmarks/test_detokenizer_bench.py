@@ -9,14 +9,10 @@ Run: ``pytest benchmarks/test_detokenizer_bench.py --benchmark-only``.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from helpers.tiny_models import CORPUS, build_tokenizer  # noqa: E402
+from helpers.tiny_models import CORPUS, build_tokenizer
 
 from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts  # noqa: E402
 

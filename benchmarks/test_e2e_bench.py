@@ -7,14 +7,10 @@ Run: ``pytest benchmarks/test_e2e_bench.py --benchmark-only -s``.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from helpers.tiny_models import build_model_dir, build_tokenizer  # noqa: E402
+from helpers.tiny_models import build_model_dir, build_tokenizer
 
 from llmkit.tools.bench.throughput import format_throughput, run_throughput  # noqa: E402
 from llmkit.tools.compose import build_tool_config  # noqa: E402

@@ -38,13 +38,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sched_trace import make_trace  # noqa: E402
 

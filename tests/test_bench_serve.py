@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers.bench_results import check_result_consistency
+from helpers.fake_openai_server import EMPTY_TOKEN, FAIL_TOKEN, FakeServer
 
-from helpers.bench_results import check_result_consistency  # noqa: E402
-from helpers.fake_openai_server import EMPTY_TOKEN, FAIL_TOKEN, FakeServer  # noqa: E402
-
-from llmkit.entrypoints import cli  # noqa: E402
-from llmkit.tools.bench.client import ClientOptions, run_load_sync  # noqa: E402
-from llmkit.tools.bench.datasets import WorkloadRequest  # noqa: E402
-from llmkit.tools.bench.metrics import summarize  # noqa: E402
+from llmkit.entrypoints import cli
+from llmkit.tools.bench.client import ClientOptions, run_load_sync
+from llmkit.tools.bench.datasets import WorkloadRequest
+from llmkit.tools.bench.metrics import summarize
 
 FIRST, GAP = 0.1, 0.02  # the fake server's delays (s)
 SLACK_MS = 2000  # loose upper bound on what a busy 2-core machine adds

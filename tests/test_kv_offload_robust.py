@@ -14,10 +14,9 @@ from llmkit import LLM
 from llmkit.config.errors import ConfigError
 from llmkit.kv_transfer.compression import BlockCodec
 
-# the pool, prompts and helpers of the offload tests (one definition)
-# (and its fixtures: the tiny model, and greedy tokens computed without eviction)
-from test_kv_offload import (BLOCK, SMALL_POOL, _assert_no_leak, _gen, _llm,  # noqa: E402,F401
-                             _prompts, model, reference)
+# the offload tests' pool, prompts and engines; model and reference are fixtures
+from helpers.offload_engines import (assert_no_leak, greedy_tokens, model,  # noqa: F401
+                                     offload_llm, reference, two_prompts)
 
 
 def _damage(path, how: str) -> None:
@@ -33,34 +32,34 @@ def _damage(path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["vanish", "truncate", "corrupt"])
 def test_a_damaged_disk_file_is_a_miss_and_recomputes(model, reference, tmp_path, how):
-    a, b = _prompts()
-    llm = _llm(model, disk_path=str(tmp_path / "kv"))
+    a, b = two_prompts()
+    llm = offload_llm(model, disk_path=str(tmp_path / "kv"))
     conn = llm.engine.kv_connector
     worker = llm.engine.executor.runner.kv_connector
-    _gen(llm, a)
-    assert _gen(llm, b) == reference["b"]  # a's blocks go to disk
+    greedy_tokens(llm, a)
+    assert greedy_tokens(llm, b) == reference["b"]  # a's blocks go to disk
     worker.disk.flush()
     files = sorted((tmp_path / "kv").rglob("*.kv"))
     assert files and conn.num_blocks("disk") == len(files)
     for f in files:  # every file: whichever a's lookup reaches first is damaged
         _damage(f, how)
-    assert _gen(llm, a) == reference["a"]  # recomputed, not crashed, not garbage
+    assert greedy_tokens(llm, a) == reference["a"]  # recomputed, not crashed, not garbage
     stats = conn.stats
     assert stats.failed_loads == 1 and "disk" not in stats.hits_per_tier
     assert llm.engine.stats().kv_connector.failed_loads == 1
-    _assert_no_leak(llm)
+    assert_no_leak(llm)
     # The failed blocks are forgotten: a's next miss does not try them again.
-    assert _gen(llm, b) == reference["b"]
+    assert greedy_tokens(llm, b) == reference["b"]
     assert llm.engine.kv_connector.stats.failed_loads == 1
-    _assert_no_leak(llm)
+    assert_no_leak(llm)
     llm.shutdown()
 
 
 def test_a_slow_disk_does_not_stall_steps(model, reference, tmp_path):
     """Every disk write is held back until the end: the engine still serves (evicting to
     disk, and loading from it: the queued blocks), and the files appear once released."""
-    a, b = _prompts()
-    llm = _llm(model, disk_path=str(tmp_path / "kv"))
+    a, b = two_prompts()
+    llm = offload_llm(model, disk_path=str(tmp_path / "kv"))
     conn = llm.engine.kv_connector
     disk = llm.engine.executor.runner.kv_connector.disk
     gate = threading.Event()
@@ -73,14 +72,14 @@ def test_a_slow_disk_does_not_stall_steps(model, reference, tmp_path):
     disk._write = slow_write
     try:
         for p, key in ((a, "a"), (b, "b"), (a, "a")):
-            assert _gen(llm, p) == reference[key]
+            assert greedy_tokens(llm, p) == reference[key]
         assert conn.stats.hits_per_tier.get("disk", 0) > 0  # served from the write queue
         assert not list((tmp_path / "kv").rglob("*.kv")), "a write was not held back"
     finally:
         gate.set()
     disk.flush()
     assert len(list((tmp_path / "kv").rglob("*.kv"))) == conn.num_blocks("disk") > 0
-    _assert_no_leak(llm)
+    assert_no_leak(llm)
     llm.shutdown()
 
 
@@ -102,16 +101,16 @@ def test_codecs_round_trip_exactly(codec, dtype):
 
 @pytest.mark.parametrize("codec", ["zlib", "zstd"])
 def test_compressed_host_tier_hits_with_the_same_tokens(model, reference, codec):
-    a, b = _prompts()
-    llm = _llm(model, host_gib=0.01, host_compression=codec)
+    a, b = two_prompts()
+    llm = offload_llm(model, host_gib=0.01, host_compression=codec)
     conn = llm.engine.kv_connector
     for p, key in ((a, "a"), (b, "b"), (a, "a")):
-        assert _gen(llm, p) == reference[key]
+        assert greedy_tokens(llm, p) == reference[key]
     assert conn.stats.hits_per_tier.get("host", 0) > 0
     host = conn.indexes["host"]
     # the cap counts what the blocks take compressed
     assert 0 < host.used_bytes < len(host) * conn.block_nbytes
-    _assert_no_leak(llm)
+    assert_no_leak(llm)
     llm.shutdown()
 
 

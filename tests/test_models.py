@@ -3,7 +3,6 @@ flat multi-request batches through the paged KV cache (prefill, chunked prefill,
 sharded safetensors, the default model's GGUF, and the model-source facts."""
 from __future__ import annotations
 
-import random
 import subprocess
 import zipfile
 from pathlib import Path
@@ -11,22 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from llmkit.attention.base import AttentionMetadata
 from llmkit.models.layers.linear import Linear
-from llmkit.attention.cpu_backend import CpuAttentionBackend
 from llmkit.attention.torch_backend import TorchAttentionBackend
-from llmkit.config.schema import ModelConfig, PlatformConfig
+from llmkit.config.schema import ModelConfig
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.models import MODELS, UnsupportedModelError, get_model_class
 from llmkit.models.base import ModelContext
 from llmkit.models.loader import build_model, resolve_model_source
-from llmkit.platforms.cpu import CpuPlatform
+from helpers.model_logits import PagedRun, assert_close, hf_logits, load_llmkit, random_seqs
 from helpers.tiny_models import write_tiny_gguf
 
-BLOCK_SIZE = 4
-ATOL = 1e-4
 PROMPT_LENS = (5, 11, 8)
 EXTRA_TOKENS = 3  # tokens appended to each prompt and fed back one step at a time
 
@@ -42,92 +36,6 @@ CASES = {
     "qwen2-rope-linear": ("qwen2", {"rope_parameters": {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
 }
-
-
-# -- helpers ---------------------------------------------------------------------------------
-class PagedRun:
-    """Drives a model over several sequences with a hand-allocated paged KV cache: sequence i
-    owns blocks ``[i * per_seq, (i + 1) * per_seq)``, allocated in reverse so that block ids
-    are not in token order."""
-
-    def __init__(self, model, num_seqs: int, max_len: int) -> None:
-        self.model = model
-        per_seq = -(-max_len // BLOCK_SIZE)
-        shape = model.attn_backend.kv_cache_shape(num_seqs * per_seq, BLOCK_SIZE,
-                                                  model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
-        self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
-                       for i in range(num_seqs)]
-        self.computed = [0] * num_seqs
-
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Run one step over ``{seq: new token ids}``; the logits of every new token per seq."""
-        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for seq, tokens in chunks.items():
-            start = self.computed[seq]
-            for p in range(start, start + len(tokens)):
-                positions.append(p)
-                slots.append(self.blocks[seq][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-            ids += tokens
-            qsl.append(qsl[-1] + len(tokens))
-            seq_lens.append(start + len(tokens))
-            tables.append(self.blocks[seq])
-            self.computed[seq] += len(tokens)
-        md = AttentionMetadata(
-            num_reqs=len(chunks), num_actual_tokens=len(ids),
-            max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=torch.tensor(tables, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
-        md = self.model.attn_backend.build_metadata(md)  # once per step, as the runner does
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
-            logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.vocab_size)
-        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
-
-
-def load_llmkit(path: Path, dtype=torch.float32, kernels: str = "torch"):
-    """The model built as the engine builds it, over one op set and linear method:
-
-    - ``torch``: the torch reference ops and ``F.linear`` with the torch attention backend;
-    - ``packed``: torch ops, the CPU linear method without C++ kernels (oneDNN-packed weights
-      up to 512 rows, MKL above) and the ``cpu`` backend;
-    - ``native``: the CPU platform's choice: its C++ ops and the CPU linear method with the
-      C++ small-batch linear (up to 8 rows) in front of the packed GEMMs.
-    """
-    source = resolve_model_source(ModelConfig(path=str(path)))
-    if kernels == "torch":
-        ctx = ModelContext(TorchAttentionBackend(), dtype)
-    elif kernels == "packed":
-        ctx = ModelContext(CpuAttentionBackend(), dtype,
-                           linear_method=lambda spec: CpuLinearMethod(None))
-    else:
-        platform = CpuPlatform(PlatformConfig(name="cpu", native_kernels="on"))
-        ops = platform.ops(dtype)
-        ctx = ModelContext(CpuAttentionBackend(ops), dtype, ops,
-                           platform.linear_method_factory(dtype))
-    return build_model(source, ctx, torch.device("cpu")), source
-
-
-def hf_logits(model_dir: Path, seqs: list[list[int]], dtype=torch.float32,
-              **kwargs) -> list[torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs)
-    with torch.inference_mode():
-        return [model(torch.tensor([s])).logits[0].float() for s in seqs]
-
-
-def random_seqs(vocab: int, lens, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
-    diff = (actual - expected).abs().max().item()
-    assert diff <= atol, f"max |logit difference| {diff:.3g} > {atol}"
-    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
 # -- the Llama family against transformers ---------------------------------------------------

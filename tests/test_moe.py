@@ -191,7 +191,7 @@ def test_moe_greedy_tokens_match_hf(arch, tiny_model_dir, tiny_tokenizer, single
 def test_moe_logits_match_hf_through_prefill_and_decode(arch, tiny_model_dir, tiny_tokenizer):
     """The CPU platform's ops and linear methods (C++ kernels where they build): every
     position's logits of a prefill, then two decode steps, equal HF's."""
-    from test_models import PagedRun, assert_close, hf_logits, load_llmkit, random_seqs
+    from helpers.model_logits import PagedRun, assert_close, hf_logits, load_llmkit, random_seqs
 
     model_dir = tiny_model_dir(arch)
     seq = random_seqs(len(tiny_tokenizer), [10])[0]
@@ -205,7 +205,7 @@ def test_moe_logits_match_hf_through_prefill_and_decode(arch, tiny_model_dir, ti
 def test_triton_ops_moe_model_matches_hf(tiny_model_dir, tiny_tokenizer, monkeypatch):
     """The CUDA platform's ops, the Triton fused-MoE kernel among them (interpreted here):
     Qwen2-MoE's logits equal HF's."""
-    from test_models import PagedRun, assert_close, hf_logits, random_seqs
+    from helpers.model_logits import PagedRun, assert_close, hf_logits, random_seqs
 
     from llmkit.attention.triton_backend import TritonAttentionBackend
     from llmkit.config.schema import ModelConfig

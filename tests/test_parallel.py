@@ -316,7 +316,7 @@ def test_vocab_parallel_shards_pad_a_vocabulary_that_does_not_divide():
 
 
 def test_llmkit_sim_reads_the_parallel_group():
-    from test_sim_replay import cfg_of
+    from helpers.sim_config import cfg_of
 
     from llmkit.tools.sim.replay import build_sim_engine
 

@@ -204,7 +204,7 @@ def test_more_ranks_than_the_machine_allows_names_the_pipeline_key(tiny_model_di
 
 # -- the simulator -----------------------------------------------------------------------------
 def _sim(*overrides: str):
-    from test_sim_replay import cfg_of
+    from helpers.sim_config import cfg_of
 
     from llmkit.tools.sim.replay import build_sim_engine
 
@@ -274,7 +274,7 @@ def test_sim_pipeline_replay_keeps_both_stages_busy():
     over two batches and the batch queue keeps two in flight, so the batches' latencies add up
     to about twice the time that passed (each stage busy with one of them). Without pipeline
     parallel one step runs at a time: they add up to at most the time that passed."""
-    from test_sim_replay import cfg_of
+    from helpers.sim_config import cfg_of
 
     from llmkit.tools.sim.replay import run_sim
 
@@ -291,7 +291,7 @@ def test_sim_pipeline_replay_keeps_both_stages_busy():
 
 # -- the scheduler behind a batch queue ------------------------------------------------------
 def test_scheduler_keeps_in_flight_requests_out_of_the_next_batch():
-    from test_scheduler import fake_run, req
+    from helpers.scheduler_driver import fake_run, req
 
     from llmkit.config.schema import SchedulerConfig
     from llmkit.kv_cache import KVCacheManager

@@ -19,7 +19,7 @@ DEVICE = torch.device(os.environ.get("LLMKIT_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
                                 reason="needs a CUDA device")
 
-import test_sampling_distribution as dist  # noqa: E402  (the CPU test's definitions)
+from helpers import sampling_distributions as dist  # noqa: E402  (the CPU test's definitions)
 
 
 def draw(case, seed: int, n: int = dist.N) -> np.ndarray:

@@ -1,70 +1,24 @@
 """The sampler draws from exactly the filtered distribution, and seeds make rows reproducible.
 
-Statistical method: for each case, N draws from one fixed logits vector (one sampler call over
-N identical rows, fixed engine seed). The expected distribution is computed here, in float64
-numpy, straight from the definitions (temperature → min-p → top-k → top-p, vLLM's order). A
-case passes when no draw falls outside the expected support and Pearson's chi-square
-goodness-of-fit test on the support does not reject at ``ALPHA / number of cases`` (Bonferroni:
-the family-wise false-rejection rate is at most ALPHA = 1%). The same check must reject
-deliberately wrong filters (off-by-one top-p and top-k), which shows it has the power to see
-the errors that matter.
+Statistical method: for each case, N draws from one fixed logits vector (one sampler call over N
+identical rows, fixed engine seed). The expected distribution is computed in float64 numpy
+(``tests/helpers/sampling_distributions.py``), straight from the definitions (temperature →
+min-p → top-k → top-p, vLLM's order). A case passes when no draw falls outside the expected
+support and Pearson's chi-square goodness-of-fit test on the support does not reject at
+``ALPHA / number of cases`` (Bonferroni: the family-wise false-rejection rate is at most
+ALPHA = 1%). The same check must reject deliberately wrong filters (off-by-one top-p and top-k),
+which shows it has the power to see the errors that matter.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from llmkit.sampling import SamplingMetadata, TorchSampler
 from llmkit.sampling import topk_topp
 
-LOGITS = np.array([2.2, 0.4, 1.9, -0.3, 1.3, 0.9, -1.0, 1.6, 0.1, -2.0, 0.6, -0.7])
-N = 20_000
-ALPHA = 0.01
-
-# (temperature, top_k, top_p, min_p): each alone, and combinations.
-CASES = [
-    (1.0, 0, 1.0, 0.0),
-    (0.7, 0, 1.0, 0.0),
-    (1.5, 0, 1.0, 0.0),
-    (1.0, 4, 1.0, 0.0),
-    (1.0, 0, 0.8, 0.0),
-    (1.0, 0, 1.0, 0.1),
-    (0.8, 6, 0.9, 0.0),
-    (1.3, 0, 0.7, 0.05),
-    (1.2, 5, 0.6, 0.02),
-    (0.5, 8, 1.0, 0.03),
-]
-# Every chi-square check below: the cases, the same cases through the top-p candidate
-# path, and the three mutants.
-PER_CASE_ALPHA = ALPHA / (len(CASES) + sum(c[2] < 1.0 for c in CASES) + 3)
-
-
-def expected_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                          min_p: float) -> np.ndarray:
-    """The filtered distribution, from the definitions, in float64."""
-    z = logits / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    keep = np.ones_like(p, dtype=bool)
-    if min_p > 0:
-        keep &= p >= min_p * p.max()
-    order = np.argsort(-p, kind="stable")
-    if top_k > 0:
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        q = np.where(keep, p, 0.0)
-        q /= q.sum()
-        mass_before = 0.0
-        for i in order:
-            if not keep[i]:
-                continue
-            if mass_before >= top_p:
-                keep[i] = False
-            mass_before += q[i]
-    out = np.where(keep, p, 0.0)
-    return out / out.sum()
+from helpers.sampling_distributions import CASES, LOGITS, N, expected_distribution, fits
 
 
 def draw(case, seed: int = 0, n: int = N) -> np.ndarray:
@@ -77,15 +31,6 @@ def draw(case, seed: int = 0, n: int = N) -> np.ndarray:
         min_p=torch.full((n,), min_p) if min_p else None)
     tokens = TorchSampler(seed=seed)(logits, meta)
     return np.bincount(tokens.numpy(), minlength=len(LOGITS))
-
-
-def fits(counts: np.ndarray, expected: np.ndarray) -> tuple[bool, str]:
-    support = expected > 0
-    outside = int(counts[~support].sum())
-    if outside:
-        return False, f"{outside} draws outside the support"
-    stat, p_value = chisquare(counts[support], expected[support] * counts.sum())
-    return p_value >= PER_CASE_ALPHA, f"chi2={stat:.1f} p={p_value:.2e}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-k{}-p{}-minp{}".format(*c))

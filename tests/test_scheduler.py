@@ -7,10 +7,11 @@ import pytest
 
 from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache import KVCacheManager
-from llmkit.outputs import ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.sampling import SamplingParams
 from llmkit.scheduler.token_budget import TokenBudgetScheduler
+
+from helpers.scheduler_driver import fake_run, req
 
 EOS = 0
 
@@ -30,22 +31,6 @@ def make(num_blocks=64, block_size=4, max_model_len=256, **cfg):
     sched = TokenBudgetScheduler(SchedulerConfig(**cfg), kv, max_model_len=max_model_len,
                                  eos_token_id=EOS, clock=FakeClock())
     return sched, kv
-
-
-def fake_run(sched, out, token=7):
-    """Sample ``token`` for every request whose step reaches the end of its known tokens."""
-    sampled = []
-    for rid in out.num_scheduled_tokens:
-        req = sched.requests.get(rid)
-        sampled.append([token] if req is not None and req.num_computed_tokens >= req.num_tokens
-                       else [])
-    return sched.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens), sampled))
-
-
-def req(rid, n, max_tokens=4, **kw):
-    """A request whose prompt shares no block with other ids' prompts."""
-    base = 1000 * (1 + sum(map(ord, rid)))
-    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens, **kw))
 
 
 def drain(sched, max_steps=1000, token=7):
@@ -196,9 +181,7 @@ def test_shared_trace_matches_vllm_hit_rate(monkeypatch):
     benchmark (``benchmarks/test_scheduler_bench.py``, measured with
     ``benchmarks/vllm_sched_reference.py``)."""
     import importlib
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("test_scheduler_bench")
     for num_blocks in sorted(bench.VLLM_FIGURES):
         result = bench.run_trace(num_blocks=num_blocks)

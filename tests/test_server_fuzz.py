@@ -7,15 +7,11 @@ A few hundred requests here; ``benchmarks/soak.py`` sends thousands.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

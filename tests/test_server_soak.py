@@ -16,12 +16,8 @@ for a while before it levels off, which a 12 s run would mistake for a leak. The
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 
 from helpers.structured_backends import FAILS_IN_ENGINE
+from helpers.tool_specs import SCHEMA_OF, SEARCH, TOOLS, WEATHER
 from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 TESTS = Path(__file__).resolve().parent
@@ -29,21 +30,6 @@ PERSON = {"type": "object", "properties": {
     "pets": {"type": "array", "items": {"type": "string", "enum": ["cat", "dog"]},
              "maxItems": 2}},
     "required": ["name", "age"]}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Berlin", "Rome"]},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"]}}}
-SEARCH = {"type": "function", "function": {
-    "name": "search", "description": "Search the web.",
-    "parameters": {"type": "object", "properties": {
-        "query": {"type": "string", "maxLength": 12},
-        "limit": {"type": "integer", "minimum": 1, "maximum": 5}},
-        "required": ["query"]}}}
-TOOLS = [WEATHER, SEARCH]
-SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris tomorrow?"}]
 
 

@@ -6,16 +6,11 @@ import pytest
 
 from llmkit.tools.bench.datasets import WorkloadRequest, build_workload
 from llmkit.tools.bench.metrics import summarize
-from llmkit.tools.compose import compose_tool_config
-from llmkit.tools.schema import SimToolConfig
 from llmkit.tools.sim.cost_model import StepCost
 from llmkit.tools.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.tools.sim.virtual_clock import VirtualClock
 
-
-def cfg_of(*overrides: str) -> SimToolConfig:
-    return compose_tool_config(SimToolConfig,
-                               ["sim.model=llama-2-7b", "bench.progress=false", *overrides])
+from helpers.sim_config import cfg_of
 
 
 def strip_wall(result: dict) -> dict:

@@ -14,13 +14,11 @@ from llmkit.scheduler import TokenBudgetScheduler
 from llmkit.scheduler.base import Scheduler
 from llmkit.spec_decode.base import Proposer
 from llmkit.spec_decode.ngram import find_drafts
-from helpers.tiny_models import build_eagle_head_dir, build_successor_model_dir
+from helpers.tiny_models import (SUCCESSOR_PROMPTS, build_eagle_head_dir,
+                                  build_successor_model_dir)
 
 MAX_TOKENS = 24
-# ascending runs (the successor model copies them), repeats, a shared prefix (prefix hits)
-PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 5, 9, 33, 40],
-           [5, 9, 33, 2, 71, 8] * 3, [17] * 20, [100, 200, 300, 100, 7, 8],
-           [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 5, 9, 120, 121, 122, 123, 124, 120]]
+PROMPTS = SUCCESSOR_PROMPTS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 # a small pool (preemption and recompute), a small token budget (prompts in chunks, drafts cut
 # to the budget), blocks of 4 (prefix hits on the shared prefix)

@@ -8,9 +8,9 @@ import pytest
 
 from llmkit import LLM, SamplingParams
 from llmkit.config.errors import ConfigError
+from helpers.tiny_models import SUCCESSOR_PROMPTS as PROMPTS
 from helpers.tiny_models import build_eagle_head_dir, build_successor_model_dir
 
-from test_spec_decode import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)

@@ -22,7 +22,7 @@ from llmkit.entrypoints.openai.tools import (TOOL_PROMPT, template_messages,
                                              template_supports_tools, tool_use)
 from llmkit.structured_output.xgrammar_backend import XgrammarBackend
 
-from test_server_structured import SCHEMA_OF, TOOLS
+from helpers.tool_specs import SCHEMA_OF, TOOLS
 
 # SmolLM2-135M-Instruct's chat template (from its GGUF): it knows no tools and concatenates
 # message['content'], so an assistant turn with content None breaks it.

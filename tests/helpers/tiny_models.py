@@ -265,6 +265,14 @@ def build_eagle_head_dir(target_dir: Path, out: Path, *, seed: int = 0,
     return out
 
 
+# Prompts for the successor model: ascending runs (it copies them), repeats, a shared prefix
+# (prefix hits).
+SUCCESSOR_PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 5, 9, 33, 40],
+                     [5, 9, 33, 2, 71, 8] * 3, [17] * 20, [100, 200, 300, 100, 7, 8],
+                     [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 5, 9, 120, 121, 122, 123, 124,
+                      120]]
+
+
 def build_successor_model_dir(out: Path, tokenizer, *, seed: int = 0,
                               layer_scale: float = 0.5) -> Path:
     """A tiny Llama whose greedy continuation counts up: the LM head is the embedding shifted by
