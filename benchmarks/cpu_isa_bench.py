@@ -17,7 +17,9 @@ import torch
 
 from llmkit.config.cpu_isa import cpu_model, supported_tiers
 from llmkit.kernels.cpu_native import load_cpu_kernels
-from llmkit.kernels.quant import testing, weights
+from llmkit.kernels.quant import weights
+
+from helpers.gguf_rows import random_gguf_rows
 
 SHAPES = [("q4_1", 576, 1536), ("q4_1", 1536, 576), ("q8_0", 576, 49152)]
 
@@ -34,7 +36,7 @@ def main() -> None:
     ops = {t: load_cpu_kernels(t) for t in tiers}
     print(f"{cpu_model()}; tiers {', '.join(tiers)}; {args.threads} threads")
     for fmt, k, n in SHAPES:
-        packed = weights.pack_gguf(testing.random_gguf_rows(fmt, n, k, seed=0), fmt, k)
+        packed = weights.pack_gguf(random_gguf_rows(fmt, n, k, seed=0), fmt, k)
         for rows in args.rows:
             x = torch.randn(rows, k)
             times: dict[str, list[float]] = {t: [] for t in tiers}

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.kernels.cpu_native import load_cpu_kernels
-from llmkit.kernels.quant import testing, weights
+from llmkit.kernels.quant import weights
+
+from helpers.gguf_rows import random_gguf_rows
 
 # SmolLM2-135M: (out, in) of q/k/v fused, o, gate/up fused, down; the LM head separately.
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -34,7 +36,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int):
     if fmt in GGUF:
         if fmt in ("q4_k", "q6_k") and k % 256:
             k = 512 if k < 1024 else 1536
-        return weights.pack_gguf(testing.random_gguf_rows(fmt, n, k, seed=seed), fmt, k)
+        return weights.pack_gguf(random_gguf_rows(fmt, n, k, seed=seed), fmt, k)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return weights.quantize_int8(w) if fmt == "int8" else weights.quantize_fp8(w)
 

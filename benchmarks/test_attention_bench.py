@@ -16,7 +16,7 @@ import torch
 
 from llmkit.attention import ATTENTION_BACKENDS
 from llmkit.attention.base import AttentionMetadata
-from llmkit.kernels.testing import make_paged_batch
+from helpers.kernel_inputs import make_paged_batch
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -18,7 +18,7 @@ from llmkit.kernels.cache import reshape_and_cache, reshape_and_cache_ref
 from llmkit.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from llmkit.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
 from llmkit.kernels.rotary import rotary_embedding, rotary_embedding_ref
-from llmkit.kernels.testing import make_paged_batch
+from helpers.kernel_inputs import make_paged_batch
 from llmkit.kernels.unified import unified_attention, unified_attention_ref
 
 CUDA = torch.cuda.is_available()

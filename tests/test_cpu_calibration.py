@@ -19,12 +19,13 @@ from llmkit.config.errors import ConfigError
 from llmkit.config.schema import PlatformConfig
 from llmkit.entrypoints.cli import main
 from llmkit.kernels.cpu_native import build_directory, kernels_build_key, load_cpu_kernels
-from llmkit.kernels.quant.testing import random_gguf_rows
 from llmkit.platforms import CpuPlatform
 from llmkit.kernels import cpu_calibration as calibration
 from llmkit.kernels.cpu_calibration import (CANDIDATES, calibrate, calibrated_fields,
                                               calibration_file, calibration_key, pick,
                                               time_candidates)
+
+from helpers.gguf_rows import random_gguf_rows
 
 DEFAULTS = CpuDispatch()
 

@@ -14,7 +14,7 @@ import torch
 from llmkit.kernels import count_launches
 from llmkit.kernels.cache import reshape_and_cache, reshape_and_cache_ref
 from llmkit.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from llmkit.kernels.testing import make_paged_batch, tolerances
+from helpers.kernel_inputs import make_paged_batch, tolerances
 from llmkit.kernels.unified import (choose_block_q, unified_attention,
                                               unified_attention_ref, unified_attention_tiles)
 

@@ -11,7 +11,7 @@ from llmkit.kernels.activation import silu_and_mul, silu_and_mul_ref
 from llmkit.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm,
                                  rms_norm_ref)
 from llmkit.kernels.rotary import rotary_embedding, rotary_embedding_ref
-from llmkit.kernels.testing import tolerances
+from helpers.kernel_inputs import tolerances
 from llmkit.models.layers.norm import RMSNorm
 from llmkit.models.layers.rotary import RotaryEmbedding, apply_rotary
 from llmkit.ops.base import ModelOps

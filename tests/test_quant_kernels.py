@@ -16,7 +16,9 @@ import torch
 
 from llmkit.config.cpu_isa import supported_tiers
 from llmkit.kernels.cpu_native import load_cpu_kernels
-from llmkit.kernels.quant import formats, reference, testing, weights
+from llmkit.kernels.quant import formats, reference, weights
+
+from helpers import gguf_rows as testing
 
 GGUF = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 # (in_features, out_features): several blocks, out not a multiple of the 8-row group.

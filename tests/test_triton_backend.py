@@ -14,7 +14,7 @@ from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
 from llmkit.config.errors import ConfigError
 from llmkit.kernels import count_launches
-from llmkit.kernels.testing import tolerances
+from helpers.kernel_inputs import tolerances
 from llmkit.platforms import CudaPlatform
 from helpers.attention_cases import attention_case, engine_greedy_tokens
 

@@ -102,7 +102,7 @@ class Checker:
 
     def close(self, name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
               exact: bool = False) -> None:
-        from llmkit.kernels.testing import tolerances
+        from helpers.kernel_inputs import tolerances
 
         tol = {"atol": 0.0, "rtol": 0.0} if exact else tolerances(dtype)
         err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
@@ -122,7 +122,7 @@ def check_correctness(c: Checker, dev: torch.device, sz: Sizes) -> None:
                                 reshape_and_cache, reshape_and_cache_ref, rms_norm, rms_norm_ref,
                                 rotary_embedding, rotary_embedding_ref, silu_and_mul,
                                 silu_and_mul_ref, unified_attention, unified_attention_ref)
-    from llmkit.kernels.testing import make_paged_batch
+    from helpers.kernel_inputs import make_paged_batch
 
     torch.manual_seed(0)
     n = sz.tokens
@@ -256,7 +256,7 @@ def bench_decode(dev: torch.device, peak: float, sz: Sizes, quick: bool) -> None
 
 def bench_prefill(dev: torch.device, sz: Sizes) -> None:
     from llmkit.kernels import choose_block_q, unified_attention, unified_attention_tiles
-    from llmkit.kernels.testing import make_paged_batch
+    from helpers.kernel_inputs import make_paged_batch
 
     heads, hkv = sz.heads
     d, bs = 128, 16

@@ -8,7 +8,6 @@ formats            the kept formats (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; int8; fp
 weights            ``PackedWeight``; ``pack_gguf``, ``quantize_int8``, ``quantize_fp8``;
                    ``quant_linear`` (any number of rows) and ``dequantize`` (row lookup)
 reference          the exact integer-form references the kernels are tested against
-testing            random weights in every format
 =================  ==========================================================================
 
 The C++ kernels are in ``kernels/cpu/quant_*.h`` (``torch.ops.llmkit_cpu.quant_*``).

@@ -144,7 +144,7 @@ def write_tiny_gguf(model_dir: Path, out: Path, weight_type: str | None = None,
     ``weight_type`` (a GGUF type name: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) puts every matrix, the
     embedding and output included, in that type, or in ``type_of[gguf short name]`` (e.g.
     ``{"attn_v": "Q6_K"}``). gguf-py cannot quantize Q4_K / Q6_K: their matrices are random
-    valid blocks (``llmkit.kernels.quant.testing``) in place of the model's values."""
+    valid blocks (``helpers.gguf_rows``) in place of the model's values."""
     import json
 
     import gguf
@@ -211,7 +211,7 @@ def write_tiny_gguf(model_dir: Path, out: Path, weight_type: str | None = None,
             short = gguf_name.split(".")[-2]
             qtype = getattr(Q, (type_of or {}).get(short, weight_type))
             if qtype in (Q.Q4_K, Q.Q6_K):
-                from llmkit.kernels.quant.testing import random_gguf_rows
+                from helpers.gguf_rows import random_gguf_rows
                 import zlib
                 raw = random_gguf_rows(qtype.name.lower(), *array.shape,
                                        seed=zlib.crc32(gguf_name.encode()), scale=0.004).numpy()

@@ -1,5 +1,6 @@
-"""Random inputs for checking kernels against their references (the tests under
-``TRITON_INTERPRET=1`` and ``benchmarks/gpu/check_kernels.py`` on a GPU).
+"""Random inputs for checking kernels against their references, and the tolerances (the tests
+under ``TRITON_INTERPRET=1``, the kernel benchmarks, ``benchmarks/gpu/check_kernels.py`` on a
+GPU).
 
 The interpreter is slow and its bf16 arithmetic is not the GPU's: CPU tests use float32 and
 small shapes; GPU checks use bf16 too.

@@ -1,4 +1,4 @@
-"""Random weights in every kept format, for tests and benchmarks.
+"""Random GGUF weight rows in every kept block format, for tests and benchmarks.
 
 Q4_0, Q4_1 and Q8_0 rows are quantized from random floats by gguf-py's own quantizer. gguf-py
 cannot quantize Q4_K or Q6_K, so their rows are random *valid* blocks: random bytes wherever
