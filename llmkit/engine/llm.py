@@ -9,6 +9,8 @@ from tqdm.auto import tqdm
 from llmkit.config.compose import build_config
 from llmkit.config.openmp_env import warn_if_threads_spin
 from llmkit.config.schema import EngineConfig
+from llmkit.engine.beam_search import (BeamSearchOutput, BeamSearchParams, first_logprobs,
+                                       run_beam_search, start_beam_search)
 from llmkit.engine.client import SteppedEngineClient
 from llmkit.engine.core import EngineCore
 from llmkit.engine.frontend import Frontend, FrontendModel, Message
@@ -153,6 +155,23 @@ class LLM:
         prompts = [self.frontend.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    *, use_tqdm: bool = False, lora_request: LoRARequest | None = None
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (``llmkit.engine.beam_search``): per prompt, the best
+        ``params.beam_width`` sequences (prompt tokens included), best first."""
+        searches = [start_beam_search(self.frontend, p, params)
+                    for p in _as_prompt_list(prompts)]
+        step = params.step_params(self.engine.model_facts.vocab_size)
+
+        def run_step(batch: list[PromptType]) -> list:
+            outs = self.generate(batch, step, use_tqdm=False, lora_request=lora_request)
+            return [first_logprobs(o) for o in outs]
+
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            run_beam_search(searches, run_step, lambda: bar.update(1))
+        return [s.output(self.tokenizer) for s in searches]
 
     # -- LoRA adapters -----------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
