@@ -2,8 +2,8 @@
 
 The one place that builds a rank's model and what runs beside it: the linear methods (split
 over the tensor-parallel group, wrapped by LoRA's), the sampler, the speculative proposer, the
-LoRA manager, step graphs, the KV connector's worker side. The uniproc executor holds one in
-its own process (groups of size 1); the multiproc and Ray executors hold one per rank in worker
+LoRA manager, step graphs, the KV connector's worker side. The uniproc executor is one, in the
+engine's process (groups of size 1); the multiproc and Ray executors hold one per rank in worker
 processes, each in its tensor-parallel group (``TensorParallelGroup``) and pipeline stage
 (``PipelineParallelGroup``). Every rank of the last stage runs the same step on its shard,
 samples the same tokens from the gathered logits (the same seeds, the same draws), proposes the
@@ -113,7 +113,7 @@ class Worker:
         self._hidden = (model.hidden_size, dtype, platform.device)
         sampler = SAMPLERS.resolve(config.sampler.name, config.sampler.target).for_platform(
             platform, seed=config.seed)
-        self.model_facts = model_facts(source)
+        self._model_facts = model_facts(source)
         self._dtype = dtype
         self._names = (attn.name, ops.name)
         self.runner = ModelRunner(
@@ -158,6 +158,10 @@ class Worker:
                 logger.warning("LoRA: the %s LoRA ops cannot run inside step graphs; decode "
                                "steps where a row uses an adapter run eagerly (steps without "
                                "adapters still use the graphs)", lora.ops.name)
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        return self._model_facts
 
     @property
     def backend_info(self) -> BackendInfo:
