@@ -211,7 +211,7 @@ class EngineCoreProc:
             self.summaries.install()
         self.send(EngineReady(pid=os.getpid(), max_model_len=self.core.max_model_len,
                               num_blocks=self.core.num_blocks,
-                              block_size=config.kv_cache.block_size,
+                              block_size=self.core.kv_cache_manager.block_size,
                               eos_token_id=self.core.eos_token_id,
                               vocab_size=self.core.model_facts.vocab_size,
                               eos_token_ids=list(self.core.model_facts.eos_token_ids)))
