@@ -140,7 +140,7 @@ def check_pipeline_parallel(config: EngineConfig, hf_config) -> None:
     pp = config.parallel.pipeline_parallel_size
     key = "parallel.pipeline_parallel_size"
     cls = get_model_class(hf_config)
-    if not getattr(cls, "supports_pp", False):
+    if not cls.supports_pp:
         raise ConfigError(key, pp, f"1 for {cls.__name__} (it does not split into pipeline "
                           "stages)")
     layers = hf_config.num_hidden_layers

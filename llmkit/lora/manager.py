@@ -343,8 +343,7 @@ class LoRASetup:
         self.mapping = LoRAMapping(max_num_tokens, platform.device)
         self.ops = lora_ops_for(platform.device, platform.native_kernels(dtype),
                                 platform.dispatch)
-        self.packed = dict(getattr(get_model_class(source.hf_config), "packed_modules_mapping",
-                                   {}))
+        self.packed = dict(get_model_class(source.hf_config).packed_modules_mapping)
 
     def wrap(self, factory: LinearMethodFactory) -> LinearMethodFactory:
         return lora_linear_method_factory(factory, packed_modules=self.packed,

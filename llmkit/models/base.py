@@ -72,6 +72,9 @@ class CausalLM(nn.Module, ABC):
     #: connectors then overlap their transfers with the layers); if not, the runner waits for
     #: every layer's loads before the forward and hands every layer over after it.
     supports_kv_layer_hook: bool = False
+    #: Whether the model builds only its pipeline stage's layers (``parallel.
+    #: pipeline_parallel_size > 1``; the others are ``PPMissingLayer``).
+    supports_pp: bool = False
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()

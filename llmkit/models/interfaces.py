@@ -15,6 +15,9 @@ class SupportsMultiModal(ABC):
     ``inputs_embeds`` (``CausalLM.embed_input_ids`` for the text tokens)."""
 
     supports_multimodal = True
+    #: Placeholder tokens per image when every image has the same number (LLaVA); None: it
+    #: follows the image's size (Qwen2-VL).
+    num_image_tokens: int | None = None
 
     @abstractmethod
     def embed_multimodal(self, pixel_values: torch.Tensor,

@@ -59,9 +59,9 @@ def model_facts(source: ModelSource) -> ModelFacts:
 def check_encoder_budget(model: torch.nn.Module, config: EngineConfig) -> None:
     """An image must fit the encoder cache and one step's encoder budget, or it could never
     be encoded: a multimodal model with a smaller setting fails at start-up."""
-    n = getattr(model, "num_image_tokens", None)
-    if not supports_multimodal(model) or n is None:
+    if not supports_multimodal(model) or model.num_image_tokens is None:
         return
+    n = model.num_image_tokens
     s = config.scheduler
     for key, value in (("scheduler.encoder_cache_size", s.encoder_cache_size),
                        ("scheduler.max_num_encoder_input_tokens",
