@@ -85,7 +85,7 @@ def _describe(case: Any) -> str:
 
 def fuzz_server(base_url: str, api_key: str | None, examples_per_operation: int, *,
                 modes: tuple[str, ...] = ("positive", "negative"), seed: int = 0,
-                timeout_s: float = 120.0) -> FuzzReport:
+                timeout_s: float = 120.0, paths: tuple[str, ...] | None = None) -> FuzzReport:
     import requests
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
@@ -103,6 +103,8 @@ def fuzz_server(base_url: str, api_key: str | None, examples_per_operation: int,
     session = requests.Session()
     start = time.monotonic()
     operations = [r.ok() for r in schema.get_all_operations()]
+    if paths is not None:  # only these paths' operations
+        operations = [op for op in operations if op.path in paths]
     for op in operations:
         for mode_name in modes:
             mode = GenerationMode(mode_name)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.pooling_reference import reference_embeddings
 from llmkit import LLM, SamplingParams
 
 PROMPTS = ["Hello there, how are you doing today?",
@@ -19,18 +20,8 @@ PROMPTS = ["Hello there, how are you doing today?",
 
 def _reference(model_dir: Path, tokenizer, prompts: list[str], kind: str,
                normalize: bool) -> list[torch.Tensor]:
-    """transformers' final hidden states (the base model's, after its final norm), pooled."""
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([tokenizer.encode(p)])
-        with torch.no_grad():
-            h = model(input_ids=ids).last_hidden_state[0]
-        v = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
-        out.append(torch.nn.functional.normalize(v, dim=-1) if normalize else v)
-    return out
+    return reference_embeddings(model_dir, [tokenizer.encode(p) for p in prompts], kind,
+                                normalize)
 
 
 def _assert_close(got, want) -> None:

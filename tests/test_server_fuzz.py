@@ -38,13 +38,38 @@ def test_generated_requests_get_no_5xx_and_openai_errors(server):
     paths = {op.split(" ", 1)[1] for op in report.by_operation}
     for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
                  "/detokenize", "/health", "/metrics", "/v1/engine/stats",
-                 "/v1/engine/events", "/v1/responses", "/v1/responses/{response_id}"):
+                 "/v1/engine/events", "/v1/responses", "/v1/responses/{response_id}",
+                 "/v1/embeddings"):
         assert path in paths, path  # every operation was exercised
     assert report.requests >= 200
     assert report.server_errors == 0 and report.num_failures == 0, "\n".join(report.failures)
     assert report.by_status[200] > 0 and report.by_status[400] > 0
     assert "Traceback" not in server.log()
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_embeddings_from_a_generating_server_are_400_naming_model_runner(server):
+    resp = httpx.post(server.url("/v1/embeddings"), headers=AUTH, json={"input": "hi"})
+    assert resp.status_code == 400
+    assert "model.runner" in error_body(resp)["message"]
+
+
+def test_generated_embedding_requests_to_a_pooling_server(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("schemathesis", reason="schemathesis is not installed (test extra)")
+    from server_fuzz import fuzz_server
+
+    with ServerProcess(tiny_model_dir("qwen3"), "model.runner=pooling",
+                       f"model.max_model_len={MAX_MODEL_LEN}", "kv_cache.num_blocks=256",
+                       SERVER_THREADS,
+                       log_path=tmp_path_factory.mktemp("pooling") / "server.log") as srv:
+        report = fuzz_server(srv.base_url, None, EXAMPLES_PER_OPERATION,
+                             paths=("/v1/embeddings",))
+        print("fuzz (pooling):", report.summary())
+        assert report.requests >= 16
+        assert report.server_errors == 0 and report.num_failures == 0, \
+            "\n".join(report.failures)
+        assert report.by_status[200] > 0 and report.by_status[400] > 0
+        assert "Traceback" not in srv.log()
 
 
 def test_openai_error_shape_check():

@@ -65,7 +65,7 @@ from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
 from llmkit.engine.step_summary import EngineStepSummary
-from llmkit.outputs import RequestOutput
+from llmkit.outputs import EmbeddingRequestOutput, RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
 
@@ -214,7 +214,8 @@ class AsyncLLM:
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                           prompt_text: str | None = None,
                           cache_salt: str | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          pooling: bool = False) -> RequestStream:
         """Validate, admit and send a request; return its stream. Raises ``ValueError`` (bad
         input: empty or too long a prompt, token ids outside the vocabulary, duplicate id),
         ``EngineOverloadedError`` (queue full) or ``EngineDeadError``, before anything is
@@ -230,8 +231,10 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._tracker.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        p = self.frontend.process(prompt, self.frontend.sampling_params(sampling_params, n),
-                                  cache_salt=cache_salt)
+        # pooling: a request for the prompt's embedding (``embed``), not for tokens
+        p = (self.frontend.process_embedding(prompt, cache_salt=cache_salt) if pooling else
+             self.frontend.process(prompt, self.frontend.sampling_params(sampling_params, n),
+                                   cache_salt=cache_salt))
         ids, params, cache_salt, mm_features = p.token_ids, p.params, p.cache_salt, p.mm_features
         num_pending = self._tracker.num_pending
         if num_pending + params.n > self.max_waiting_requests:
@@ -276,6 +279,24 @@ class AsyncLLM:
         try:
             async for out in stream:
                 yield out
+        finally:
+            stream.abort()
+
+    async def embed(self, prompt: PromptType, request_id: str | None = None, *,
+                    priority: int = 0, lora_request: LoRARequest | None = None
+                    ) -> EmbeddingRequestOutput:
+        """The prompt's embedding (``model.runner=pooling``; a generating engine raises
+        ``ValueError``), as ``LLM.embed`` gives it."""
+        if request_id is None:
+            request_id = f"embd-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        stream = await self.add_request(request_id, prompt, priority=priority,
+                                        output_kind=RequestOutputKind.FINAL_ONLY,
+                                        lora_request=lora_request, pooling=True)
+        try:
+            async for out in stream:
+                if isinstance(out, EmbeddingRequestOutput):
+                    return out
+            raise RuntimeError(f"request {request_id!r} ended without its embedding (aborted)")
         finally:
             stream.abort()
 

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.async_llm import AsyncLLM
 from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from llmkit.entrypoints.openai.embeddings import add_embeddings_routes
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
 from llmkit.entrypoints.openai.limits import RequestSizeLimit
@@ -266,6 +267,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
             return PlainTextResponse(await serving.models.unload(request.lora_name))
 
     add_responses_routes(app, serving, config.server.responses_store_size, _ERRORS)
+    add_embeddings_routes(app, serving, _ERRORS)
     add_engine_view_routes(app, engine, events_per_s=config.server.engine_events_per_s)
     add_web_routes(app)
 
