@@ -94,3 +94,18 @@ def test_embed_on_a_generating_engine_names_model_runner(qwen3_dir):
     with pytest.raises(ValueError, match="model.runner"):
         llm.embed("hello", use_tqdm=False)
     llm.shutdown()
+
+
+def test_bare_qwen3_model_checkpoint_pools_by_default(qwen3_dir, tiny_tokenizer, tmp_path):
+    """A checkpoint saved from AutoModel (architecture Qwen3Model: no head, no ``model.``
+    prefix) is an embedding model: runner=auto pools it (last token, normalized)."""
+    from transformers import AutoModel
+
+    base = tmp_path / "qwen3model"
+    AutoModel.from_pretrained(str(qwen3_dir), dtype=torch.float32).save_pretrained(str(base))
+    tiny_tokenizer.save_pretrained(str(base))
+    assert json.loads((base / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    llm = LLM(str(base), dtype="float32")
+    want = _reference(qwen3_dir, tiny_tokenizer, PROMPTS, "LAST", normalize=True)
+    _assert_close(llm.embed(PROMPTS, use_tqdm=False), want)
+    llm.shutdown()

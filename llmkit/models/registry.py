@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 MODELS: Registry["CausalLM"] = Registry("model")
 for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
     MODELS.register_lazy(_arch, "llmkit.models.llama.LlamaForCausalLM")
+for _arch in ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"):  # embedding models
+    MODELS.register_lazy(_arch, "llmkit.models.llama_embedding.LlamaEmbeddingModel")
 for _arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
     MODELS.register_lazy(_arch, "llmkit.models.moe.MoeForCausalLM")
 MODELS.register_lazy("LlavaForConditionalGeneration",
