@@ -312,8 +312,26 @@ def test_isa_tiers_resolve_and_refuse_what_the_cpu_lacks(monkeypatch):
         PlatformConfig(name="cpu", isa="avx512_vnni")
     with pytest.raises(ValueError, match="platform.isa: got 'avx512'; allowed: a tier this CPU"):
         cpu_isa.resolve_tier("avx512")
-    with pytest.raises(ValueError, match=r"none of amx's own yet"):
+    with pytest.raises(ValueError, match=r"a tier this CPU supports: auto, avx2 \(it lacks amx_bf16, "
+                                         r"amx_int8, amx_tile, avx512_bf16"):
         PlatformConfig(name="cpu", isa="amx")
+
+
+def test_amx_needs_the_flags_and_the_kernels_grant(monkeypatch):
+    """amx is the best tier where /proc/cpuinfo shows the AMX flags and Linux grants the
+    process the tile state; without the grant it is refused by name, and auto stays on
+    avx512_bf16."""
+    from llmkit.config import cpu_isa
+
+    spr = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                     "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+    assert cpu_isa.best_tier(spr) == ("amx" if cpu_isa.amx_tile_state_granted() else "avx512_bf16")
+    assert "-mamx-int8" in cpu_isa.compile_flags("amx")
+    monkeypatch.setattr(cpu_isa, "amx_tile_state_granted", lambda: False)
+    assert cpu_isa.best_tier(spr) == "avx512_bf16"
+    with pytest.raises(ValueError, match=r"platform.isa: got 'amx'; allowed: a tier this CPU "
+                                         r"supports: .*avx512_bf16 \(the Linux kernel refuses"):
+        cpu_isa.resolve_tier("amx", spr)
 
 
 def test_llmkit_config_refuses_a_tier_the_cpu_lacks(monkeypatch):

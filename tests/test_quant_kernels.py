@@ -11,6 +11,8 @@ against torch references:
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -127,12 +129,30 @@ def test_every_tier_computes_the_portable_bits(tier):
     for fmt in SHAPES:
         k, n = (576, 40) if fmt not in ("q4_k", "q6_k") else (512, 40)
         packed, _, _ = make_weight(fmt, k, n, seed=7)
-        for rows in (1, 3, 8, 64):
+        for rows in (1, 3, 8, 17, 64):
             x = randn(rows, k, seed=rows)
             fast = tier_ops.quant_linear(x, packed.data, packed.format, n, packed.scales)
             portable = tier_ops.quant_linear(x, packed.data, packed.format, n, packed.scales,
                                              None, False, True)
             assert torch.equal(fast, portable), (tier, fmt, rows)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_row_gets_the_same_bits_in_any_batch(tier):
+    """A row's outputs do not depend on the rows beside it: alone (the VNNI/AVX2 GEMV), in 17
+    rows (the amx tier: a full tile and a zero-padded one) and in 64, with a bias, in float32
+    and bf16."""
+    tier_ops = load_cpu_kernels(tier)
+    for fmt, dtype in itertools.product(SHAPES, (torch.float32, torch.bfloat16)):
+        k, n = (576, 40) if fmt not in ("q4_k", "q6_k") else (512, 40)
+        packed, _, _ = make_weight(fmt, k, n, seed=3)
+        x = randn(64, k, seed=11).to(dtype)
+        bias = randn(n, seed=12).to(dtype)
+        full = tier_ops.quant_linear(x, packed.data, packed.format, n, packed.scales, bias)
+        for rows in (slice(0, 1), slice(0, 17), slice(40, 41), slice(30, 47)):
+            part = tier_ops.quant_linear(x[rows].contiguous(), packed.data, packed.format, n,
+                                         packed.scales, bias)
+            assert torch.equal(part, full[rows]), (tier, fmt, dtype, rows)
 
 
 @pytest.mark.parametrize("fmt", ("q4_0", "q4_1"))

@@ -31,6 +31,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx_quant_linear.h"
 #include "linear.h"
 #include "quant_activation.h"
 #include "quant_blocks.h"
@@ -644,7 +645,9 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed,
     const scalar_t* bp = has_bias ? bias->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     const uint8_t* pp = packed.const_data_ptr<uint8_t>();
-    dispatch_format(f, float_activations, a, pp, out_features, sp, bp, op, use_portable);
+    // the amx tier's tiles take many rows (the same bits); else this file's kernels
+    if (!amx::quant_linear(f, float_activations, a, pp, out_features, sp, bp, op, use_portable))
+      dispatch_format(f, float_activations, a, pp, out_features, sp, bp, op, use_portable);
   });
   trim(a);
   return out;

@@ -13,14 +13,17 @@ makes from the CPU's flags (``model.dtype=auto``, which linear path bf16 takes);
 oneDNN/ATen kernels follow the CPU unless ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` are
 set before torch loads.
 
-``amx`` is listed but not built: llmkit has no AMX tile kernels yet (AVX-512 BF16 runs on AMX
-CPUs). aarch64 (NEON, dotprod, SVE) would be further tiers in this table with their own compile
+``amx`` adds AMX-INT8 tile kernels (``kernels/cpu/amx_quant_linear.h``: the quantized linears
+of many rows) to the AVX-512 BF16 tier; Linux lends a process the tile state only on request, so
+the tier also needs that request granted (``amx_tile_state_granted``). aarch64 (NEON, dotprod, SVE) would be further tiers in this table with their own compile
 flags; none is built yet, as no such machine was available to test them.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import platform
 from dataclasses import dataclass
 
 
@@ -57,7 +60,7 @@ TIERS: tuple[CpuTier, ...] = (
             ("-mavx512bf16", "-DLLMKIT_AVX512_BF16=1"), vnni=True, native_bf16=True),
     CpuTier("amx", _AVX512 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
             ("-mamx-tile", "-mamx-int8", "-mamx-bf16", "-DLLMKIT_AMX=1"), vnni=True,
-            native_bf16=True, implemented=False),
+            native_bf16=True),
 )
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
 _BY_NAME = {t.name: t for t in TIERS}
@@ -86,6 +89,28 @@ def cpu_model() -> str:
     return "unknown"
 
 
+#: Linux's arch_prctl request for a state component, and AMX's tile data component.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@functools.cache
+def amx_tile_state_granted() -> bool:
+    """Whether Linux grants this process AMX's tile data state (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, kernel 5.16+): without it a tile instruction kills the process. The
+    request is the one the amx kernels make themselves; granting it twice is harmless."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _os_lends(t: CpuTier) -> bool:
+    return "amx_tile" not in t.requires or amx_tile_state_granted()
+
+
 def tier(name: str) -> CpuTier:
     return _BY_NAME[name]
 
@@ -95,7 +120,7 @@ def supported_tiers(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     flags = cpu_flags() if flags is None else flags
     out: list[str] = []
     for t in TIERS:
-        if t.implemented and t.requires <= flags:
+        if t.implemented and t.requires <= flags and _os_lends(t):
             out.append(t.name)
     return tuple(out)
 
@@ -118,6 +143,9 @@ def why_unsupported(requested: str, flags: frozenset[str] | None = None) -> str 
     missing = sorted(_BY_NAME[requested].requires - flags)
     if missing:
         return f"a tier this CPU supports: {allowed} (it lacks {', '.join(missing)})"
+    if not _os_lends(_BY_NAME[requested]):
+        return (f"a tier this CPU supports: {allowed} (the Linux kernel refuses this process "
+                "AMX's tile state: arch_prctl(ARCH_REQ_XCOMP_PERM) needs Linux 5.16+)")
     return None
 
 
