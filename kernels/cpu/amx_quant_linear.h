@@ -28,6 +28,7 @@
 
 #include "quant_activation.h"
 #include "quant_blocks.h"
+#include "tuning.h"
 
 #if defined(LLMKIT_AMX)
 #include <immintrin.h>
@@ -301,7 +302,8 @@ void linear(const QuantizedActivations& a, const uint8_t* packed, int64_t n_out,
   // an odd last group's partner: zero weights (its outputs are not written)
   std::vector<uint8_t> zeros(pairs * 2 > groups ? group_stride : 0, 0);
   const int64_t chunk_tiles = kRowChunk / kTileRows;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  // threads split the pairs as quant_linear_impl splits groups (tuning.h: speed only)
+  at::parallel_for(0, pairs, tuning::grain(2 * group_stride), [&](int64_t begin, int64_t end) {
     load_tile_config();
     std::vector<uint8_t> b(nb * kBBytes);
     std::vector<float> dw(nb * kTileOut), mw(nb * kTileOut);
