@@ -94,9 +94,6 @@ class LoRALinearMethod(LinearMethod):
                 ranks.append(r)
         w.set_ranks(slot, ranks)
 
-    def clear_slot(self, slot: int) -> None:
-        self.stack.set_ranks(slot, [0] * len(self.module_names))
-
     # -- compute ---------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, x)
@@ -155,9 +152,6 @@ class LoRAVocabEmbedding(nn.Module):
             w.a[slot, :, :r] = weights.lora_a.T
             w.b[slot, :r] = weights.lora_b.T
         w.set_ranks(slot, [r])
-
-    def clear_slot(self, slot: int) -> None:
-        self.stack.set_ranks(slot, [0])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         y = self.base(input_ids)

@@ -135,7 +135,3 @@ class ReasoningStreamer:
     def _enter_thinking(self) -> None:
         self.state = "thinking"
         self.entered_thinking = True
-
-    @property
-    def in_answer(self) -> bool:
-        return self.state == "answer"
