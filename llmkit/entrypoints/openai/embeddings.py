@@ -17,15 +17,16 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from llmkit.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestOutputKind
+from llmkit.engine.async_llm import RequestOutputKind, RequestStream
 from llmkit.entrypoints.openai.embeddings_protocol import (EmbeddingData, EmbeddingRequest,
                                                            EmbeddingResponse, EmbeddingUsage)
-from llmkit.entrypoints.openai.errors import bad_request, engine_dead, overloaded, param_of
-from llmkit.entrypoints.openai.request_streams import abort_all, collect
+from llmkit.entrypoints.openai.errors import bad_request, engine_dead
+from llmkit.entrypoints.openai.request_streams import abort_all, admitting, collect
 from llmkit.entrypoints.openai.sampling import check_token_ids
 from llmkit.entrypoints.openai.serving import OpenAIServing
 from llmkit.entrypoints.openai.streaming import run_until_disconnect
 from llmkit.models.pooling_config import PoolingSpec
+from llmkit.outputs import EmbeddingRequestOutput
 
 __all__ = ["OpenAIServingEmbeddings", "add_embeddings_routes", "encode_embedding"]
 
@@ -92,31 +93,22 @@ class OpenAIServingEmbeddings:
                 "dimensions")
         prompts = self._inputs(req)
         request_id = f"embd-{uuid.uuid4().hex}"
-        streams = []
-        try:
+        streams: list[RequestStream] = []
+        with admitting(streams):
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.engine.add_request(
                     rid, ids, priority=req.priority, output_kind=RequestOutputKind.FINAL_ONLY,
                     lora_request=lora, pooling=True))
-        except EngineOverloadedError as e:
-            abort_all(streams)
-            raise overloaded(e) from None
-        except EngineDeadError as e:
-            abort_all(streams)
-            raise engine_dead(e) from None
-        except (ValueError, OverflowError) as e:
-            abort_all(streams)
-            raise bad_request(str(e), param_of(str(e))) from None
         results = await run_until_disconnect(raw_request, collect(streams),
                                              lambda: abort_all(streams))
         if isinstance(results, Response):
             return results
         data, usage = [], EmbeddingUsage()
         for i, out in enumerate(results):
-            embedding = getattr(getattr(out, "outputs", None), "embedding", None)
-            if embedding is None:  # ended another way (aborted by a restart, say)
+            if not isinstance(out, EmbeddingRequestOutput):  # ended another way (an abort)
                 raise engine_dead(None)
+            embedding = out.outputs.embedding
             usage.prompt_tokens += len(out.prompt_token_ids)
             data.append(EmbeddingData(index=i, embedding=encode_embedding(
                 embedding, spec, req.dimensions, req.encoding_format)))

@@ -1,21 +1,41 @@
-"""The engine requests of one OpenAI request (one per prompt) as a group: their final outputs
-(``collect``), their outputs as they come (``merge``), or all aborted (``abort_all``)."""
+"""The engine requests of one OpenAI request (one per prompt) as a group: admitted all or none
+(``admitting``), their final outputs (``collect``), their outputs as they come (``merge``), or
+all aborted (``abort_all``)."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import contextlib
+from typing import AsyncIterator, Iterator
 
-from llmkit.engine.async_llm import EngineDeadError, RequestStream
-from llmkit.entrypoints.openai.errors import bad_request, engine_dead
+from llmkit.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestStream
+from llmkit.entrypoints.openai.errors import bad_request, engine_dead, overloaded, param_of
 from llmkit.outputs import RequestOutput
 
-__all__ = ["abort_all", "collect", "merge"]
+__all__ = ["abort_all", "admitting", "collect", "merge"]
 
 
 def abort_all(streams: list[RequestStream]) -> None:
     """Abort every stream (finished ones ignore it)."""
     for s in streams:
         s.abort()
+
+
+@contextlib.contextmanager
+def admitting(streams: list[RequestStream]) -> Iterator[None]:
+    """Around the ``add_request`` calls of one OpenAI request, which append to ``streams``: an
+    engine's refusal aborts those already admitted and becomes the HTTP error (503 overloaded,
+    the dead engine's error, 400 for a bad request)."""
+    try:
+        yield
+    except EngineOverloadedError as e:
+        abort_all(streams)
+        raise overloaded(e) from None
+    except EngineDeadError as e:
+        abort_all(streams)
+        raise engine_dead(e) from None
+    except (ValueError, OverflowError) as e:
+        abort_all(streams)
+        raise bad_request(str(e), param_of(str(e))) from None
 
 
 async def collect(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -21,11 +21,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from llmkit.config.schema import LoRAConfig
-from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
-                                     RequestOutputKind, RequestStream)
+from llmkit.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, RequestStream
 from llmkit.entrypoints.openai.chat_prompt import load_chat_images, render_chat_prompt
-from llmkit.entrypoints.openai.errors import (OpenAIError, bad_request, engine_dead, overloaded,
-                                              param_of)
+from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse,
@@ -38,7 +36,7 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning, make_reasoning_parser
-from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
+from llmkit.entrypoints.openai.request_streams import admitting, collect, merge
 from llmkit.entrypoints.openai.serving_models import ServingModels
 from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
@@ -167,21 +165,12 @@ class OpenAIServing:
         """Admit one engine request (of ``n`` samples) per prompt; all or none."""
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams: list[RequestStream] = []
-        try:
+        with admitting(streams):
             for p, (ids, text) in enumerate(zip(prompts, prompt_texts)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
                 streams.append(await self.engine.add_request(
                     rid, ids, params, n=n, priority=priority, output_kind=kind,
                     prompt_text=text, cache_salt=cache_salt, lora_request=lora))
-        except EngineOverloadedError as e:
-            abort_all(streams)
-            raise overloaded(e) from None
-        except EngineDeadError as e:
-            abort_all(streams)
-            raise engine_dead(e) from None
-        except (ValueError, OverflowError) as e:
-            abort_all(streams)
-            raise bad_request(str(e), param_of(str(e))) from None
         return streams
 
     # -- /v1/models -------------------------------------------------------------------------
