@@ -22,6 +22,8 @@ SECTIONS = {
     "bench": {"bench": tool_schema.BenchConfig, "slo": tool_schema.SloConfig},
     "sim": {"bench": tool_schema.BenchConfig, "slo": tool_schema.SloConfig,
             "sim": tool_schema.SimConfig},
+    "plan": {"bench": tool_schema.BenchConfig, "slo": tool_schema.SloConfig,
+             "sim": tool_schema.SimConfig, "plan": tool_schema.PlanConfig},
     "eval": {"eval": tool_schema.EvalConfig},
     "proxy": {"proxy": tool_schema.ProxyConfig},
 }
@@ -51,7 +53,7 @@ def test_each_command_has_its_own_help(command, capsys):
             line = f"  {group}: {', '.join(group_options(group))}"
             assert line in text, (command, group)
     has_hardware = "  hardware: " in text
-    assert has_hardware == (command in ("sim", "config"))
+    assert has_hardware == (command in ("sim", "plan", "config"))
     examples = text.split("\nexamples:\n", 1)[1].rstrip("\n").splitlines()
     assert len(examples) == 2 and all(e.startswith(f"  llmkit {command}") for e in examples)
 

@@ -28,6 +28,7 @@ COMPUTING = {
     "bench": ["bench", "latency", "bench.batch_size=1", "bench.input_len=128"],
     "eval": ["eval", "ppl", "eval.text_file=x.txt"],
     "sim": ["sim", "hardware=h100-sxm"],
+    "plan": ["plan", "plan.verify_top=0"],
 }
 NOT_COMPUTING = {"config": ["config"], "proxy": ["proxy"]}
 

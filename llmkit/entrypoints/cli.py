@@ -20,14 +20,15 @@ from pathlib import Path
 
 from llmkit.config.errors import ConfigError
 
-COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "eval", "proxy")
+COMMANDS = ("generate", "chat", "serve", "config", "bench", "sim", "plan", "eval",
+            "proxy")
 BENCH_SUBCOMMANDS = ("serve", "throughput", "latency", "plot")
 SIM_SUBCOMMANDS = ("calibrate",)
 EVAL_SUBCOMMANDS = ("ppl",)
 EXIT_USAGE = 2
 # The commands that compute in this process or in processes it spawns: their OpenMP wait
 # policy is set before anything imports torch. config and proxy compute nothing.
-COMPUTE_COMMANDS = ("generate", "chat", "serve", "bench", "sim", "eval")
+COMPUTE_COMMANDS = ("generate", "chat", "serve", "bench", "sim", "plan", "eval")
 
 USAGE = """\
 usage: llmkit <command> [MODEL] [--prompt TEXT] [key=value ...] [-m]
@@ -40,6 +41,8 @@ commands:
   bench      benchmarks: bench serve|throughput|latency|plot
   sim        simulate bench serve on modelled hardware: sim [MODEL] hardware=NAME;
              sim calibrate measures this CPU (hardware=cpu-local)
+  plan       search configs in the simulator for a workload and SLO, verify the best with
+             bench serve, write a recipe (recipe=PATH loads it)
   eval       eval ppl [MODEL] eval.text_file=PATH: perplexity over a text file (JSON)
   proxy      disaggregated serving's front: proxy proxy.prefill_urls=[..] proxy.decode_urls=[..]
 
@@ -63,6 +66,7 @@ examples:
   llmkit bench plot sweep
   llmkit bench throughput ./my-model baseline=hf
   llmkit sim llama-2-7b hardware=h100-sxm bench.rate=8 bench.num_requests=2000 slo.ttft_ms=500
+  llmkit plan bench.rate=1 bench.input_len=256 bench.output_len=128 slo.ttft_ms=1500 slo.tpot_ms=80
   llmkit eval ppl eval.text_file=book.txt eval.window=512 eval.mode=llamacpp
   llmkit proxy proxy.prefill_urls=[http://127.0.0.1:8001] proxy.decode_urls=[http://127.0.0.1:8002]
 """
@@ -332,6 +336,15 @@ def _cmd_sim(args: CliArgs) -> int:
         return _report_error(e, e.code)
 
 
+def _cmd_plan(args: CliArgs) -> int:
+    from llmkit.tools.plan.cli import PlanError, run_plan_command
+
+    try:
+        return run_plan_command(args, load_config)
+    except PlanError as e:
+        return _report_error(e, e.code)
+
+
 def _cmd_eval(args: CliArgs) -> int:
     _no_multirun(args)
     from llmkit.tools.schema import EvalToolConfig
@@ -364,6 +377,7 @@ HANDLERS = {
     "serve": _cmd_serve,
     "bench": _cmd_bench,
     "sim": _cmd_sim,
+    "plan": _cmd_plan,
     "eval": _cmd_eval,
     "proxy": _cmd_proxy,
 }

@@ -70,7 +70,7 @@ COMMAND_HELP: dict[str, CommandHelp] = {
         ("llmkit config recipe=cpu-default scheduler.max_num_seqs=32",
          "llmkit config hardware=h100-sxm bench.rate=8"),
         extra_groups=TOOL_GROUPS,
-        notes="Tool sections it shows when set: bench, slo, hardware, sim, eval, proxy "
+        notes="Tool sections it shows when set: bench, slo, hardware, sim, plan, eval, proxy "
               "(`llmkit bench --help` etc. list their keys)."),
     "bench": CommandHelp(
         "llmkit bench serve|throughput|latency|plot [MODEL] [key=value ...] [-m]",
@@ -87,6 +87,18 @@ COMMAND_HELP: dict[str, CommandHelp] = {
          "slo.ttft_ms=500",
          "llmkit sim calibrate"),
         tool="SimToolConfig", extra_groups=TOOL_GROUPS),
+    "plan": CommandHelp(
+        "llmkit plan [MODEL] [hardware=NAME] [key=value ...]",
+        "Search engine configs (plan.* lists) in the simulator for a workload (bench.*, or "
+        "plan.workload=RESULT.json) and an SLO (slo.*), rank by goodput then tokens per "
+        "core-second, verify the best plan.verify_top with bench serve on a real server, and "
+        "write plan.output_dir/recipe.yaml (recipe=PATH loads it), a table and a plot. Default "
+        "hardware: cpu-local (calibrated first when it is not).",
+        ("llmkit plan bench.rate=1 bench.num_requests=48 bench.input_len=256 "
+         "bench.output_len=128 slo.ttft_ms=1500 slo.tpot_ms=80",
+         "llmkit plan llama-3-8b hardware=h100-sxm plan.verify_top=0 "
+         "plan.max_num_seqs=[64,128,256] bench.rate=8"),
+        tool="PlanToolConfig", extra_groups=TOOL_GROUPS),
     "eval": CommandHelp(
         "llmkit eval ppl [MODEL] [key=value ...]",
         "Perplexity of the model over a text file (JSON on stdout).",

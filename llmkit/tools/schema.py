@@ -1,6 +1,6 @@
-"""The tools' configs (``bench``, ``sim``, ``eval``, ``proxy``): each holds an engine config
-beside its own sections; and ``ToolsConfig``, what the tools' root (``conf/tools/tools.yaml``)
-composes to.
+"""The tools' configs (``bench``, ``sim``, ``eval``, ``proxy``, ``plan``): each holds an engine
+config beside its own sections; and ``ToolsConfig``, what the tools' root
+(``conf/tools/tools.yaml``) composes to.
 
 ``ToolsConfig`` validates the composed document (the engine's sections and every tool's at the
 top level); the engine receives only its ``EngineConfig``, a tool its ``BenchToolConfig`` /
@@ -222,6 +222,59 @@ class EvalConfig(_Strict):
     mode: Literal["sliding", "llamacpp"] = "sliding"
 
 
+class PlanConfig(_Strict):
+    """``llmkit plan`` (``llmkit/tools/plan/``): the search space (one list of values per
+    knob; the plan simulates every combination the cores allow), what it verifies and where
+    it writes. The workload is ``bench.*`` (or ``plan.workload``), the objective ``slo.*``."""
+
+    # -- the search space ------------------------------------------------------------------
+    max_num_seqs: list[int] = Field(default_factory=lambda: [4, 8, 16, 32], min_length=1)
+    # the token budget of a step, which is also the prefill chunk size
+    max_num_batched_tokens: list[int] = Field(default_factory=lambda: [256, 512, 2048],
+                                              min_length=1)
+    # scheduler implementations (the group `scheduler`: conf/scheduler/) and their queue
+    # policies (scheduler.policy)
+    scheduler: list[str] = Field(default_factory=lambda: ["token_budget"], min_length=1)
+    policy: list[Literal["fcfs", "priority"]] = Field(default_factory=lambda: ["fcfs"],
+                                                      min_length=1)
+    # speculative decoding (the group `speculative`; none = off) and its K for each method
+    speculative: list[str] = Field(default_factory=lambda: ["none", "ngram"], min_length=1)
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [2, 4], min_length=1)
+    kv_cache_dtype: list[Literal["auto", "bfloat16", "float16", "fp8_e4m3", "fp8", "int8"]] = \
+        Field(default_factory=lambda: ["auto"], min_length=1)
+    quantization: list[Literal["auto", "none", "int8", "fp8", "gguf"]] = Field(
+        default_factory=lambda: ["auto"], min_length=1)
+    # parallel sizes: a combination is searched only when TP x PP x DP <= plan.cores
+    tensor_parallel_size: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    pipeline_parallel_size: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    data_parallel_size: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    # the devices the parallel sizes may use; null = this process's usable CPU cores
+    cores: int | None = Field(default=None, ge=1)
+    # -- the workload ----------------------------------------------------------------------
+    # a `bench serve` / `llmkit sim` result JSON: its bench.* workload (and slo.*, where the
+    # command line sets none) replace the configured ones
+    workload: str | None = None
+    # -- verification and output -----------------------------------------------------------
+    # the best N candidates are served (`llmkit serve`) and measured with `bench serve` on the
+    # same workload; 0 = predict only
+    verify_top: int = Field(default=1, ge=0)
+    # seconds to wait for a verification server to answer /health
+    server_timeout_s: float = Field(default=600.0, gt=0)
+    # hardware=cpu-local with no calibrated profile: run `llmkit sim calibrate engine` first
+    # (cached) instead of simulating the shipped placeholder
+    calibrate: bool = True
+    # recipe.yaml, table.txt, plan.png, plan.json (and verify/ with bench serve's results)
+    output_dir: str = "plan_results"
+
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError(f"every value must be >= 1, got {v}")
+        return v
+
+
 class ToolConfig(_Strict):
     """A tool's config: the engine's inside, the tool's own sections beside it."""
 
@@ -269,12 +322,20 @@ class SimToolConfig(BenchToolConfig):
     sim: SimConfig = Field(default_factory=SimConfig)
 
 
+class PlanToolConfig(SimToolConfig):
+    """``llmkit plan``: the simulator's config (the workload, the SLO, the hardware) and the
+    search's (``plan``)."""
+
+    plan: PlanConfig = Field(default_factory=PlanConfig)
+
+
 class AllToolsConfig(SimToolConfig):
     """``llmkit config``: every tool's sections beside the engine's (it shows those that the
     command line sets)."""
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
 
 
 class ToolsConfig(EngineConfig):
@@ -291,6 +352,8 @@ class ToolsConfig(EngineConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     # `llmkit proxy`
     proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    # `llmkit plan`
+    plan: PlanConfig = Field(default_factory=PlanConfig)
 
     def engine_config(self) -> EngineConfig:
         """The engine's part (already validated: no second validation)."""

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from llmkit.tools.schema import SimToolConfig
 
-__all__ = ["SUBCOMMANDS", "SimError", "format_sim_block", "run_sim_command"]
+__all__ = ["SUBCOMMANDS", "SimError", "format_sim_block", "model_overrides", "run_sim_command"]
 
 SUBCOMMANDS = ("calibrate",)
 # `sim calibrate engine`: calibrate from the real engine of the configured model
@@ -38,7 +38,7 @@ class SimError(Exception):
         self.code = code
 
 
-def _model_overrides(args: Any) -> list[str]:
+def model_overrides(args: Any) -> list[str]:
     """A MODEL that names a shape (and no preset) or a config.json becomes ``sim.model``."""
     from llmkit.config.compose import model_presets
     from llmkit.tools.sim.model_shape import shape_names
@@ -136,7 +136,7 @@ def run_sim_command(args: Any, load_config: Callable[..., Any], out: Any = None)
         from llmkit.tools.bench.results import format_summary, result_stem, write_result
         from llmkit.tools.sim.replay import run_sim
 
-        overrides = _model_overrides(args) + list(args.overrides)
+        overrides = model_overrides(args) + list(args.overrides)
         points = sweep_points(overrides, args.multirun)
         # Compose every point first: a bad value fails before anything runs.
         configs = [(load_config(args, run, tool=SimToolConfig), sweep)

@@ -95,6 +95,11 @@ def default_settings(config: EngineConfig) -> SimToolConfig:
     return compose_tool_config(SimToolConfig).model_copy(update={"engine": config})
 
 
+# kv_cache.cache_dtype -> the cost model's KV dtype (auto: the cost model's default)
+_KV_DTYPE = {"fp8_e4m3": "fp8", "fp8": "fp8", "int8": "int8", "bfloat16": "bfloat16",
+             "float16": "float16"}
+
+
 def _tensor_parallel_size(config: EngineConfig, settings: SimToolConfig) -> int:
     """The engine's ``parallel.tensor_parallel_size``; ``sim.tensor_parallel_size`` (the older
     key) still counts when the engine's is 1."""
@@ -142,6 +147,7 @@ class SimExecutor(Executor):
         pp = _pipeline_parallel_size(config, shape.num_layers)
         try:
             self.cost_model = CostModel(shape, self.hardware, self.dtype, tp,
+                                        kv_dtype=_KV_DTYPE.get(config.kv_cache.cache_dtype),
                                         pipeline_parallel_size=pp)
         except (KeyError, ValueError) as e:
             from llmkit.config.errors import ConfigError

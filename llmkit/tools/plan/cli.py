@@ -1,0 +1,206 @@
+"""The ``llmkit plan`` command (called by ``llmkit.entrypoints.cli``).
+
+    llmkit plan [MODEL] [hardware=NAME] [bench.*=...] [slo.*=...] [plan.*=...] [engine keys]
+
+Without ``hardware=`` it plans for this machine (``hardware=cpu-local``), calibrating the
+engine first (``llmkit sim calibrate engine``, cached) when no calibrated profile exists.
+Progress goes to stderr; the table, the verification's agreement line and the files written go
+to stdout. Engine keys on the command line apply to every candidate (the searched keys aside)
+and to the verification servers.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from llmkit.config.errors import ConfigError
+from llmkit.tools.schema import TOOL_SECTIONS, PlanToolConfig
+
+__all__ = ["PlanError", "run_plan_command"]
+
+# the bench.* keys that make a workload (what plan.workload takes from a result file)
+WORKLOAD_KEYS = ("endpoint", "dataset", "dataset_path", "num_requests", "input_len",
+                 "output_len", "range_ratio", "num_prefixes", "prefix_len", "prompt_format",
+                 "tokenizer", "rate", "arrival", "max_concurrency", "max_duration_s", "seed",
+                 "ignore_eos", "temperature")
+
+
+class PlanError(Exception):
+    """A plan failure that is the user's to fix: one line."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def apply_workload_file(cfg: PlanToolConfig, overrides: list[str]) -> PlanToolConfig:
+    """``plan.workload``: the workload (and, unless ``slo.*`` is on the command line, the SLO)
+    of a ``bench serve`` / ``llmkit sim`` result file."""
+    from llmkit.tools.schema import BenchConfig, SloConfig
+
+    path = cfg.plan.workload
+    if not path:
+        return cfg
+    allowed = "a bench serve or llmkit sim result JSON (with config.bench) that exists"
+    try:
+        doc = json.loads(Path(path).expanduser().read_text())
+        bench = doc["config"]["bench"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError("plan.workload", path, allowed) from None
+    picked = {k: bench[k] for k in WORKLOAD_KEYS if k in bench}
+    update: dict[str, Any] = {
+        "bench": BenchConfig.model_validate({**cfg.bench.model_dump(), **picked})}
+    slo = doc["config"].get("slo")
+    if slo and not any(_key(o).startswith("slo.") for o in overrides):
+        update["slo"] = SloConfig.model_validate(slo)
+    return cfg.model_copy(update=update)
+
+
+def _ensure_calibrated(cfg: PlanToolConfig, log: Callable[[str], None]) -> None:
+    from llmkit.tools.sim.calibrate import run_engine_calibrate
+    from llmkit.tools.sim.hardware import CALIBRATED_NAME, default_calibration_path
+
+    if cfg.hardware is None or cfg.hardware.name != CALIBRATED_NAME:
+        return
+    out = cfg.sim.calibrate_output
+    path = Path(out).expanduser() if out else default_calibration_path()
+    if path.is_file():
+        log(f"hardware: this machine's calibrated profile {path}")
+        return
+    if not cfg.plan.calibrate:
+        log(f"warning: no calibrated profile for this machine ({path}) and plan.calibrate="
+            "false: planning on the shipped placeholder figures")
+        return
+    log(f"no calibrated profile for this machine ({path}): running `llmkit sim calibrate "
+        "engine` first (cached there for later plans)")
+    run_engine_calibrate(cfg, log=log)
+
+
+def _describe_workload(b: Any) -> str:
+    spread = f" (+-{100 * b.range_ratio:.0f}%)" if b.range_ratio else ""
+    what = (f"{b.dataset_path}" if b.dataset == "jsonl" else
+            f"{b.input_len} tokens in / {b.output_len} out{spread}")
+    return (f"{b.num_requests} requests, {b.dataset} {what}, {b.arrival} arrivals at "
+            f"{b.rate} req/s, seed {b.seed}")
+
+
+def _describe_slo(slo: Any) -> str:
+    parts = [f"{name} <= {v:g} ms" for name, v in
+             (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2EL", slo.e2el_ms)) if v]
+    return ", ".join(parts) or "none (goodput = request throughput)"
+
+
+def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None,
+                     err: Any = None) -> int:
+    """Run ``llmkit plan``: search, rank, verify, write (see the package's docstring)."""
+    from llmkit.tools.plan.rank import rank
+    from llmkit.tools.plan.recipe import agreement_line, figures_line, write_recipe
+    from llmkit.tools.plan.report import format_table, plot_plan
+    from llmkit.tools.plan.runner import SimContext, run_search
+    from llmkit.tools.plan.space import build_space, usable_cores
+    from llmkit.tools.plan.verify import VerifyError, measure
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+
+    def log(line: str) -> None:
+        print(line, file=err, flush=True)
+
+    if args.multirun:
+        raise PlanError("-m (multirun) does not apply to plan: list the values to search in "
+                        "plan.* (plan.max_num_seqs=[4,8,16])")
+    from llmkit.tools.sim.cli import model_overrides
+
+    # a named shape or a config.json is simulated (sim.model) but cannot be served
+    overrides = model_overrides(args) + list(args.overrides)
+    if any(_key(o) == "recipe" for o in overrides):
+        raise PlanError("plan writes a recipe: give engine keys on the command line rather "
+                        "than recipe=")
+    if not any(_key(o) == "hardware" for o in overrides):
+        overrides.insert(0, "hardware=cpu-local")
+    cfg = apply_workload_file(load_config(args, overrides, tool=PlanToolConfig), overrides)
+    plan = cfg.plan
+    cores = plan.cores or usable_cores()
+    space = build_space(plan, cores)
+    _ensure_calibrated(cfg, log)
+    model_name = (cfg.sim.model or args.model or cfg.engine.model.path
+                  or cfg.engine.model.name)
+    try:
+        ctx = SimContext.build(cfg, cores)
+    except FileNotFoundError as e:
+        raise PlanError(str(e)) from None
+    skipped = "".join(f"; left out {n}: {why}" for why, n in space.skipped.items())
+    log(f"plan: {len(space.candidates)} candidates of {model_name} on {ctx.hardware.name} "
+        f"({cores} cores){skipped}")
+    log(f"  workload: {_describe_workload(cfg.bench)}; SLO: {_describe_slo(cfg.slo)}")
+
+    def compose(cand: Any) -> PlanToolConfig:
+        c = load_config(args, overrides + cand.overrides(), tool=PlanToolConfig)
+        return c.model_copy(update={"bench": cfg.bench, "slo": cfg.slo})
+
+    preds = run_search(space.candidates, compose, ctx, log)
+    ranked = rank(preds)
+    ok = [p for p in ranked if not p.error]
+    if not ok:
+        raise PlanError(f"no candidate could be simulated; the first: {ranked[0].error}")
+    out_dir = Path(plan.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    searched = {_key(o) for o in space.candidates[0].overrides()} | {"speculative."
+                                                                     "num_speculative_tokens"}
+    engine_overrides = [o for o in overrides
+                        if _key(o).partition(".")[0] not in TOOL_SECTIONS
+                        and _key(o) not in searched]
+    common = dict(model=model_name, hardware=ctx.hardware.name,
+                  workload=_describe_workload(cfg.bench), slo=_describe_slo(cfg.slo),
+                  extra_overrides=engine_overrides)
+    measured: dict[int, dict[str, Any]] = {}
+    verify_top = plan.verify_top
+    if verify_top and cfg.sim.model is not None:
+        log(f"note: {cfg.sim.model} is a model shape (no weights): nothing to verify on the "
+            "real engine (plan.verify_top ignored)")
+        verify_top = 0
+    for i in range(min(verify_top, len(ok))):
+        name = f"candidate-{i + 1}"
+        path = write_recipe(out_dir / "verify" / f"{name}.yaml", ranked[i].candidate,
+                            predicted=ranked[i].summary, **common)
+        try:
+            result = measure(cfg, path.resolve(), model=args.model,
+                             overrides=engine_overrides, out_dir=out_dir / "verify", name=name,
+                             log=log)
+        except VerifyError as e:
+            raise PlanError(str(e), code=1) from None
+        measured[i] = result["summary"]
+        log(f"{name}: measured {figures_line(result['summary'])}")
+    chosen = max(measured, key=lambda i: (measured[i]["goodput"], -i)) if measured else 0
+    best = ranked[chosen]
+    recipe = write_recipe(out_dir / "recipe.yaml", best.candidate, predicted=best.summary,
+                          measured=measured.get(chosen), **common)
+    knobs = space.varied
+    table = format_table(ranked, knobs, measured)
+    (out_dir / "table.txt").write_text(table + "\n")
+    png = plot_plan(ranked, knobs, out_dir / "plan.png", measured)
+    doc = {"model": model_name, "hardware": ctx.hardware.name, "cores": cores,
+           "workload": cfg.bench.model_dump(mode="json"), "slo": cfg.slo.model_dump(mode="json"),
+           "candidates": [{"rank": i + 1, **p.candidate.values(), "error": p.error,
+                           "tokens_per_core_s": p.tokens_per_core_s, "predicted": p.summary,
+                           "measured": measured.get(i)} for i, p in enumerate(ranked)],
+           "chosen": chosen + 1}
+    (out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=str))
+    print(table, file=out)
+    print(f"chosen: #{chosen + 1} {best.candidate.label()}", file=out)
+    print(f"  predicted: {figures_line(best.summary)}", file=out)
+    if chosen in measured:
+        print(f"  measured:  {figures_line(measured[chosen])}", file=out)
+        print(f"  {agreement_line(best.goodput, measured[chosen]['goodput'])}", file=out)
+    else:
+        print("  measured: not verified", file=out)
+    print(f"wrote {recipe} (llmkit serve {model_name} recipe={recipe}), "
+          f"{out_dir / 'table.txt'}, {out_dir / 'plan.json'}"
+          + (f", {png}" if png else ""), file=out)
+    return 0

@@ -1,0 +1,164 @@
+"""``llmkit plan``: the search space (what the cores allow), the ranking (goodput, then cost,
+then the search's order), the recipe it writes (``recipe=PATH`` gives back the chosen values),
+the plan's keys' errors, and (slow) one candidate verified on a live tiny-model server."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmkit.config.errors import ConfigError
+from llmkit.entrypoints import cli
+from llmkit.tools.compose import compose_tool_config
+from llmkit.tools.plan.rank import rank
+from llmkit.tools.plan.recipe import agreement_line
+from llmkit.tools.plan.runner import Prediction
+from llmkit.tools.plan.space import Candidate, build_space
+from llmkit.tools.schema import PlanConfig, PlanToolConfig
+
+REPO = Path(__file__).resolve().parents[1]
+# a tiny space on a modelled GPU: cheap, deterministic, no calibration, nothing to serve
+SMALL = ["llama-2-7b", "hardware=h100-sxm", "plan.verify_top=0", "plan.max_num_seqs=[2,16]",
+         "plan.max_num_batched_tokens=[64,512]", "plan.speculative=[none]",
+         "bench.num_requests=24", "bench.rate=8", "bench.input_len=256", "bench.output_len=32",
+         "slo.ttft_ms=200", "slo.tpot_ms=40"]
+
+
+# --------------------------------------------------------------------------- the space
+
+def test_parallel_sizes_are_limited_to_the_cores():
+    plan = PlanConfig(max_num_seqs=[8], max_num_batched_tokens=[256], speculative=["none"],
+                      tensor_parallel_size=[1, 2, 4], data_parallel_size=[1, 2],
+                      pipeline_parallel_size=[1, 2])
+    space = build_space(plan, cores=2)
+    sizes = {(c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size)
+             for c in space.candidates}
+    assert sizes == {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert space.skipped == {"TP x PP x DP > 2 cores": 12 - 4}
+    assert len(build_space(plan, cores=16).candidates) == 12
+    with pytest.raises(ConfigError, match=r"^plan.tensor_parallel_size: .*at most 2"):
+        build_space(PlanConfig(tensor_parallel_size=[4], speculative=["none"]), cores=2)
+
+
+def test_speculation_off_takes_one_k_and_none_under_pipeline_parallel():
+    plan = PlanConfig(max_num_seqs=[4], max_num_batched_tokens=[128],
+                      speculative=["none", "ngram"], num_speculative_tokens=[2, 4],
+                      pipeline_parallel_size=[1, 2])
+    space = build_space(plan, cores=2)
+    got = [(c.speculative, c.num_speculative_tokens, c.pipeline_parallel_size)
+           for c in space.candidates]
+    assert got == [("none", 0, 1), ("none", 0, 2), ("ngram", 2, 1), ("ngram", 4, 1)]
+    assert space.skipped == {"speculation under pipeline parallelism": 2}
+    assert set(space.varied) == {"speculative", "num_speculative_tokens",
+                                 "pipeline_parallel_size"}
+
+
+@pytest.mark.parametrize("override, key", [
+    ("plan.bogus=1", "plan.bogus"), ("plan.verify_top=-1", "plan.verify_top"),
+    ("plan.max_num_seqs=[0,8]", "plan.max_num_seqs"),
+    ("plan.kv_cache_dtype=[fp4]", "plan.kv_cache_dtype"), ("plan.policy=[lifo]", "plan.policy"),
+    ("plan.max_num_seqs=[]", "plan.max_num_seqs")])
+def test_bad_plan_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}"):
+        compose_tool_config(PlanToolConfig, [override])
+
+
+def test_bad_group_names_in_the_space_name_the_key(capsys):
+    with pytest.raises(ConfigError, match=r"^plan.scheduler: got 'fast'.*token_budget"):
+        build_space(PlanConfig(scheduler=["fast"]), cores=2)
+    with pytest.raises(ConfigError, match=r"^plan.speculative: got 'magic'.*ngram"):
+        build_space(PlanConfig(speculative=["none", "magic"]), cores=2)
+    assert cli.main(["plan", "plan.scheduler=[fast]"]) == 2
+    assert "plan.scheduler: got 'fast'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the ranking
+
+def _pred(seqs: int, goodput: float, tokens: float, error: str | None = None) -> Prediction:
+    summary = None if error else {"goodput": goodput, "total_output_tokens": tokens,
+                                  "duration_s": 1.0}
+    return Prediction(Candidate(seqs, 64), summary=summary, error=error, cores=2)
+
+
+def test_rank_is_goodput_then_tokens_per_core_second_then_search_order():
+    preds = [_pred(1, 0.5, 100), _pred(2, 0.9, 50), _pred(3, 0.0, 0, error="x"),
+             _pred(4, 0.9, 80), _pred(5, 0.5, 100), _pred(6, 0.9, 80)]
+    assert [p.candidate.max_num_seqs for p in rank(preds)] == [4, 6, 2, 1, 5, 3]
+    assert rank(preds)[0].tokens_per_core_s == 40.0  # 80 tokens / (1 s x 2 cores)
+    assert [p.candidate.max_num_seqs for p in rank(list(reversed(preds)))] == [6, 4, 2, 5, 1, 3]
+
+
+def test_agreement_line_says_whether_within_20_percent():
+    assert "(+10%): within 20%" in agreement_line(1.1, 1.0)
+    assert "(-30%): NOT within 20%" in agreement_line(0.7, 1.0)
+    assert "NOT within 20%" in agreement_line(0.5, 0.0)
+
+
+def test_plan_searches_ranks_and_writes_a_recipe_that_loads(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert cli.main(["plan", *SMALL, f"plan.output_dir={out}"]) == 0
+    io = capsys.readouterr()
+    assert "[4/4] " in io.err and "plan: 4 candidates of llama-2-7b on h100-sxm" in io.err
+    doc = json.loads((out / "plan.json").read_text())
+    rows = doc["candidates"]
+    keys = [(-r["predicted"]["goodput"], -r["tokens_per_core_s"]) for r in rows]
+    assert keys == sorted(keys)  # goodput first, then cost
+    assert len({r["predicted"]["goodput"] for r in rows}) > 1  # the knobs matter here
+    assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "table.txt").read_text().splitlines()[0].split()[:3] == ["#", "seqs", "tokens"]
+    # deterministic: the same plan again gives the same table
+    assert cli.main(["plan", *SMALL, f"plan.output_dir={tmp_path / 'again'}"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "again" / "table.txt").read_text() == (out / "table.txt").read_text()
+    # the recipe holds the chosen (best) config: llmkit config recipe=PATH gives it back
+    chosen = rows[doc["chosen"] - 1]
+    text = (out / "recipe.yaml").read_text()
+    assert "# predicted (simulator): goodput" in text and "not verified" in text
+    assert cli.main(["config", f"recipe={out / 'recipe.yaml'}"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["scheduler"]["max_num_seqs"] == chosen["max_num_seqs"]
+    assert cfg["scheduler"]["max_num_batched_tokens"] == chosen["max_num_batched_tokens"]
+    assert cfg["speculative"]["name"] == "none" and cfg["recipe"] == str(out / "recipe.yaml")
+
+
+def test_plan_workload_file_replaces_the_workload(tmp_path, capsys):
+    result = {"config": {"bench": {"num_requests": 6, "rate": "Infinity", "input_len": 40,
+                                   "output_len": 8, "output_dir": "elsewhere"},
+                         "slo": {"ttft_ms": 900, "tpot_ms": None, "e2el_ms": None}}}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    out = tmp_path / "plan"
+    assert cli.main(["plan", *SMALL[:6], f"plan.workload={tmp_path / 'r.json'}",
+                     "plan.max_num_seqs=[4]", f"plan.output_dir={out}"]) == 0
+    err = capsys.readouterr().err
+    assert "6 requests, random 40 tokens in / 8 out" in err and "TTFT <= 900 ms" in err
+    assert cli.main(["plan", *SMALL, f"plan.workload={tmp_path / 'none.json'}"]) == 2
+    assert "plan.workload: got" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- verification
+
+@pytest.mark.slow
+def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("llama")
+    profile = tmp_path / "cpu-local.yaml"  # the shipped placeholder: no calibration here
+    shutil.copy(REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml", profile)
+    out = tmp_path / "plan"
+    rc = cli.main(["plan", str(model), "kv_cache.num_blocks=256",
+                   f"sim.calibrate_output={profile}", "plan.verify_top=1", "plan.max_num_seqs=[2,4]",
+                   "plan.max_num_batched_tokens=[64]", "plan.speculative=[none]",
+                   "bench.num_requests=4", "bench.rate=inf", "bench.input_len=16",
+                   "bench.output_len=6", "slo.ttft_ms=60000", "bench.warmup_requests=0",
+                   f"plan.output_dir={out}"])
+    io = capsys.readouterr()
+    assert rc == 0, io.err
+    assert "calibrated profile" in io.err and "verify candidate-1" in io.err
+    assert "predicted vs measured goodput:" in io.out
+    text = (out / "recipe.yaml").read_text()
+    assert "# measured (bench serve): goodput" in text
+    assert "# predicted vs measured goodput:" in text
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["candidates"][0]["measured"]["completed"] == 4
+    assert (out / "verify" / "candidate-1.json").is_file()
