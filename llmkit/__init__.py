@@ -3,7 +3,7 @@ from llmkit.outputs import CompletionOutput, Logprob, RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "LoRARequest"]
+           "Logprob", "LoRARequest", "BeamSearchParams"]
 __version__ = "0.1.0"
 
 
@@ -15,4 +15,7 @@ def __getattr__(name: str):
     if name == "LoRARequest":
         from llmkit.lora.request import LoRARequest
         return LoRARequest
+    if name == "BeamSearchParams":
+        from llmkit.engine.beam_search import BeamSearchParams
+        return BeamSearchParams
     raise AttributeError(f"module 'llmkit' has no attribute {name!r}")

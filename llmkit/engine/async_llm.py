@@ -51,6 +51,8 @@ from typing import AsyncGenerator, Sequence
 
 from llmkit.config.compose import build_config
 from llmkit.config.schema import EngineConfig
+from llmkit.engine.beam_search import (BeamSearchParams, first_logprobs, run_beam_search_async,
+                                       start_beam_search)
 from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
@@ -306,6 +308,27 @@ class AsyncLLM:
         prompt = self.frontend.chat_prompt(messages)
         async for out in self.generate(prompt, sampling_params, request_id, **kwargs):
             yield out
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams,
+                          *, priority: int = 0, cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None
+                          ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's ``EngineClient.beam_search`` (``llmkit.engine.beam_search``): yields one
+        finished ``RequestOutput``, a ``CompletionOutput`` per beam, best first. Each step's
+        beams run as requests ``"{request_id}-{step}-{beam}"``."""
+        search = start_beam_search(self.frontend, prompt, params, cache_salt)
+        step = params.step_params(self.model_facts.vocab_size)
+
+        async def step_one(beam_prompt, num_step: int, beam: int):
+            last = None
+            async for out in self.generate(beam_prompt, step, f"{request_id}-{num_step}-{beam}",
+                                           priority=priority, lora_request=lora_request,
+                                           output_kind=RequestOutputKind.FINAL_ONLY):
+                last = out
+            return first_logprobs(last)
+
+        await run_beam_search_async(search, step_one)
+        yield search.request_output(request_id, self.tokenizer)
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:

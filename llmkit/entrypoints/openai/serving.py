@@ -22,6 +22,7 @@ from fastapi.responses import Response
 
 from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, RequestStream
+from llmkit.entrypoints.openai.beam_search import beam_search_completion
 from llmkit.entrypoints.openai.chat_prompt import load_chat_images, render_chat_prompt
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
@@ -214,6 +215,9 @@ class OpenAIServing:
         prompts, texts = self._completion_prompts(req)
         for ids in prompts:
             self._check_length(len(ids), req.max_tokens, "prompt")
+        if req.use_beam_search:
+            return await beam_search_completion(self.engine, req, raw_request, prompts,
+                                                self.response_model(lora), lora)
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                       structured_outputs=self.structured_outputs(req),
                                       num_prompts=len(prompts))
@@ -286,6 +290,9 @@ class OpenAIServing:
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         self._warn_extra(req)
+        if (req.model_extra or {}).get("use_beam_search"):
+            raise bad_request("use_beam_search is supported on /v1/completions only",
+                              "use_beam_search")
         lora = self.check_model(req.model)
         self.check_engine()
         if req.top_logprobs is not None and not req.logprobs:
