@@ -162,3 +162,51 @@ def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsy
     doc = json.loads((out / "plan.json").read_text())
     assert doc["candidates"][0]["measured"]["completed"] == 4
     assert (out / "verify" / "candidate-1.json").is_file()
+
+
+# --------------------------------------------------------------------------- calibration
+
+TINY = ["plan.verify_top=0", "plan.max_num_seqs=[2]", "plan.max_num_batched_tokens=[64]",
+        "plan.speculative=[none]", "bench.num_requests=3", "bench.input_len=16",
+        "bench.output_len=4", "kv_cache.num_blocks=64"]
+
+
+def test_an_uncalibrated_machine_is_calibrated_first_in_a_child(tiny_model_dir, tmp_path,
+                                                                 monkeypatch, capsys):
+    import subprocess
+
+    model = tiny_model_dir("llama")
+    profile = tmp_path / "cpu-local.yaml"
+    calls = []
+
+    class FakeCalibrate:
+        """`llmkit sim calibrate MODEL ...` as a child: writes the profile it is told to."""
+
+        def __init__(self, cmd, **kw):
+            calls.append(cmd)
+            out = next(a for a in cmd if a.startswith("sim.calibrate_output="))
+            shutil.copy(REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml",
+                        out.partition("=")[2])
+            self.stdout = iter(["fit over 9 step shapes\n"])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeCalibrate)
+    out = tmp_path / "plan"
+    argv = ["plan", str(model), f"sim.calibrate_output={profile}", *TINY,
+            f"plan.output_dir={out}"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 1 and calls[0][3:7] == ["sim", "calibrate", str(model),
+                                                  f"sim.calibrate_output={profile}"]
+    assert "kv_cache.num_blocks=64" in calls[0]  # the engine keys go along
+    assert "running `llmkit sim calibrate engine` first" in err and "  fit over 9" in err
+    # cached: the next plan uses it
+    assert cli.main(argv) == 0
+    assert len(calls) == 1 and f"calibrated profile {profile}" in capsys.readouterr().err
+    # plan.calibrate=false plans on the placeholder and says so
+    argv = ["plan", str(model), f"sim.calibrate_output={tmp_path / 'none.yaml'}", *TINY,
+            "plan.calibrate=false", f"plan.output_dir={out}"]
+    assert cli.main(argv) == 0
+    assert len(calls) == 1 and "plan.calibrate=false" in capsys.readouterr().err

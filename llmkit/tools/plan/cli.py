@@ -62,8 +62,14 @@ def apply_workload_file(cfg: PlanToolConfig, overrides: list[str]) -> PlanToolCo
     return cfg.model_copy(update=update)
 
 
-def _ensure_calibrated(cfg: PlanToolConfig, log: Callable[[str], None]) -> None:
-    from llmkit.tools.sim.calibrate import run_engine_calibrate
+def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides: list[str],
+                       log: Callable[[str], None]) -> None:
+    """``hardware=cpu-local`` with no calibrated profile: ``llmkit sim calibrate`` for the
+    model, in a child process (the engine it times leaves nothing behind in this one), its
+    lines relayed to ``log``."""
+    import os
+    import subprocess
+
     from llmkit.tools.sim.hardware import CALIBRATED_NAME, default_calibration_path
 
     if cfg.hardware is None or cfg.hardware.name != CALIBRATED_NAME:
@@ -79,7 +85,23 @@ def _ensure_calibrated(cfg: PlanToolConfig, log: Callable[[str], None]) -> None:
         return
     log(f"no calibrated profile for this machine ({path}): running `llmkit sim calibrate "
         "engine` first (cached there for later plans)")
-    run_engine_calibrate(cfg, log=log)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.75 * (cfg.plan.cores or os.cpu_count() or 1):
+        log(f"warning: the machine is busy (load average {load:.1f}): the profile will be "
+            "slower than this machine is alone, and so will the predictions")
+    cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "sim", "calibrate",
+           model or "engine", f"sim.calibrate_output={path}", *engine_overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log("  " + line.rstrip())
+    rc = proc.wait()
+    if not path.is_file():
+        raise PlanError(f"llmkit sim calibrate failed (exit {rc}) and wrote no profile: "
+                        f"{' '.join(cmd[3:])}", code=1)
+    if rc != 0:
+        log(f"warning: llmkit sim calibrate exited with {rc} after writing {path}")
 
 
 def _describe_workload(b: Any) -> str:
@@ -128,7 +150,13 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
     plan = cfg.plan
     cores = plan.cores or usable_cores()
     space = build_space(plan, cores)
-    _ensure_calibrated(cfg, log)
+    # engine keys of the command line: for every candidate, the calibration and the servers
+    searched = {_key(o) for o in space.candidates[0].overrides()} | {
+        "speculative.num_speculative_tokens"}
+    engine_overrides = [o for o in overrides
+                        if _key(o).partition(".")[0] not in TOOL_SECTIONS
+                        and _key(o) not in searched]
+    _ensure_calibrated(cfg, args.model, engine_overrides, log)
     model_name = (cfg.sim.model or args.model or cfg.engine.model.path
                   or cfg.engine.model.name)
     try:
@@ -151,11 +179,6 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
         raise PlanError(f"no candidate could be simulated; the first: {ranked[0].error}")
     out_dir = Path(plan.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    searched = {_key(o) for o in space.candidates[0].overrides()} | {"speculative."
-                                                                     "num_speculative_tokens"}
-    engine_overrides = [o for o in overrides
-                        if _key(o).partition(".")[0] not in TOOL_SECTIONS
-                        and _key(o) not in searched]
     common = dict(model=model_name, hardware=ctx.hardware.name,
                   workload=_describe_workload(cfg.bench), slo=_describe_slo(cfg.slo),
                   extra_overrides=engine_overrides)
