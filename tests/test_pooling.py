@@ -109,3 +109,39 @@ def test_bare_qwen3_model_checkpoint_pools_by_default(qwen3_dir, tiny_tokenizer,
     want = _reference(qwen3_dir, tiny_tokenizer, PROMPTS, "LAST", normalize=True)
     _assert_close(llm.embed(PROMPTS, use_tqdm=False), want)
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tiny_tokenizer, tmp_path_factory):
+    """A tiny random BertModel (2 layers, hidden 64) saved with the tiny tokenizer."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=128, max_position_embeddings=128,
+                     pad_token_id=tiny_tokenizer.pad_token_id)
+    model = BertModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    out = tmp_path_factory.mktemp("tiny-bert")
+    model.save_pretrained(str(out))
+    tiny_tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_bert_encoder_matches_transformers_never_chunked(bert_dir, tiny_tokenizer, tmp_path):
+    # auto: BertModel pools (CLS, normalized); prompts that do not fit the step's remaining
+    # budget wait for the next step instead of being cut (bidirectional attention)
+    llm = LLM(str(bert_dir), dtype="float32", scheduler={"max_num_batched_tokens": 32})
+    prompts = PROMPTS[:1] + ["Pack my box with five dozen liquor jugs.", "a"]
+    want = _reference(bert_dir, tiny_tokenizer, prompts, "CLS", normalize=True)
+    _assert_close(llm.embed(prompts, use_tqdm=False), want)
+    with pytest.raises(ValueError, match="scheduler.max_num_batched_tokens"):
+        llm.embed(PROMPTS[1], use_tqdm=False)  # 52 tokens: longer than one step
+    llm.shutdown()
+    folder = _with_sentence_transformers(bert_dir, tmp_path / "st", "mean_tokens", True)
+    llm = LLM(str(folder), dtype="float32")
+    want = _reference(bert_dir, tiny_tokenizer, PROMPTS, "MEAN", normalize=True)
+    _assert_close(llm.embed(PROMPTS, use_tqdm=False), want)
+    llm.shutdown()

@@ -114,3 +114,26 @@ def test_chat_and_responses_on_a_pooling_server_are_400(server, path, body):
     resp = httpx.post(server.url(path), json=body)
     assert resp.status_code == 400, resp.text
     assert "model.runner" in resp.json()["error"]["message"]
+
+
+def test_bert_server_embeds_and_refuses_an_input_longer_than_one_step(tiny_tokenizer,
+                                                                      tmp_path_factory):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("bert")
+    BertModel(BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=64)).save_pretrained(str(out))
+    tiny_tokenizer.save_pretrained(str(out))
+    ids = tiny_tokenizer.encode(TEXTS[1])
+    with ServerProcess(out, "scheduler.max_num_batched_tokens=16", SERVER_THREADS,
+                       log_path=tmp_path_factory.mktemp("bert-server") / "server.log") as srv:
+        client = srv.client()
+        r = client.embeddings.create(model=client.models.list().data[0].id, input=[ids[:16]])
+        _close(r.data[0].embedding,
+               reference_embeddings(out, [ids[:16]], "CLS", normalize=True)[0])
+        resp = httpx.post(srv.url("/v1/embeddings"), json={"input": ids})
+        assert resp.status_code == 400
+        assert "scheduler.max_num_batched_tokens" in resp.json()["error"]["message"]
+        assert len(ids) > 16

@@ -22,7 +22,7 @@ from llmkit.kv_cache import KV_CACHE_MANAGERS, KVCacheManagerBase
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_ids
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
-from llmkit.models.pooling_config import prefix_caching_allowed
+from llmkit.models.pooling_config import engine_pooling
 from llmkit.platforms import resolve_platform
 from llmkit.platforms.base import Platform
 from llmkit.scheduler import SCHEDULERS, Scheduler
@@ -84,8 +84,11 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
         return source.load_tokenizer()
 
     kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
-    prefix_caching = kv_cfg.enable_prefix_caching and prefix_caching_allowed(config.model,
-                                                                             model_source)
+    # Pooling that needs every prompt token's hidden state (mean, CLS) cannot start behind a
+    # prefix-cache hit, which skips computing them (llmkit/worker/pooling.py).
+    pooling = engine_pooling(config.model, model_source)
+    prefix_caching = kv_cfg.enable_prefix_caching and (pooling is None
+                                                       or not pooling.needs_every_token)
     kv = kv_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                 max_model_len=facts.max_model_len, eviction_policy=kv_cfg.eviction_policy,
                 pinned_prefixes=pinned_prefix_ids(kv_cfg.pinned_prefixes,
@@ -99,6 +102,9 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
     if connector is not None:
         connector.bind_block_hasher(kv.ensure_block_hashes)
         kv.set_eviction_listener(connector.on_blocks_evicted)
+    if pooling is not None and pooling.bidirectional:  # an encoder's prompt is one step's
+        config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
+            update={"enable_chunked_prefill": False})})
     scheduler = build_scheduler(config, executor, kv, structured, connector, clock)
     return CoreParts(platform, executor, num_blocks, connector, kv, structured, scheduler)
 

@@ -178,7 +178,13 @@ class Frontend:
             raise ValueError("this engine generates (model.runner resolved to generate for "
                              f"{self.model_source.architecture}); embeddings need "
                              "model.runner=pooling")
-        return self.inputs.process(prompt, SamplingParams(max_tokens=1), cache_salt=cache_salt)
+        p = self.inputs.process(prompt, SamplingParams(max_tokens=1), cache_salt=cache_salt)
+        budget = self.config.scheduler.max_num_batched_tokens
+        if self.pooling.bidirectional and len(p.token_ids) > budget:
+            raise ValueError(f"the prompt has {len(p.token_ids)} tokens; this encoder computes a "
+                             f"prompt in one step (never in chunks), at most "
+                             f"scheduler.max_num_batched_tokens={budget}")
+        return p
 
     def fan_out(self, request_id: str, prompt: ProcessedPrompt, output_kind: RequestOutputKind,
                 prompt_text: str | None = None) -> list[tuple[str, SamplingParams]]:

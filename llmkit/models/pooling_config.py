@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from llmkit.config.schema import ModelConfig
     from llmkit.models.loader import ModelSource
 
-__all__ = ["PoolingSpec", "prefix_caching_allowed", "resolve_pooling", "resolve_runner"]
+__all__ = ["PoolingSpec", "engine_pooling", "resolve_pooling", "resolve_runner"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class PoolingSpec:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
     source: str = "architecture default"
+    #: an encoder (bidirectional attention): each prompt is computed in one step
+    bidirectional: bool = False
 
     @property
     def needs_every_token(self) -> bool:
@@ -95,7 +97,8 @@ def resolve_pooling(model_config: "ModelConfig", source: "ModelSource") -> Pooli
     else:
         pooling_type = "CLS" if source.architecture in ENCODER_ARCHITECTURES else "LAST"
         normalize, where = True, "architecture default"
-    spec = PoolingSpec(pooling_type, normalize, dims, is_matryoshka, matryoshka, where)
+    spec = PoolingSpec(pooling_type, normalize, dims, is_matryoshka, matryoshka, where,
+                       source.architecture in ENCODER_ARCHITECTURES)
     logger.info("pooling: %s tokens%s, %d dimensions (%s)", pooling_type.lower(),
                 ", normalized" if normalize else "", dims, where)
     return spec
@@ -137,18 +140,14 @@ def _st_pooling_mode(pooling_dir: Path, modules_file: Path) -> PoolingType:
     return _ST_MODES[on[0]]
 
 
-def prefix_caching_allowed(model_config: "ModelConfig", source: "ModelSource | None") -> bool:
-    """False for an engine whose pooling needs every prompt token's hidden state (mean, CLS):
-    a prefix-cache hit skips computing them. Generating engines and last-token pooling keep
-    prefix caching (the scheduler always recomputes a prompt's last token)."""
+
+def engine_pooling(model_config: "ModelConfig",
+                   source: "ModelSource | None") -> PoolingSpec | None:
+    """``resolve_pooling`` for the engine core, which may not hold the source yet (read only
+    when ``model.runner`` is not ``generate``)."""
     if model_config.runner == "generate":
-        return True
+        return None
     if source is None:
         from llmkit.models.loader import resolve_model_source
         source = resolve_model_source(model_config)
-    spec = resolve_pooling(model_config, source)
-    if spec is not None and spec.needs_every_token:
-        logger.info("prefix caching is off: %s pooling needs every prompt token's hidden "
-                    "state", spec.pooling_type.lower())
-        return False
-    return True
+    return resolve_pooling(model_config, source)

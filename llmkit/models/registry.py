@@ -13,6 +13,7 @@ for _arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
     MODELS.register_lazy(_arch, "llmkit.models.llama.LlamaForCausalLM")
 for _arch in ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"):  # embedding models
     MODELS.register_lazy(_arch, "llmkit.models.llama_embedding.LlamaEmbeddingModel")
+MODELS.register_lazy("BertModel", "llmkit.models.bert.BertModel")  # an encoder: pooling only
 for _arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
     MODELS.register_lazy(_arch, "llmkit.models.moe.MoeForCausalLM")
 MODELS.register_lazy("LlavaForConditionalGeneration",

@@ -134,7 +134,7 @@ class Worker:
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
             target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
             block_size=self.runner.block_size, seed=config.seed))
-        if single:
+        if single and pooling is None:  # (pooling engines only prefill: eager steps)
             self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
                 model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
             # Only a single rank builds graphs, so no rank can switch to them at another

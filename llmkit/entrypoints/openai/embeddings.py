@@ -5,7 +5,9 @@ scheduler as generation).
 ``dimensions`` truncates each embedding to its first ``dimensions`` values and normalizes it
 again (the pooling normalizes): Matryoshka models only, those whose config declares
 ``matryoshka_dimensions`` (then one of those) or ``is_matryoshka``; any other model answers 400.
-A server that generates answers 400 naming ``model.runner``.
+A server that generates answers 400 naming ``model.runner``; an encoder's (BERT's) input longer
+than one step (``scheduler.max_num_batched_tokens``: it is never computed in chunks) is a 400
+naming that key.
 """
 from __future__ import annotations
 
