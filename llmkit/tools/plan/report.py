@@ -16,6 +16,11 @@ def _mean(summary: Mapping[str, Any] | None, key: str) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+def _order(v: Any) -> tuple:
+    """Numbers by value, then names."""
+    return (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))
+
+
 def format_table(ranked: Sequence[Prediction], knobs: Sequence[str],
                  measured: Mapping[int, Mapping[str, Any]] | None = None,
                  limit: int | None = None) -> str:
@@ -59,7 +64,7 @@ def plot_plan(ranked: Sequence[Prediction], knobs: Sequence[str], png_path: str 
     ok = [(i, p) for i, p in enumerate(ranked) if not p.error]
     fig, axes = plt.subplots(1, len(knobs), figsize=(4 * len(knobs), 3.6), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
-        values = sorted({p.candidate.values()[knob] for _, p in ok}, key=str)
+        values = sorted({p.candidate.values()[knob] for _, p in ok}, key=_order)
         pos = {v: j for j, v in enumerate(values)}
         xs = [pos[p.candidate.values()[knob]] for _, p in ok]
         ax.scatter(xs, [p.goodput for _, p in ok], s=14, alpha=0.6, label="predicted")
