@@ -46,10 +46,11 @@ VLLM_FIGURES = {
 
 
 def run_trace(scheduler_cfg: SchedulerConfig | None = None,
-              num_blocks: int = NUM_BLOCKS) -> dict:
+              num_blocks: int = NUM_BLOCKS, sched_kwargs: dict | None = None) -> dict:
     kv = KVCacheManager(num_blocks, 16, enable_prefix_caching=True, max_model_len=4096)
     cfg = scheduler_cfg or SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096)
-    sched = TokenBudgetScheduler(cfg, kv, max_model_len=4096, eos_token_id=None)
+    sched = TokenBudgetScheduler(cfg, kv, max_model_len=4096, eos_token_id=None,
+                                 **(sched_kwargs or {}))
     for rid, prompt, max_tokens in TRACE:
         sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens,
                                                               ignore_eos=True)))

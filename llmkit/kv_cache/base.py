@@ -136,6 +136,10 @@ class KVCacheManagerBase(ABC):
     def get_block_ids(self, request_id: str) -> list[int]:
         """The ids of the blocks the request holds, in token order (its block table row)."""
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """How many blocks the request holds (the scheduler asks every step)."""
+        return len(self.get_block_ids(request_id))
+
     @property
     @abstractmethod
     def usage(self) -> float:

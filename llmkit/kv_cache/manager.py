@@ -340,6 +340,10 @@ class KVCacheManager(KVCacheManagerBase):
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def num_blocks_held(self, request_id: str) -> int:
+        blocks = self.req_to_blocks.get(request_id)
+        return len(blocks) if blocks else 0
+
     # -- state -----------------------------------------------------------------------------
     @property
     def usage(self) -> float:

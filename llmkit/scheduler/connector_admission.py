@@ -6,6 +6,8 @@ A waiting request that the connector can load asynchronously gets its blocks, th
 loaded position (or recomputes, if the load failed). A finished request that a receiver loads
 keeps its blocks until the worker reports it sent. An aborted request whose load is under way
 keeps its blocks until the load ends (the worker may still be writing them).
+
+The scheduler turns this feature on when it is given a connector.
 """
 from __future__ import annotations
 
@@ -14,18 +16,25 @@ from typing import TYPE_CHECKING
 
 from llmkit.kv_cache.base import KVCacheManagerBase
 from llmkit.request import Request, RequestStatus
+from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
+from llmkit.scheduler.hooks import SchedulerFeature
 
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
-    from llmkit.outputs import KVConnectorOutput
+    from llmkit.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
+    from llmkit.scheduler.policies import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
 
-class KVConnectorAdmission:
-    def __init__(self, connector: KVConnectorBase, kv_cache_manager: KVCacheManagerBase) -> None:
+class KVConnectorAdmission(SchedulerFeature):
+    name = "connector"
+
+    def __init__(self, connector: KVConnectorBase, kv_cache_manager: KVCacheManagerBase,
+                 waiting: WaitingQueue) -> None:
         self.connector = connector
         self.kv = kv_cache_manager
+        self.waiting = waiting
         # Requests whose KV loads, with the number of tokens it brings; those whose load
         # finished, waiting to run; finished requests whose blocks stay held for a receiver;
         # aborted requests whose blocks are freed once their load ends.
@@ -34,15 +43,61 @@ class KVConnectorAdmission:
         self.sending: dict[str, Request] = {}
         self.free_after_recv: dict[str, Request] = {}
 
-    def is_loaded(self, request_id: str) -> bool:
+    # -- hooks -------------------------------------------------------------------------------
+    def holds_kv(self, req: Request) -> bool:
         """Whether the request's KV was loaded: it holds its blocks already."""
-        return bool(self.loaded) and request_id in self.loaded
+        return bool(self.loaded) and req.request_id in self.loaded
 
-    def match(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def match_external(self, req: Request, num_hit: int) -> tuple[int, bool]:
         """(tokens the connector brings past the local prefix hit, whether it loads them
         asynchronously)."""
-        return self.connector.get_num_new_matched_tokens(req, num_computed_tokens)
+        return self.connector.get_num_new_matched_tokens(req, num_hit)
 
+    def parked(self, req: Request, lookup: bool, num_hit: int, num_ext: int,
+               load_async: bool) -> bool:
+        if lookup:
+            self.allocated(req, num_ext)
+        if load_async:
+            self.wait_for_load(req, num_hit, num_ext)
+        return load_async
+
+    def admitted(self, req: Request) -> None:
+        """A loaded request runs."""
+        self.loaded.discard(req.request_id)
+
+    def drop_held(self, req: Request) -> bool | None:
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return None
+        # The worker may still write its blocks: they are freed when the load ends.
+        self.abort_load(req)
+        return False
+
+    def finished(self, req: Request, free_blocks: bool) -> bool:
+        self.loaded.discard(req.request_id)  # an aborted request that was loaded
+        return self.request_finished(req, free_blocks)
+
+    def final_output(self, req: Request, out: EngineCoreOutput) -> None:
+        out.kv_transfer_params = req.kv_transfer_params
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        out.kv_connector_metadata = self.connector.build_connector_meta()
+
+    def busy(self) -> bool:
+        return bool(self.waiting_for_remote)
+
+    def begin_update(self, runner_output: ModelRunnerOutput) -> None:
+        kv_out = runner_output.kv_connector_output
+        if kv_out is not None:
+            for req in self.update_from_output(kv_out):
+                self.waiting.add_preempted(req)  # ahead of newer work: it holds blocks
+
+    def num_held(self) -> int:
+        return len(self.waiting_for_remote)
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        stats.kv_connector = self.connector.stats.snapshot()
+
+    # -- the protocol's steps --------------------------------------------------------------
     def allocated(self, req: Request, num_external_tokens: int) -> None:
         """The request got its blocks: the connector may plan its load into them."""
         self.connector.update_state_after_alloc(
@@ -52,10 +107,6 @@ class KVConnectorAdmission:
         req.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
         req.num_computed_tokens = num_hit
         self.waiting_for_remote[req.request_id] = (req, num_external_tokens)
-
-    def admitted(self, request_id: str) -> None:
-        """A loaded request runs (or left the waiting queue)."""
-        self.loaded.discard(request_id)
 
     def abort_load(self, req: Request) -> None:
         """An aborted request whose load is under way: its blocks are freed when it ends."""
@@ -106,10 +157,6 @@ class KVConnectorAdmission:
                 self.kv.free(req)
         return requeue
 
-    @property
-    def num_loading(self) -> int:
-        return len(self.waiting_for_remote)
-
-    def holds_blocks(self) -> bool:
+    def holds_work(self) -> bool:
         """Finished requests hold blocks until their transfers end."""
         return bool(self.sending) or bool(self.free_after_recv)

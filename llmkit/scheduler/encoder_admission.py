@@ -5,13 +5,17 @@ An image whose placeholder tokens a step computes must be encoded in that step o
 in the encoder cache (``encoder_cache.py``); one that fits neither the step's encoder budget
 (``scheduler.max_num_encoder_input_tokens``) nor the cache ends the chunk before its first
 placeholder, so an image's encoder run is never split or repeated across steps.
+
+The scheduler turns this feature on with the first request that has images.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from llmkit.request import Request
+from llmkit.scheduler.base import SchedulerOutput
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
+from llmkit.scheduler.hooks import SchedulerFeature
 
 
 @dataclass(slots=True)
@@ -25,10 +29,62 @@ class EncoderInputPlan:
     num_new_tokens: int
 
 
-class EncoderAdmission:
+class EncoderAdmission(SchedulerFeature):
+    name = "encoder"
+
     def __init__(self, cache: EncoderCacheManager, max_num_encoder_input_tokens: int) -> None:
         self.cache = cache
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
+        # The step's image-token budget left, its images to encode, and the plan of the
+        # request being scheduled (until it is scheduled or not).
+        self._budget = max_num_encoder_input_tokens
+        self._inputs: dict[str, list[int]] = {}
+        self._plan: tuple[Request, EncoderInputPlan] | None = None
+
+    # -- hooks -------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._budget = self.max_num_encoder_input_tokens
+        self._inputs = {}
+        self._plan = None
+
+    def limit_running(self, req: Request, n: int) -> int:
+        return self.limit_admission(req, req.num_computed_tokens, n)
+
+    def limit_admission(self, req: Request, start: int, n: int) -> int:
+        """Cut the chunk before an image the encoder cannot take this step (-1: not even one
+        token fits, which ends the step's admissions)."""
+        if not req.mm_features:
+            self._plan = None
+            return n
+        plan = self.plan(req, start, n, self._budget)
+        self._plan = (req, plan)
+        return plan.num_new_tokens if plan.num_new_tokens > 0 else -1
+
+    def not_scheduled(self, req: Request) -> None:
+        if self._plan is not None and self._plan[0] is req:
+            self.release(req, self._plan[1])
+        self._plan = None
+
+    def scheduled(self, req: Request, n: int) -> None:
+        if self._plan is not None and self._plan[0] is req:
+            self._budget -= self.commit(req, self._plan[1], self._inputs)
+        self._plan = None
+
+    def preempted(self, req: Request) -> None:
+        self.cache.free(req)
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        out.scheduled_encoder_inputs = self._inputs
+        out.free_encoder_mm_hashes = self.cache.get_freed_mm_hashes()
+
+    def computed(self, req: Request) -> None:
+        if req.mm_features:
+            self.free_computed(req)
+
+    def finished(self, req: Request, free_blocks: bool) -> bool:
+        if req.mm_features:
+            self.cache.free(req)
+        return free_blocks
 
     def check_request(self, request: Request) -> None:
         """Refuse a request with an image that no step could ever encode."""
