@@ -160,14 +160,18 @@ class SchedulerStats:
 
 
 class Scheduler(ABC):
-    """What the engine core drives: add, schedule, update, abort.
+    """What the engine core drives: add, schedule, update, abort; the methods below are the
+    ones its step loop, its observers and its stats call, and nothing else.
 
     The engine core builds a scheduler as ``cls(config, kv_cache_manager, max_model_len=...,
     eos_token_id=..., clock=..., structured_output_manager=...)``, plus ``kv_connector=...``
     when a KV connector is configured (``llmkit/kv_transfer``: the scheduler then follows its
-    protocol: external matches, WAITING_FOR_REMOTE_KVS, delayed frees); a scheduler that admits
-    requests with ``sampling_params.structured_outputs`` holds them until the manager's
-    grammar is ready and fills ``SchedulerOutput.grammar_bitmask`` (see ``token_budget.py``).
+    protocol: external matches, WAITING_FOR_REMOTE_KVS, delayed frees), ``max_loras=...`` with
+    LoRA, ``drop_last_cached_block=True`` with EAGLE and ``pipeline_parallel_size=...`` under
+    pipeline parallelism; a scheduler that admits requests with
+    ``sampling_params.structured_outputs`` holds them until the manager's grammar is ready and
+    fills ``SchedulerOutput.grammar_bitmask``. ``TokenBudgetScheduler`` does all of that
+    through its features (``hooks.py``).
     """
 
     #: Whether the constructor takes ``max_loras`` and ``max_lora_skips`` (a step's adapters

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import SchedulerOutput
-from llmkit.scheduler.hooks import SchedulerFeature
+from llmkit.scheduler.hooks import FeatureHost, SchedulerFeature
 
 if TYPE_CHECKING:
-    from llmkit.scheduler.token_budget import TokenBudgetScheduler
     from llmkit.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -23,7 +22,7 @@ logger = logging.getLogger(__name__)
 class GrammarAdmission(SchedulerFeature):
     name = "grammar"
 
-    def __init__(self, manager: StructuredOutputManager, sched: TokenBudgetScheduler) -> None:
+    def __init__(self, manager: StructuredOutputManager, sched: FeatureHost) -> None:
         self.manager = manager
         self._sched = sched
         self.waiting_for_fsm: list[Request] = []

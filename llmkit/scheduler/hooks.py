@@ -9,23 +9,42 @@ KV connector) or on first use (the first request with images or a grammar, the f
 
 Hooks of a point run in the fixed order of ``FEATURE_ORDER`` (LoRA before images, drafts before
 grammars), whatever the order the features were turned on in, so the decisions do not depend on
-which request came first.
+which request came first; other features (a subclass's own, added with
+``TokenBudgetScheduler.add_feature``) run after those, in the order they were added.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from llmkit.request import Request
+from llmkit.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from llmkit.kv_cache.blocks import KVCacheBlock
     from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
     from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
+    from llmkit.scheduler.policies import WaitingQueue
 
 # ``pass_over`` verdicts for a waiting request.
 ADMIT, PASS_OVER, PASS_OVER_AND_STOP = 0, 1, 2
 
 FEATURE_ORDER = ("lora", "eagle", "encoder", "drafts", "grammar", "connector")
+
+
+class FeatureHost(Protocol):
+    """What a feature may use of the scheduler it joins."""
+
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: WaitingQueue
+
+    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """End ``req`` (its blocks freed unless a feature keeps them)."""
+
+    def report_finished(self, req: Request, status: RequestStatus) -> None:
+        """End ``req`` outside a step's results; its output goes with the next update."""
+
+    def check_stop(self, req: Request, tok: int) -> bool:
+        """Apply the stop conditions after ``tok`` was appended; True if ``req`` ended."""
 
 
 class SchedulerFeature:
@@ -157,7 +176,8 @@ class FeatureHooks:
     __slots__ = _HOOKS
 
     def __init__(self, features: dict[str, SchedulerFeature]) -> None:
-        ordered = [features[n] for n in FEATURE_ORDER if n in features]
+        rank = {name: i for i, name in enumerate(FEATURE_ORDER)}
+        ordered = sorted(features.values(), key=lambda f: rank.get(f.name, len(rank)))
         for name in _HOOKS:
             setattr(self, name, tuple(
                 getattr(f, name) for f in ordered

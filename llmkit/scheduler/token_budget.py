@@ -19,6 +19,7 @@ from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
+from llmkit.scheduler.admission import admit_waiting
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats)
 from llmkit.scheduler.connector_admission import KVConnectorAdmission
@@ -26,16 +27,17 @@ from llmkit.scheduler.drafts import DraftTokens, EagleHitTrim
 from llmkit.scheduler.encoder_admission import EncoderAdmission
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.grammar_admission import GrammarAdmission
-from llmkit.scheduler.hooks import ADMIT, PASS_OVER_AND_STOP, FeatureHooks, SchedulerFeature
+from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
 from llmkit.scheduler.lora_slots import LoRASlots
-from llmkit.scheduler.policies import WAITING_QUEUES, pick_victim
+from llmkit.scheduler.policies import WAITING_QUEUES
+from llmkit.scheduler.running_phase import schedule_running
+from llmkit.scheduler.step_results import apply_step_results
 from llmkit.scheduler.stop_checks import stop_status
 
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
     from llmkit.structured_output.manager import StructuredOutputManager
 
-_RUNNING = RequestStatus.RUNNING
 _FINISHED = frozenset(s for s in RequestStatus if s.finished)
 
 
@@ -64,7 +66,7 @@ class TokenBudgetScheduler(Scheduler):
         self.pipeline_parallel_size = pipeline_parallel_size
         # Requests in a batch whose output has not come back yet: never scheduled again (nor
         # preempted) until it has. Empty between steps of a synchronous engine.
-        self._in_flight: set[str] = set()
+        self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -75,7 +77,7 @@ class TokenBudgetScheduler(Scheduler):
         # Ended since the last schedule(): the runner must drop their state.
         self._finished_req_ids: set[str] = set()
         # Outputs produced outside a step (refused requests), delivered with the next update.
-        self._pending_outputs: list[EngineCoreOutput] = []
+        self.pending_outputs: list[EngineCoreOutput] = []
         self._arrivals = 0
         self.num_preemptions_total = 0
         self._step_preemptions = 0
@@ -87,14 +89,15 @@ class TokenBudgetScheduler(Scheduler):
         self._features: dict[str, SchedulerFeature] = {}
         self.hooks = FeatureHooks(self._features)
         if max_loras is not None:
-            self._add_feature(LoRASlots(max_loras, max_lora_skips,
+            self.add_feature(LoRASlots(max_loras, max_lora_skips,
                                         lambda: (self.running, self.waiting)))
         if drop_last_cached_block:
-            self._add_feature(EagleHitTrim(kv_cache_manager.block_size))
+            self.add_feature(EagleHitTrim(kv_cache_manager.block_size))
         if kv_connector is not None:
-            self._add_feature(KVConnectorAdmission(kv_connector, kv_cache_manager, self.waiting))
+            self.add_feature(KVConnectorAdmission(kv_connector, kv_cache_manager, self.waiting))
 
-    def _add_feature(self, feature: SchedulerFeature) -> None:
+    def add_feature(self, feature: SchedulerFeature) -> None:
+        """Turn ``feature`` on (by its name; it replaces one of the same name)."""
         self._features[feature.name] = feature
         self.hooks = FeatureHooks(self._features)
 
@@ -107,7 +110,7 @@ class TokenBudgetScheduler(Scheduler):
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
         if request.mm_features and "encoder" not in self._features:
-            self._add_feature(EncoderAdmission(self.encoder_cache,
+            self.add_feature(EncoderAdmission(self.encoder_cache,
                                                self.config.max_num_encoder_input_tokens))
         for check in self.hooks.check_request:
             check(request)
@@ -115,7 +118,7 @@ class TokenBudgetScheduler(Scheduler):
             # Refuse rather than truncate: the caller learns why through the finish reason.
             request.set_status(RequestStatus.FINISHED_IGNORED)
             request.times.finished = self.clock()
-            self._pending_outputs.append(self._output(request, []))
+            self.pending_outputs.append(self.make_output(request, []))
             return
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.max_tokens is None else min(request.max_tokens,
@@ -124,7 +127,7 @@ class TokenBudgetScheduler(Scheduler):
             if self.structured_output_manager is None:
                 raise ValueError(f"request {request.request_id!r} asks for structured output, "
                                  "but this scheduler has no structured-output manager")
-            self._add_feature(GrammarAdmission(self.structured_output_manager, self))
+            self.add_feature(GrammarAdmission(self.structured_output_manager, self))
         self.requests[request.request_id] = request
         if not any(hold(request) for hold in self.hooks.hold_request):
             self.waiting.add(request)
@@ -146,7 +149,7 @@ class TokenBudgetScheduler(Scheduler):
                     if free_blocks is not None:
                         break
             self.finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=free_blocks is not False)
-            outs.append(self._output(req, []))
+            outs.append(self.make_output(req, []))
         return outs
 
     # -- scheduling ----------------------------------------------------------------------
@@ -158,11 +161,11 @@ class TokenBudgetScheduler(Scheduler):
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted_ids: set[str] = set()
-        budget = self._schedule_running(cfg.max_num_batched_tokens, num_scheduled, cached,
-                                        preempted_ids)
+        budget = schedule_running(self, cfg.max_num_batched_tokens, num_scheduled, cached,
+                                  preempted_ids)
         if not preempted_ids:  # else blocks are scarce: admit nothing this step
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
-        self._in_flight.update(num_scheduled)
+            budget = admit_waiting(self, budget, num_scheduled, new_reqs)
+        self.in_flight.update(num_scheduled)
 
         total = cfg.max_num_batched_tokens - budget
         self._step_tokens = total
@@ -180,212 +183,17 @@ class TokenBudgetScheduler(Scheduler):
         self._finished_req_ids = set()
         return out
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          cached: CachedRequestData, preempted_ids: set[str]) -> int:
-        """Running requests, in admission order: each continues its prefill or decodes. The
-        step's tokens count as computed from here on: the next schedule() builds on them.
-        Returns the budget left."""
-        hooks = self.hooks
-        limit, extra = hooks.limit_running, hooks.extra_tokens
-        scheduled_hooks, not_scheduled = hooks.scheduled, hooks.not_scheduled
-        kv = self.kv
-        allocate, num_blocks_held = kv.allocate_slots, kv.num_blocks_held
-        lookahead = self.config.num_lookahead_tokens
-        long_prefill = self.config.long_prefill_token_threshold
-        max_model_len = self.max_model_len
-        pp = self.pipeline_parallel_size
-        in_flight = self._in_flight
-        running = self.running
-        max_running = -(-len(running) // pp) if pp > 1 else len(running)
-        c_ids, c_blocks = cached.req_ids, cached.new_block_ids
-        c_computed, c_offsets = cached.num_computed_tokens, cached.block_ids_offset
-        num_running = 0
-        i = 0
-        while i < len(running) and budget > 0 and num_running < max_running:
-            req = running[i]
-            rid = req.request_id
-            if in_flight and rid in in_flight:
-                i += 1
-                continue
-            computed = req.num_computed_tokens
-            n = len(req.all_token_ids) - computed
-            if long_prefill and n > long_prefill:
-                n = long_prefill
-            if n > budget:
-                n = budget
-            if n > max_model_len - computed:
-                n = max_model_len - computed
-            for lim in limit:
-                if n <= 0:
-                    break
-                n = lim(req, n)
-            if n <= 0:
-                i += 1
-                continue
-            for ext in extra:
-                n += ext(req, n, budget)
-            new_blocks = allocate(req, n, lookahead)
-            if new_blocks is None:
-                new_blocks = self._make_room(req, n, lookahead, i, preempted_ids)
-                if new_blocks is None:
-                    for hook in not_scheduled:
-                        hook(req)
-                    continue  # req itself was preempted; `i` already points at the next one
-            num_scheduled[rid] = n
-            budget -= n
-            for hook in scheduled_hooks:
-                hook(req, n)
-            c_ids.append(rid)
-            c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
-            c_computed.append(computed)
-            c_offsets.append(num_blocks_held(rid) - len(new_blocks))
-            if pp > 1:
-                cached.new_token_ids.append(req.all_token_ids[computed:computed + n])
-            req.num_computed_tokens = computed + n
-            num_running += 1
-            i += 1
-        return budget
-
-    def _make_room(self, req: Request, n: int, lookahead: int, i: int,
-                   preempted_ids: set[str]) -> list | None:
-        """Preempt running requests not yet scheduled this step (nor in flight), last first,
-        until ``req``'s slots fit; None if ``req`` itself went (preempted, or alone and still
-        out of blocks)."""
-        running = self.running
-        in_flight = self._in_flight
-        while True:
-            if len(running) == 1:
-                # Alone and still out of blocks: the request has outgrown the whole pool.
-                # Preempting it would only re-admit it to grow again (a livelock), so it
-                # ends here, capped by KV capacity as it would be by max_model_len.
-                running.pop()
-                self.report_finished(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-                return None
-            victim = pick_victim([r for r in running[i:] if r.request_id not in in_flight],
-                                 self.config.preemption_policy)
-            running.remove(victim)
-            self._preempt(victim)
-            preempted_ids.add(victim.request_id)
-            if victim is req:
-                return None
-            new_blocks = self.kv.allocate_slots(req, n, lookahead)
-            if new_blocks is not None:
-                return new_blocks
-
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       new_reqs: list[NewRequestData]) -> int:
-        """Waiting requests, in queue order, while the budget, max_num_seqs and the blocks
-        last. Returns the budget left."""
-        hooks = self.hooks
-        cfg, kv, waiting, running = self.config, self.kv, self.waiting, self.running
-        skipped: list[Request] = []
-        while len(waiting) and budget > 0 and len(running) < cfg.max_num_seqs:
-            req = waiting.peek()
-            verdict = ADMIT
-            for pass_over in hooks.pass_over:
-                verdict = pass_over(req)
-                if verdict != ADMIT:
-                    break
-            if verdict != ADMIT:
-                skipped.append(waiting.pop())
-                if verdict == PASS_OVER_AND_STOP:
-                    break
-                continue
-            loaded = any(holds(req) for holds in hooks.holds_kv)
-            lookup = not loaded and (req.sampling_params.prompt_logprobs is None
-                                     or req.num_output_tokens)
-            num_ext, load_async = 0, False
-            if lookup:
-                computed_blocks, num_hit = kv.get_computed_blocks(req)
-                for trim in hooks.trim_prefix_hit:
-                    computed_blocks, num_hit = trim(computed_blocks, num_hit)
-                for match in hooks.match_external:
-                    num_ext, load_async = match(req, num_hit)
-            else:
-                # Cached positions have no logits: a request that still owes its prompt
-                # logprobs computes its whole prompt (as vLLM does). Its blocks are still
-                # cached for other requests by allocate_slots.
-                computed_blocks, num_hit = [], 0
-            start = req.num_computed_tokens if loaded else num_hit + num_ext
-            n = req.num_tokens - start
-            if load_async:
-                n = 0  # nothing runs until the KV is here
-            elif n > budget and not cfg.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if cfg.long_prefill_token_threshold:
-                n = min(n, cfg.long_prefill_token_threshold)
-            if not load_async:
-                for lim in hooks.limit_admission:
-                    n = lim(req, start, n)
-                    if n < 0:
-                        break
-                if n < 0:  # e.g. the first image the encoder cannot take this step
-                    for hook in hooks.not_scheduled:
-                        hook(req)
-                    break
-            new_blocks = kv.allocate_slots(req, n + num_ext, cfg.num_lookahead_tokens,
-                                           new_computed_blocks=computed_blocks,
-                                           num_new_computed_tokens=num_hit,
-                                           delay_cache_blocks=load_async)
-            if new_blocks is None:
-                for hook in hooks.not_scheduled:
-                    hook(req)
-                if not running and not num_scheduled and not any(b() for b in hooks.busy):
-                    # Nothing runs that could free blocks: this request can never fit.
-                    waiting.pop()
-                    self._refuse(req)
-                    continue
-                break
-            waiting.pop()
-            if any(park(req, lookup, num_hit, num_ext, load_async) for park in hooks.parked):
-                continue
-            for hook in hooks.admitted:
-                hook(req)
-            req.set_status(RequestStatus.RUNNING)
-            if not loaded:
-                req.num_computed_tokens = num_hit + num_ext
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            if req.times.first_scheduled is None:
-                req.times.first_scheduled = self.clock()
-            running.append(req)
-            num_scheduled[req.request_id] = n
-            budget -= n
-            for hook in hooks.scheduled:
-                hook(req, n)
-            new_reqs.append(NewRequestData(
-                req_id=req.request_id,
-                token_ids=list(req.all_token_ids),
-                num_prompt_tokens=req.num_prompt_tokens,
-                sampling_params=req.sampling_params,
-                block_ids=kv.get_block_ids(req.request_id),
-                num_computed_tokens=req.num_computed_tokens,
-                eos_token_id=req.eos_token_id,
-                lora_id=req.lora_id,
-                mm_features=req.mm_features,
-            ))
-            req.num_computed_tokens += n
-        for req in reversed(skipped):  # back in their places, ahead of what came after
-            waiting.add_preempted(req)
-        return budget
-
-    def _refuse(self, req: Request) -> None:
-        self.report_finished(req, RequestStatus.FINISHED_ABORTED
-                             if req.status == RequestStatus.PREEMPTED
-                             else RequestStatus.FINISHED_IGNORED)
-
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Draft tokens for the next step, per request (a proposer's output); requests not
         named keep none. The first drafts turn draft verification on."""
         if "drafts" not in self._features:
             if not any(draft_token_ids.values()):
                 return  # every request has none already
-            self._add_feature(DraftTokens(self.kv, self.max_model_len))
+            self.add_feature(DraftTokens(self.kv, self.max_model_len))
         for req in self.running:
             req.spec_token_ids = list(draft_token_ids.get(req.request_id, ()))
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
         self.kv.free(req)
         for hook in self.hooks.preempted:
             hook(req)
@@ -398,84 +206,7 @@ class TokenBudgetScheduler(Scheduler):
     # -- results -------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        hooks = self.hooks
-        outputs, self._pending_outputs = self._pending_outputs, []
-        for begin in hooks.begin_update:
-            begin(model_runner_output)
-        computed_hooks, verify, accept = hooks.computed, hooks.verify, hooks.accept_tokens
-        now = self.clock()
-        sampled = model_runner_output.sampled_token_ids
-        index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
-        logprobs_of = model_runner_output.logprobs
-        prompt_logprobs_of = model_runner_output.prompt_logprobs
-        pooled_of = model_runner_output.pooler_output
-        requests = self.requests
-        max_model_len = self.max_model_len
-        stopped = False
-        scheduled = scheduler_output.num_scheduled_tokens
-        self._in_flight.difference_update(scheduled)
-        for req_id in scheduled:
-            req = requests.get(req_id)
-            if req is None or req.status in _FINISHED:
-                continue  # aborted while the step ran
-            for hook in computed_hooks:
-                hook(req)
-            if pooled_of:
-                pooled = pooled_of.get(req_id)
-                if pooled is not None:  # a pooling request ends with its prompt: no decode
-                    self.finish(req, RequestStatus.FINISHED_STOPPED)
-                    stopped = True
-                    out = self._output(req, [])
-                    out.pooling_output = pooled
-                    outputs.append(out)
-                    continue
-            i = index.get(req_id)
-            new_tokens = sampled[i] if i is not None else None
-            if not new_tokens:
-                continue  # a prefill chunk short of the prompt's end samples nothing
-            for hook in verify:
-                hook(req, new_tokens, scheduler_output)
-            kept = None
-            for take in accept:
-                kept = take(req, new_tokens, now)
-                if kept is not None:
-                    break
-            if kept is None:
-                kept = self._append_tokens(req, new_tokens, now, max_model_len)
-            if req.times.first_token is None:
-                req.times.first_token = now
-            if req.status is _RUNNING:
-                out = EngineCoreOutput(req_id, kept, None, req.stop_reason,
-                                       max(req.num_cached_tokens, 0))
-            else:
-                stopped = True
-                out = self._output(req, kept)
-            if logprobs_of:
-                logprobs = logprobs_of.get(req_id)
-                if logprobs is not None:
-                    # Tokens after a stop are dropped: so are their logprobs.
-                    out.new_logprobs = (logprobs if len(logprobs) == len(kept)
-                                        else logprobs.slice(0, len(kept)))
-            if prompt_logprobs_of:
-                out.new_prompt_logprobs = prompt_logprobs_of.get(req_id)
-            outputs.append(out)
-        if stopped:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-        return outputs
-
-    def _append_tokens(self, req: Request, new_tokens: list[int], now: float,
-                       max_model_len: int) -> list[int]:
-        """Append the sampled tokens up to a stop; the tokens kept."""
-        out_ids, all_ids, times = req.output_token_ids, req.all_token_ids, req.times.token_times
-        for j, tok in enumerate(new_tokens):
-            out_ids.append(tok)
-            all_ids.append(tok)
-            times.append(now)
-            status = stop_status(req, tok, max_model_len)
-            if status is not None:
-                self.finish(req, status)
-                return new_tokens[:j + 1]
-        return list(new_tokens)
+        return apply_step_results(self, scheduler_output, model_runner_output)
 
     def check_stop(self, req: Request, tok: int) -> bool:
         """Apply stop conditions after ``tok`` was appended; finish the request if one holds."""
@@ -499,9 +230,9 @@ class TokenBudgetScheduler(Scheduler):
     def report_finished(self, req: Request, status: RequestStatus) -> None:
         """End ``req`` outside a step's results: its output goes with the next update."""
         self.finish(req, status)
-        self._pending_outputs.append(self._output(req, []))
+        self.pending_outputs.append(self.make_output(req, []))
 
-    def _output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
+    def make_output(self, req: Request, new_tokens: list[int]) -> EngineCoreOutput:
         out = EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
@@ -518,7 +249,7 @@ class TokenBudgetScheduler(Scheduler):
     def has_unfinished_requests(self) -> bool:
         # Held blocks of finished requests keep the engine stepping: their transfers end in a
         # step's connector output.
-        return (bool(self.requests) or bool(self._pending_outputs)
+        return (bool(self.requests) or bool(self.pending_outputs)
                 or any(h() for h in self.hooks.holds_work))
 
     def get_num_unfinished_requests(self) -> int:
