@@ -18,7 +18,6 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from llmkit.engine.async_llm import EngineDeadError, RequestStream
-from llmkit.entrypoints.openai.chat_prompt import load_chat_images, render_chat_prompt
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.protocol import ChatCompletionRequest
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning
@@ -32,7 +31,7 @@ from llmkit.entrypoints.openai.responses_store import ResponsesStore, StoredResp
 from llmkit.entrypoints.openai.serving import OpenAIServing, _chat_message
 from llmkit.entrypoints.openai.streaming import EngineStreamingResponse, run_until_disconnect
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
-from llmkit.entrypoints.openai.tools import ToolUse, tool_use
+from llmkit.entrypoints.openai.tools import ToolUse
 
 __all__ = ["OpenAIServingResponses", "add_responses_routes"]
 
@@ -154,28 +153,14 @@ class OpenAIServingResponses:
             history = prev.conversation
         turn = input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat = chat_request(req, system + history + turn)
-        use = tool_use(chat, s.tool_parser, any_whitespace=not s.engine.config
-                       .structured_output.disable_any_whitespace)
-        forced = (use.structured_outputs, "tools") if use.structured_outputs else None
-        structured = s.structured_outputs(chat, forced)
-        chat, images = await load_chat_images(s.frontend, chat)
-        ids = render_chat_prompt(s.frontend, chat, use, s.template_has_tools, s.encode)
-        thinking = s.reasoning_for(ids)
-        if thinking is not None:
-            structured = thinking.constrain(structured)
-        num_prompt_tokens = len(ids)
-        prompt: list[int] | dict = ids
-        if images:
-            mm = s.frontend.mm_processor
-            num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
-            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        chat = await s.chat_prompt(chat_request(req, system + history + turn))
+        use, thinking, num_prompt_tokens = chat.use, chat.thinking, chat.num_prompt_tokens
         s._check_length(num_prompt_tokens, req.max_output_tokens, "input")
-        params = s.sampling_params(chat, max_tokens=req.max_output_tokens, logprobs=None,
-                                   structured_outputs=structured)
+        params = s.sampling_params(chat.request, max_tokens=req.max_output_tokens,
+                                   logprobs=None, structured_outputs=chat.structured)
         response_id = _new_id("resp")
-        streams = await s._start(response_id, [prompt], [None], params, 1, chat.priority,
-                                 req.stream, None, lora)
+        streams = await s._start(response_id, [chat.prompt], [None], params, 1,
+                                 chat.request.priority, req.stream, None, lora)
         base = self._skeleton(req, response_id, s.response_model(lora))
         conversation = history + turn
         if req.stream:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -52,6 +53,21 @@ from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A chat request made the engine's prompt (chat completions and the Responses API):
+    ``request`` with its images loaded, its tool use, its output constraint (after the
+    thinking, with a reasoning parser), ``prompt`` (token ids, or with the images) and how many
+    tokens the engine sees in it."""
+
+    request: ChatCompletionRequest
+    use: ToolUse
+    structured: StructuredOutputsParams | None
+    thinking: RequestReasoning | None
+    prompt: list[int] | dict
+    num_prompt_tokens: int
 
 
 class OpenAIServing:
@@ -297,31 +313,18 @@ class OpenAIServing:
         self.check_engine()
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        use = tool_use(req, self.tool_parser, any_whitespace=not self.engine.config
-                       .structured_output.disable_any_whitespace)
-        forced = (use.structured_outputs, "tools") if use.structured_outputs else None
-        structured = self.structured_outputs(req, forced)
-        req, images = await load_chat_images(self.frontend, req)
-        ids = render_chat_prompt(self.frontend, req, use, self.template_has_tools, self.encode)
-        thinking = self.reasoning_for(ids)
-        if thinking is not None:
-            structured = thinking.constrain(structured)
-        num_prompt_tokens = len(ids)
-        prompt: list[int] | dict = ids
-        if images:
-            # Each placeholder becomes the image's tokens: they count as prompt tokens.
-            mm = self.frontend.mm_processor
-            num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
-            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        chat = await self.chat_prompt(req)
+        req, use, thinking = chat.request, chat.use, chat.thinking
+        num_prompt_tokens = chat.num_prompt_tokens
         max_tokens = req.max_output_tokens
         self._check_length(num_prompt_tokens, max_tokens, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                                      structured_outputs=structured)
+                                      structured_outputs=chat.structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = await self._start(request_id, [prompt], [None], params, req.n, req.priority,
-                                    req.stream, req.cache_salt, lora)
+        streams = await self._start(request_id, [chat.prompt], [None], params, req.n,
+                                    req.priority, req.stream, req.cache_salt, lora)
         model = self.response_model(lora)
         if req.stream:
             return EngineStreamingResponse(
@@ -406,6 +409,27 @@ class OpenAIServing:
         except ValueError as e:  # the engine refused the request
             yield sse(bad_request(str(e)).body())
         yield sse("[DONE]")
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """Tools, output constraint, images, template and thinking of a chat request, as the
+        engine takes them (400s naming the field they come from)."""
+        use = tool_use(req, self.tool_parser, any_whitespace=not self.engine.config
+                       .structured_output.disable_any_whitespace)
+        forced = (use.structured_outputs, "tools") if use.structured_outputs else None
+        structured = self.structured_outputs(req, forced)
+        req, images = await load_chat_images(self.frontend, req)
+        ids = render_chat_prompt(self.frontend, req, use, self.template_has_tools, self.encode)
+        thinking = self.reasoning_for(ids)
+        if thinking is not None:
+            structured = thinking.constrain(structured)
+        num_prompt_tokens = len(ids)
+        prompt: list[int] | dict = ids
+        if images:
+            # Each placeholder becomes the image's tokens: they count as prompt tokens.
+            mm = self.frontend.mm_processor
+            num_prompt_tokens += sum(mm.num_tokens(im) - 1 for im in images)
+            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return ChatPrompt(req, use, structured, thinking, prompt, num_prompt_tokens)
 
     def reasoning_for(self, prompt_ids: list[int]) -> RequestReasoning | None:
         """How a chat output after ``prompt_ids`` splits into thinking and answer (None
