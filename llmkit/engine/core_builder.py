@@ -86,7 +86,9 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
     kv_cls = KV_CACHE_MANAGERS.resolve(kv_cfg.name, kv_cfg.target)
     # Pooling that needs every prompt token's hidden state (mean, CLS) cannot start behind a
     # prefix-cache hit, which skips computing them (llmkit/worker/pooling.py).
-    pooling = engine_pooling(config.model, model_source)
+    # (The simulator computes nothing, and may stand for a model whose files are not here.)
+    pooling = None if config.executor.name == "sim" else engine_pooling(config.model,
+                                                                        model_source)
     prefix_caching = kv_cfg.enable_prefix_caching and (pooling is None
                                                        or not pooling.needs_every_token)
     kv = kv_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching,
