@@ -61,10 +61,33 @@ def test_beams_through_the_openai_client_equal_hf(env):
     assert [c.text for c in one.choices] == hf_texts(hf, tok, ids, 1, 1.0)
 
 
+def test_beams_share_the_prompts_blocks_on_the_server(env):
+    srv, _, _, model = env
+    prompt, k = list(range(100, 120)), 3  # two full blocks of 8
+    before = srv.metrics()["llmkit:prefix_cache_hits_total"]
+    srv.client().completions.create(model=model, prompt=prompt, n=k, max_tokens=MAX_TOKENS,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+    hits = srv.metrics()["llmkit:prefix_cache_hits_total"] - before
+    num_requests = 1 + (MAX_TOKENS - 1) * k  # one, then k per step
+    assert hits >= (num_requests - 1) * 16
+
+
+def test_streamed_each_beam_is_one_chunk_at_the_end(env):
+    srv, _, _, model = env
+    kwargs = dict(model=model, prompt=PROMPTS, n=2, max_tokens=MAX_TOKENS,
+                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    whole = srv.client().completions.create(**kwargs)
+    chunks = list(srv.client().completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason)
+            for c in chunks[:-1]] == [(c.index, c.text, c.finish_reason) for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens)
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"n": 0}, "n"),
     ({"n": 11}, "n"),
-    ({"stream": True}, "stream"),
     ({"top_p": 0.5}, "top_p"),
     ({"stop": ["x"]}, "stop"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
