@@ -20,7 +20,7 @@ from llmkit.config.cpu_isa import supported_tiers
 from llmkit.kernels.cpu_native import load_cpu_kernels
 from llmkit.kernels.quant import formats, reference, weights
 
-from helpers import gguf_rows as testing
+from helpers import gguf_rows
 
 GGUF = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 # (in_features, out_features): several blocks, out not a multiple of the 8-row group.
@@ -45,7 +45,7 @@ def randn(*shape, seed=0, scale=1.0):
 def make_weight(fmt: str, k: int, n: int, seed: int = 0):
     """(PackedWeight, IntegerForm, float32 dequantized weight) of a random weight."""
     if fmt in GGUF:
-        raw = testing.random_gguf_rows(fmt, n, k, seed=seed)
+        raw = gguf_rows.random_gguf_rows(fmt, n, k, seed=seed)
         return (weights.pack_gguf(raw, fmt, k), reference.integer_form(raw, fmt, k),
                 formats.dequantize_gguf(raw, fmt, k))
     codes, scales = (weights.int8_codes if fmt == "int8" else weights.fp8_codes)(
@@ -60,7 +60,7 @@ def make_weight(fmt: str, k: int, n: int, seed: int = 0):
 def test_dequantize_and_repack_equal_gguf(fmt):
     from gguf import GGMLQuantizationType, quants
     k = 512 if fmt in ("q4_k", "q6_k") else 160
-    raw = testing.random_gguf_rows(fmt, 13, k, seed=3)
+    raw = gguf_rows.random_gguf_rows(fmt, 13, k, seed=3)
     expected = torch.from_numpy(quants.dequantize(raw.numpy(), getattr(GGMLQuantizationType, fmt.upper())))
     expected = expected.reshape(13, k)
     assert torch.equal(formats.dequantize_gguf(raw, fmt, k), expected)

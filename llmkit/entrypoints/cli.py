@@ -365,11 +365,6 @@ def _cmd_proxy(args: CliArgs) -> int:
     return int(run_proxy(cfg.proxy) or 0)
 
 
-def _not_implemented(args: CliArgs) -> int:
-    print(f"llmkit: not implemented yet: {args.command}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 HANDLERS = {
     "config": _cmd_config,
     "generate": _cmd_generate,

@@ -46,13 +46,14 @@ from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from llmkit.entrypoints.openai.embeddings import add_embeddings_routes
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
+from llmkit.entrypoints.openai.errors import OpenAIError
 from llmkit.entrypoints.openai.limits import RequestSizeLimit
-from llmkit.entrypoints.openai.responses import add_responses_routes
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, ErrorResponse,
                                                 LoadLoRAAdapterRequest, ModelCard, ModelList,
                                                 TokenizeRequest, UnloadLoRAAdapterRequest)
-from llmkit.entrypoints.openai.serving import OpenAIError, OpenAIServing
+from llmkit.entrypoints.openai.responses import add_responses_routes
+from llmkit.entrypoints.openai.serving import OpenAIServing
 from llmkit.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger(__name__)
