@@ -14,7 +14,7 @@ import pytest
 
 from helpers.tiny_models import CORPUS, build_tokenizer
 
-from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts  # noqa: E402
+from llmkit.engine.output_processor import IncrementalDetokenizer, TokenTexts  # noqa: E402
 
 N_TOKENS = 512
 

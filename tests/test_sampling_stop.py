@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmkit import LLM, SamplingParams
-from llmkit.engine.detokenizer import IncrementalDetokenizer
+from llmkit.engine.output_processor import IncrementalDetokenizer
 
 PROMPT = "The quick brown fox"
 

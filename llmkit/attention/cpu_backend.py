@@ -242,11 +242,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
             write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
                      metadata.has_skipped_slots)
         d = metadata.decode
-        quantized = format_of(kv_cache) is not None
-        # Without the C++ kernels a quantized cache is read by the torch reference (gather,
-        # dequantize, SDPA) rather than the compiled kernel, which reads float rows only.
+        # The C++ kernels read any cache format. Without them a quantized cache is read by the
+        # torch reference (gather, dequantize, SDPA) rather than the compiled kernel, which
+        # reads float rows only.
         paged = (self.ops.paged_decode_attention if in_place else
-                 paged_decode_attention_reference if quantized else self._kernel)
+                 paged_decode_attention_reference if format_of(kv_cache) is not None
+                 else self._kernel)
         if metadata.all_decode:
             return paged(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
         num_kv_heads = kv_cache.shape[-2]

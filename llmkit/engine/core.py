@@ -70,6 +70,8 @@ class EngineCore:
         self.structured_output_manager = parts.structured_output_manager
         self.scheduler = parts.scheduler
         self._speculative = config.speculative.enabled
+        # LoRA off: no request holds an adapter, so no step has adapters to release.
+        self._lora = config.lora.enabled
         # Multi-LoRA: the adapters registered and their users (llmkit/lora/adapters.py).
         self.adapters = AdapterTable(config.lora.enabled, executor.add_lora, executor.remove_lora)
         for lr in configured_adapters(config.lora):
@@ -158,7 +160,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort(request_ids)
-        if self.adapters.in_use:
+        if self._lora and self.adapters.in_use:
             self.adapters.release(outputs)
         return outputs
 
@@ -223,7 +225,7 @@ class EngineCore:
         t3 = perf()
         so = batch.scheduler_output
         outputs = self.scheduler.update_from_output(so, runner_output)
-        if self.adapters.in_use:
+        if self._lora and self.adapters.in_use:
             self.adapters.release(outputs)
         if runner_output.draft_token_ids or self._speculative:
             # Also an empty dict: drafts are for the next step only.

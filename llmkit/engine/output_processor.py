@@ -4,6 +4,13 @@ Per engine request (a child of a user request, see :mod:`llmkit.sampling.paralle
 incrementally, match stop strings on the text as it grows, turn logprob lists into
 ``{token_id: Logprob}`` dicts, and build the ``CompletionOutput`` for the request's output kind.
 
+Incremental detokenization uses the `tokenizers` library's DecodeStream, which holds back bytes
+until they form whole characters (byte-level BPE splits multi-byte characters across tokens).
+The stream is primed with the prompt's last tokens so that the first output token decodes with
+its context (leading spaces of SentencePiece-style vocabularies).
+``spaces_between_special_tokens`` only affects slow (Python) tokenizers; fast ones, the only
+kind llmkit detokenizes with, ignore it, as they do in vLLM and transformers.
+
 A stop string is found here, not in the core: the request is finished in the front end and
 the core still runs it. ``process(outputs, reqs_to_abort)`` appends such engine request ids to
 the caller's list; the caller aborts them in the core so that their KV blocks are freed at
@@ -13,16 +20,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
-from llmkit.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from llmkit.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             EngineCoreOutput, Logprob, LogprobsLists, RequestOutput)
 from llmkit.sampling.parallel import ParentRequest
 from llmkit.sampling.params import RequestOutputKind, SamplingParams
 from llmkit.sampling.stop_strings import find_stop_string, holdback_chars
 
-__all__ = ["OutputProcessor", "RequestOutputKind", "RequestState"]
+__all__ = ["IncrementalDetokenizer", "OutputProcessor", "RequestOutputKind", "RequestState",
+           "TokenTexts"]
+
+_PRIME_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer; llmkit needs "
+                            "a `tokenizers`-backed one for incremental detokenization")
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PRIME_TOKENS:]),
+                                    skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        piece = self._stream.step(self._backend, token_id) or ""
+        self.text += piece
+        return piece
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        return "".join([self.add_token(t) for t in token_ids])
+
+
+class TokenTexts:
+    """Each token's own text (``Logprob.decoded_token``), decoded once per token id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
 
 
 @dataclass(slots=True)
@@ -64,9 +111,11 @@ class OutputProcessor:
         for i, (cid, cparams) in enumerate(zip(parent.child_ids, parent.child_params)):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            skip_special_tokens=cparams.skip_special_tokens)
+            # Without stop strings nothing is held back (and their module is not asked).
+            holdback = holdback_chars(cparams.stop, cparams.include_stop_str_in_output) \
+                if cparams.stop else 0
             self.states[cid] = RequestState(
-                cid, parent, i, cparams, detok,
-                holdback_chars(cparams.stop, cparams.include_stop_str_in_output),
+                cid, parent, i, cparams, detok, holdback,
                 logprobs=[] if cparams.logprobs is not None else None,
                 cumulative_logprob=0.0 if cparams.logprobs is not None else None)
         return list(zip(parent.child_ids, parent.child_params))

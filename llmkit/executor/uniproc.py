@@ -23,3 +23,6 @@ class UniprocExecutor(Worker, Executor):
         source = model_source or resolve_model_source(config.model)
         check_expert_parallel(config, source.hf_config)
         Worker.__init__(self, config, platform, source)
+        # One rank, no pipeline stage to hand on to: a step goes straight to the runner
+        # (``Worker.execute_model`` adds nothing at pipeline size 1).
+        self.execute_model = self.runner.execute_model

@@ -21,7 +21,7 @@ from llmkit.kernels.kv_quant import cache_row_width
 from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
 from llmkit.lora.manager import LoRAManager
 from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
-from llmkit.models.interfaces import supports_mrope
+from llmkit.models.interfaces import supports_mrope, supports_multimodal
 from llmkit.outputs import LogprobsLists, ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler, SamplerOutput
 from llmkit.scheduler.base import SchedulerOutput
@@ -107,8 +107,9 @@ class ModelRunner:
         # Multi-LoRA: the model's adapter slots; sets each step's row -> slot mapping.
         self.lora_manager: LoRAManager | None = None
         # Multimodal: each running request's images and the encoder outputs by image content
-        # hash (what the scheduler's EncoderCacheManager accounts for).
-        self.mm = MultimodalInputs(device)
+        # hash (what the scheduler's EncoderCacheManager accounts for). Absent for a text-only
+        # model: its steps never look for images.
+        self.mm = MultimodalInputs(device) if supports_multimodal(model) else None
         # M-RoPE (Qwen2-VL): the positions of each running request with images.
         self.uses_mrope = supports_mrope(model)
         self._mrope = MRoPEPositions(model) if self.uses_mrope else None
@@ -205,7 +206,9 @@ class ModelRunner:
     # -- persistent batch ------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
-        self.mm.free(so.free_encoder_mm_hashes)
+        mm = self.mm
+        if mm is not None:
+            mm.free(so.free_encoder_mm_hashes)
         # Sorted: a set's order follows the process's string hashing, and every tensor-parallel
         # rank must lay out its rows alike (the same removals in the same order), or the ranks'
         # sampled drafts part. A preempted request keeps its RNG (preemption does not replay
@@ -213,15 +216,16 @@ class ModelRunner:
         for rid, finished in [(r, True) for r in sorted(so.finished_req_ids)] + \
                 [(r, False) for r in sorted(so.preempted_req_ids)]:
             b.remove_request(rid)
-            self.mm.remove_request(rid)
+            if mm is not None:
+                mm.remove_request(rid)
             if self._mrope is not None:
                 self._mrope.remove_request(rid)
             if finished:
                 self._generators.pop(rid, None)
             self._prompt_logprobs.pop(rid, None)
         for new in so.scheduled_new_reqs:
-            if new.mm_features:
-                self.mm.add_request(new.req_id, new.mm_features)
+            if new.mm_features and mm is not None:
+                mm.add_request(new.req_id, new.mm_features)
                 if self._mrope is not None:
                     self._mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_features)
             sp = new.sampling_params
@@ -360,11 +364,15 @@ class ModelRunner:
                  intermediate_tensors: IntermediateTensors | None = None
                  ) -> ModelRunnerOutput | IntermediateTensors:
         conn = self.kv_connector
-        if so.scheduled_encoder_inputs:
-            self.mm.encode(self.model, so.scheduled_encoder_inputs)
-        inputs_embeds = self.mm.embeddings(
-            self.model, inputs.input_ids, inputs.req_ids, inputs.computed, inputs.num_scheduled,
-            inputs.query_starts) if self.mm else None
+        mm = self.mm
+        inputs_embeds = None
+        if mm is not None:
+            if so.scheduled_encoder_inputs:
+                mm.encode(self.model, so.scheduled_encoder_inputs)
+            if mm:
+                inputs_embeds = mm.embeddings(
+                    self.model, inputs.input_ids, inputs.req_ids, inputs.computed,
+                    inputs.num_scheduled, inputs.query_starts)
         hidden = self._forward(inputs, inputs_embeds, intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden  # a pipeline stage before the last: nothing samples here
