@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("facade", {""}),
     # the CLI, the OpenAI server, the terminal chat: they run the engine and the tools
     ("entrypoints", {"entrypoints"}),
-    # tools beside the engine (llmkit/tools/: bench, sim, eval, proxy): they drive it through
+    # tools beside the engine (llmkit/tools/: bench, sim, plan, eval, proxy): they drive it through
     # its public API (TOOLS_PUBLIC below), it never imports them
     ("tools", {"tools"}),
     # the front ends (LLM, AsyncLLM), the core loop and its process

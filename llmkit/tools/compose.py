@@ -1,7 +1,7 @@
 """The tools' config root: ``conf/tools/tools.yaml`` composes the engine's root
-(``conf/config.yaml``) and adds the tools' sections (``bench``, ``slo``, ``sim``, ``eval``,
-``proxy``) and groups (``hardware``: ``conf/tools/hardware/``). The engine's root names none
-of them; ``llmkit bench|sim|eval|proxy`` and ``llmkit config`` compose this one.
+(``conf/config.yaml``) and adds the tools' sections (``bench``, ``slo``, ``sim``, ``plan``,
+``eval``, ``proxy``) and groups (``hardware``: ``conf/tools/hardware/``). The engine's root names
+none of them; ``llmkit bench|sim|plan|eval|proxy`` and ``llmkit config`` compose this one.
 
 - ``compose_tool_config(tool, overrides)``: the CLI's path, Hydra overrides only.
 - ``build_tool_config(tool, model, dtype=, overrides=, groups=)``: ``build_config``'s path.
