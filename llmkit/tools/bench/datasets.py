@@ -28,9 +28,12 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from llmkit.tools.bench.arrivals import arrival_times
+
+if TYPE_CHECKING:
+    from llmkit.tools.schema import BenchConfig
 
 __all__ = ["DATASETS", "WorkloadError", "WorkloadRequest", "build_workload", "load_jsonl",
            "random_lengths"]
@@ -186,8 +189,9 @@ def _as_text(reqs: list[WorkloadRequest], tokenizer: TokenizerLike | None) -> No
         r.prompt_len = len(r.prompt_token_ids)
 
 
-def build_workload(cfg: Any, tokenizer: TokenizerLike | None = None) -> list[WorkloadRequest]:
-    """The requests of ``cfg`` (a ``BenchConfig``) with their arrival times, in arrival order."""
+def build_workload(cfg: BenchConfig, tokenizer: TokenizerLike | None = None
+                   ) -> list[WorkloadRequest]:
+    """The requests of ``cfg`` with their arrival times, in arrival order."""
     rng = random.Random(f"dataset-{cfg.seed}")
     if cfg.dataset == "random":
         reqs = _random_dataset(cfg, _need_tokenizer(tokenizer, cfg.dataset), rng)
@@ -202,7 +206,7 @@ def build_workload(cfg: Any, tokenizer: TokenizerLike | None = None) -> list[Wor
         _as_text(reqs, tokenizer)
     for r, t in zip(reqs, arrival_times(len(reqs), cfg.rate, cfg.arrival, seed=cfg.seed)):
         r.arrival_s = t
-    names = list(getattr(cfg, "lora_names", None) or ())
+    names = cfg.lora_names
     for i, r in enumerate(reqs):  # round robin over the adapters, in arrival order
         r.lora_name = names[i % len(names)] if names else None
     return reqs

@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from llmkit.tools.schema import SimToolConfig
 
 __all__ = ["CALIBRATED_NAME", "HardwareProfile", "default_calibration_path",
            "hardware_names", "load_profile", "load_profile_yaml", "resolve_hardware",
@@ -152,18 +155,17 @@ def load_profile(path: str | Path) -> HardwareProfile:
                                        str(path))
 
 
-def resolve_hardware(cfg: Any) -> HardwareProfile:
-    """The profile ``cfg`` (a ``SimToolConfig``) simulates: ``cfg.hardware``, or for
-    ``cpu-local`` the calibrated file when there is one."""
+def resolve_hardware(cfg: SimToolConfig) -> HardwareProfile:
+    """The profile ``cfg`` simulates: ``cfg.hardware``, or for ``cpu-local`` the calibrated
+    file when there is one."""
     from llmkit.config.errors import ConfigError
 
     hw = cfg.hardware
     if hw is None:
         raise ConfigError("hardware", None, "a profile: " + ", ".join(hardware_names()))
     if hw.name == CALIBRATED_NAME:
-        sim = getattr(cfg, "sim", None)
-        path = Path(sim.calibrate_output).expanduser() if sim is not None and \
-            sim.calibrate_output else default_calibration_path()
+        out = cfg.sim.calibrate_output
+        path = Path(out).expanduser() if out else default_calibration_path()
         if path.is_file():
             logger.info("hardware=cpu-local: using the calibrated profile %s", path)
             return load_profile(path)
