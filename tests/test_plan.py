@@ -116,7 +116,7 @@ def test_plan_searches_ranks_and_writes_a_recipe_that_loads(tmp_path, capsys):
     # the recipe holds the chosen (best) config: llmkit config recipe=PATH gives it back
     chosen = rows[doc["chosen"] - 1]
     text = (out / "recipe.yaml").read_text()
-    assert "# predicted (simulator): goodput" in text and "not verified" in text
+    assert "# predicted: goodput" in text and "# measured: not verified" in text
     assert cli.main(["config", f"recipe={out / 'recipe.yaml'}"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["scheduler"]["max_num_seqs"] == chosen["max_num_seqs"]
@@ -130,12 +130,27 @@ def test_plan_workload_file_replaces_the_workload(tmp_path, capsys):
                          "slo": {"ttft_ms": 900, "tpot_ms": None, "e2el_ms": None}}}
     (tmp_path / "r.json").write_text(json.dumps(result))
     out = tmp_path / "plan"
-    assert cli.main(["plan", *SMALL[:6], f"plan.workload={tmp_path / 'r.json'}",
+    assert cli.main(["plan", *SMALL[:6], f"plan.trace={tmp_path / 'r.json'}",
                      "plan.max_num_seqs=[4]", f"plan.output_dir={out}"]) == 0
     err = capsys.readouterr().err
     assert "6 requests, random 40 tokens in / 8 out" in err and "TTFT <= 900 ms" in err
-    assert cli.main(["plan", *SMALL, f"plan.workload={tmp_path / 'none.json'}"]) == 2
-    assert "plan.workload: got" in capsys.readouterr().err
+    assert cli.main(["plan", *SMALL, f"plan.trace={tmp_path / 'none.json'}"]) == 2
+    assert "plan.trace: got" in capsys.readouterr().err
+
+
+def test_plan_short_workload_keys_and_recipe_output(tmp_path, capsys):
+    """API.md's form: plan.rate / num_requests / input_len / output_len replace bench.*, and
+    plan.output says where the recipe goes."""
+    recipe = tmp_path / "mine" / "served.yaml"
+    assert cli.main(["plan", *SMALL[:6], "plan.rate=3", "plan.num_requests=7",
+                     "plan.input_len=48", "plan.output_len=9", "plan.max_num_seqs=[4]",
+                     f"plan.output={recipe}", f"plan.output_dir={tmp_path / 'plan'}"]) == 0
+    err = capsys.readouterr().err
+    assert "7 requests, random 48 tokens in / 9 out" in err and "at 3.0 req/s" in err
+    assert "# predicted: goodput" in recipe.read_text()
+    assert not (tmp_path / "plan" / "recipe.yaml").exists()
+    assert cli.main(["plan", *SMALL, "plan.rate=0"]) == 2
+    assert "plan.rate" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- verification
@@ -157,7 +172,7 @@ def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsy
     assert "calibrated profile" in io.err and "verify candidate-1" in io.err
     assert "predicted vs measured goodput:" in io.out
     text = (out / "recipe.yaml").read_text()
-    assert "# measured (bench serve): goodput" in text
+    assert "# measured: goodput" in text and "# predicted: goodput" in text
     assert "# predicted vs measured goodput:" in text
     doc = json.loads((out / "plan.json").read_text())
     assert doc["candidates"][0]["measured"]["completed"] == 4

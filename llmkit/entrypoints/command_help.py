@@ -90,9 +90,9 @@ COMMAND_HELP: dict[str, CommandHelp] = {
     "plan": CommandHelp(
         "llmkit plan [MODEL] [hardware=NAME] [key=value ...]",
         "Search engine configs (plan.* lists) in the simulator for a workload (bench.*, or "
-        "plan.workload=RESULT.json) and an SLO (slo.*), rank by goodput then tokens per "
+        "plan.trace=RESULT.json; or plan.rate, plan.num_requests, plan.input_len, plan.output_len) and an SLO (slo.*), rank by goodput then tokens per "
         "core-second, verify the best plan.verify_top with bench serve on a real server, and "
-        "write plan.output_dir/recipe.yaml (recipe=PATH loads it), a table and a plot. Default "
+        "write plan.output (default plan.output_dir/recipe.yaml) (recipe=PATH loads it), a table and a plot. Default "
         "hardware: cpu-local (calibrated first when it is not).",
         ("llmkit plan bench.rate=1 bench.num_requests=48 bench.input_len=256 "
          "bench.output_len=128 slo.ttft_ms=1500 slo.tpot_ms=80",

@@ -225,7 +225,8 @@ class EvalConfig(_Strict):
 class PlanConfig(_Strict):
     """``llmkit plan`` (``llmkit/tools/plan/``): the search space (one list of values per
     knob; the plan simulates every combination the cores allow), what it verifies and where
-    it writes. The workload is ``bench.*`` (or ``plan.workload``), the objective ``slo.*``."""
+    it writes. The workload is ``bench.*`` (or ``plan.trace``, then ``plan.rate`` /
+    ``num_requests`` / ``input_len`` / ``output_len``), the objective ``slo.*``."""
 
     # -- the search space ------------------------------------------------------------------
     max_num_seqs: list[int] = Field(default_factory=lambda: [4, 8, 16, 32], min_length=1)
@@ -251,9 +252,15 @@ class PlanConfig(_Strict):
     # the devices the parallel sizes may use; null = this process's usable CPU cores
     cores: int | None = Field(default=None, ge=1)
     # -- the workload ----------------------------------------------------------------------
-    # a `bench serve` / `llmkit sim` result JSON: its bench.* workload (and slo.*, where the
-    # command line sets none) replace the configured ones
-    workload: str | None = None
+    # a `bench serve` / `llmkit sim` result JSON (the trace of a run): its bench.* workload
+    # (and slo.*, where the command line sets none) replace the configured ones
+    trace: str | None = None
+    # the workload in short (each, when set, replaces its bench.* key: bench.rate,
+    # bench.num_requests, bench.input_len, bench.output_len), applied after plan.trace
+    rate: float | None = Field(default=None, gt=0)
+    num_requests: int | None = Field(default=None, ge=1)
+    input_len: int | None = Field(default=None, ge=1)
+    output_len: int | None = Field(default=None, ge=1)
     # -- verification and output -----------------------------------------------------------
     # the best N candidates are served (`llmkit serve`) and measured with `bench serve` on the
     # same workload; 0 = predict only
@@ -265,6 +272,8 @@ class PlanConfig(_Strict):
     calibrate: bool = True
     # recipe.yaml, table.txt, plan.png, plan.json (and verify/ with bench serve's results)
     output_dir: str = "plan_results"
+    # where the chosen recipe goes (null: <output_dir>/recipe.yaml)
+    output: str | None = None
 
     @field_validator("max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
                      "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

@@ -1,6 +1,7 @@
 """The ``llmkit plan`` command (called by ``llmkit.entrypoints.cli``).
 
-    llmkit plan [MODEL] [hardware=NAME] [bench.*=...] [slo.*=...] [plan.*=...] [engine keys]
+    llmkit plan [MODEL] [plan.rate=R plan.num_requests=N plan.input_len=I plan.output_len=O |
+                 plan.trace=FILE | bench.*=...] [slo.*=...] [plan.*=...] [engine keys]
 
 Without ``hardware=`` it plans for this machine (``hardware=cpu-local``), calibrating the
 engine first (``llmkit sim calibrate engine``, cached) when no calibrated profile exists.
@@ -20,11 +21,15 @@ from llmkit.tools.schema import TOOL_SECTIONS, PlanToolConfig
 
 __all__ = ["PlanError", "run_plan_command"]
 
-# the bench.* keys that make a workload (what plan.workload takes from a result file)
+# the bench.* keys that make a workload (what plan.trace takes from a result file)
 WORKLOAD_KEYS = ("endpoint", "dataset", "dataset_path", "num_requests", "input_len",
                  "output_len", "range_ratio", "num_prefixes", "prefix_len", "prompt_format",
                  "tokenizer", "rate", "arrival", "max_concurrency", "max_duration_s", "seed",
                  "ignore_eos", "temperature")
+
+
+# plan.<key> that stand for bench.<key> (API.md's short form of a workload)
+SHORT_WORKLOAD_KEYS = ("rate", "num_requests", "input_len", "output_len")
 
 
 class PlanError(Exception):
@@ -39,26 +44,29 @@ def _key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
 
 
-def apply_workload_file(cfg: PlanToolConfig, overrides: list[str]) -> PlanToolConfig:
-    """``plan.workload``: the workload (and, unless ``slo.*`` is on the command line, the SLO)
-    of a ``bench serve`` / ``llmkit sim`` result file."""
+def apply_workload(cfg: PlanToolConfig, overrides: list[str]) -> PlanToolConfig:
+    """The workload to plan for: ``plan.trace``'s (and, unless ``slo.*`` is on the command
+    line, its SLO: a ``bench serve`` / ``llmkit sim`` result file), then ``plan.rate``,
+    ``plan.num_requests``, ``plan.input_len`` and ``plan.output_len`` where set."""
     from llmkit.tools.schema import BenchConfig, SloConfig
 
-    path = cfg.plan.workload
-    if not path:
-        return cfg
-    allowed = "a bench serve or llmkit sim result JSON (with config.bench) that exists"
-    try:
-        doc = json.loads(Path(path).expanduser().read_text())
-        bench = doc["config"]["bench"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError("plan.workload", path, allowed) from None
-    picked = {k: bench[k] for k in WORKLOAD_KEYS if k in bench}
-    update: dict[str, Any] = {
-        "bench": BenchConfig.model_validate({**cfg.bench.model_dump(), **picked})}
-    slo = doc["config"].get("slo")
-    if slo and not any(_key(o).startswith("slo.") for o in overrides):
-        update["slo"] = SloConfig.model_validate(slo)
+    plan = cfg.plan
+    bench = cfg.bench.model_dump()
+    update: dict[str, Any] = {}
+    if plan.trace:
+        allowed = "a bench serve or llmkit sim result JSON (with config.bench) that exists"
+        try:
+            doc = json.loads(Path(plan.trace).expanduser().read_text())
+            traced = doc["config"]["bench"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConfigError("plan.trace", plan.trace, allowed) from None
+        bench.update({k: traced[k] for k in WORKLOAD_KEYS if k in traced})
+        slo = doc["config"].get("slo")
+        if slo and not any(_key(o).startswith("slo.") for o in overrides):
+            update["slo"] = SloConfig.model_validate(slo)
+    bench.update({k: getattr(plan, k) for k in SHORT_WORKLOAD_KEYS
+                  if getattr(plan, k) is not None})
+    update["bench"] = BenchConfig.model_validate(bench)
     return cfg.model_copy(update=update)
 
 
@@ -146,7 +154,7 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
                         "than recipe=")
     if not any(_key(o) == "hardware" for o in overrides):
         overrides.insert(0, "hardware=cpu-local")
-    cfg = apply_workload_file(load_config(args, overrides, tool=PlanToolConfig), overrides)
+    cfg = apply_workload(load_config(args, overrides, tool=PlanToolConfig), overrides)
     plan = cfg.plan
     cores = plan.cores or usable_cores()
     space = build_space(plan, cores)
@@ -202,7 +210,8 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
         log(f"{name}: measured {figures_line(result['summary'])}")
     chosen = max(measured, key=lambda i: (measured[i]["goodput"], -i)) if measured else 0
     best = ranked[chosen]
-    recipe = write_recipe(out_dir / "recipe.yaml", best.candidate, predicted=best.summary,
+    recipe_path = Path(plan.output) if plan.output else out_dir / "recipe.yaml"
+    recipe = write_recipe(recipe_path, best.candidate, predicted=best.summary,
                           measured=measured.get(chosen), **common)
     knobs = space.varied
     table = format_table(ranked, knobs, measured)

@@ -75,9 +75,9 @@ def write_recipe(path: str | Path, cand: Candidate, *, model: str, hardware: str
     serve = " ".join(["llmkit serve", model, f"recipe={path}", *extra_overrides])
     header = [f"Written by `llmkit plan` on {when}: {model} on {hardware}.",
               f"Serve it: {serve}", f"workload: {workload}", f"SLO: {slo}",
-              f"predicted (simulator): {figures_line(predicted)}"]
+              f"predicted: {figures_line(predicted)} (the simulator)"]
     if measured is not None:
-        header += [f"measured (bench serve): {figures_line(measured)}",
+        header += [f"measured: {figures_line(measured)} (bench serve)",
                    agreement_line(predicted["goodput"], measured["goodput"])]
     else:
         header.append("measured: not verified (plan.verify_top=0, or a model shape)")
