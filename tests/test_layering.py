@@ -1,7 +1,8 @@
 """The import graph of llmkit: no cycles among its modules, and no arrow up the layers.
 
 Every ``import`` of every module counts, at module level or inside a function (a lazy import
-is still a dependency), and so does a ``Registry.register_lazy`` class path. Imports under
+is still a dependency), and so do a ``Registry.register_lazy`` class path and an
+``importlib.import_module`` of a literal name. Imports under
 ``if TYPE_CHECKING:`` do not: they annotate a protocol the caller satisfies and never run.
 """
 from __future__ import annotations
@@ -116,7 +117,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def _imports(tree: ast.AST) -> list[tuple[str, int, int]]:
     """``(module or module.name, relative level, line)`` of every import outside
-    ``if TYPE_CHECKING:`` blocks, and of every ``register_lazy(name, "class.path")``."""
+    ``if TYPE_CHECKING:`` blocks, of every ``register_lazy(name, "class.path")`` and of every
+    ``importlib.import_module("literal")``."""
     found: list[tuple[str, int, int]] = []
 
     def visit(node: ast.AST) -> None:
@@ -134,6 +136,10 @@ def _imports(tree: ast.AST) -> list[tuple[str, int, int]]:
               and node.func.attr == "register_lazy" and len(node.args) == 2
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
             found.append((node.args[1].value.rpartition(".")[0], 0, node.lineno))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append((node.args[0].value, 0, node.lineno))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -195,6 +201,7 @@ def test_the_parser_sees_lazy_and_module_level_imports():
         "llmkit.scheduler" in g["llmkit.engine.core"]
     assert "llmkit.executor.uniproc" in g["llmkit.executor"]  # a register_lazy path
     assert "llmkit.kv_cache.blocks" not in g["llmkit.kv_cache.base"]  # TYPE_CHECKING only
+    assert "llmkit.entrypoints.offline" in g["llmkit.entrypoints.cli"]  # importlib, by name
 
 
 def test_every_component_has_a_layer():
