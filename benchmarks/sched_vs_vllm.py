@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from test_scheduler_bench import run_trace  # noqa: E402
+# benchmarks/ is on the path: Python puts a script's folder there (and pytest's pythonpath)
+from test_scheduler_bench import run_trace
 
 # Features on, unused by the trace's requests: each should cost only its hook.
 def _structured_output() -> dict:
