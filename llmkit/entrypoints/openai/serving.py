@@ -343,7 +343,8 @@ class OpenAIServing:
             usage.completion_tokens += len(c.token_ids)
             message, finish_reason = _chat_message(c.text, c.finish_reason, use, thinking)
             choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=chat_logprobs(self.tokenizer, c, k),
+                                      logprobs=(chat_logprobs(self.tokenizer, c, k)
+                                                if k is not None else None),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
@@ -390,7 +391,7 @@ class OpenAIServing:
                         delta = {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
                     if not delta and finish_reason is None and c.logprobs is None:
                         continue
-                    lp = chat_logprobs(self.tokenizer, c, k)
+                    lp = chat_logprobs(self.tokenizer, c, k) if k is not None else None
                     choice = {"index": c.index, "delta": delta,
                               "logprobs": lp.model_dump() if lp else None,
                               "finish_reason": finish_reason}
