@@ -1,6 +1,6 @@
 """llmkit's scheduler step against vLLM v1's on the shared trace, as a ratio taken in one process.
 
-Both drivers are the benchmark's own: ``test_scheduler_bench.run_trace`` (llmkit) and
+Both drivers are the benchmark's own: ``sched_trace_run.run_trace`` (llmkit) and
 ``vllm_sched_reference.run`` (vLLM's v1 ``Scheduler`` + ``KVCacheManager``, see that file for
 how vLLM is installed). A round runs both, in alternating order, and the figure is the ratio of
 their mean step times (``schedule()`` + ``update_from_output()``); the output gives the median
@@ -19,7 +19,7 @@ import json
 import statistics
 
 # benchmarks/ is on the path: Python puts a script's folder there (and pytest's pythonpath)
-from test_scheduler_bench import run_trace
+from sched_trace_run import run_trace
 
 # Features on, unused by the trace's requests: each should cost only its hook.
 def _structured_output() -> dict:

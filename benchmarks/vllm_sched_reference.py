@@ -9,7 +9,7 @@ system torch 2.13.0+cpu::
     /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec  # for another torch
     /tmp/vllmenv/bin/python benchmarks/vllm_sched_reference.py [--log steps.jsonl]
 
-It drives vLLM exactly as ``benchmarks/test_scheduler_bench.py::run_trace`` drives llmkit:
+It drives vLLM exactly as ``benchmarks/sched_trace_run.py::run_trace`` drives llmkit:
 ``make_trace(seed=0)`` (256 requests), block size 16, a KVCacheConfig of 4096 blocks for a tiny
 fake model (one full-attention layer; no weights are loaded, nothing runs on a device),
 ``max_num_seqs=128``, ``max_num_batched_tokens=4096``, ``max_model_len=4096``, prefix caching on,

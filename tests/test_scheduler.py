@@ -174,15 +174,14 @@ def test_timestamps_from_injected_clock():
     assert len(t.token_times) == 2
 
 
-def test_shared_trace_matches_vllm_hit_rate(monkeypatch):
+def test_shared_trace_matches_vllm_hit_rate():
     """Default policies on the shared scheduler trace: the same admissions, prefix-cache hits
     (counted at every admission), preemptions and steps as vLLM 0.32's v1 scheduler, for the
     same number of allocatable blocks. The vLLM figures and the driver live with the
-    benchmark (``benchmarks/test_scheduler_bench.py``, measured with
+    benchmark (``benchmarks/sched_trace_run.py``, measured with
     ``benchmarks/vllm_sched_reference.py``)."""
-    import importlib
+    import sched_trace_run as bench  # benchmarks/ (pytest's pythonpath)
 
-    bench = importlib.import_module("test_scheduler_bench")
     for num_blocks in sorted(bench.VLLM_FIGURES):
         result = bench.run_trace(num_blocks=num_blocks)
         assert bench.vllm_parity(result, num_blocks) == {}, num_blocks
