@@ -99,9 +99,10 @@ class LLM:
             lora_id = lora_request.lora_int_id
         rid = str(next(self._ids))
         engine = self.engine
-        # The n samples go together (data parallel: to one engine core).
+        # The n samples go together (data parallel: to one engine core). The EOS id is a
+        # start-up fact: the front end's copy, not a walk through the engine to its executor.
         engine.add_requests([p.to_request(child_id, child_params,
-                                          eos_token_id=engine.model_facts.eos_token_id,
+                                          eos_token_id=self.frontend.facts.eos_token_id,
                                           arrival_time=engine.clock(), lora_id=lora_id)
                              for child_id, child_params in self.frontend.fan_out(rid, p, kind)])
         return rid
