@@ -38,7 +38,7 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning, make_reasoning_parser
-from llmkit.entrypoints.openai.request_streams import admitting, collect, merge
+from llmkit.entrypoints.openai.request_streams import abort_all, admitting, collect, merge
 from llmkit.entrypoints.openai.serving_models import ServingModels
 from llmkit.entrypoints.openai.sampling import check_token_ids, to_sampling_params
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
