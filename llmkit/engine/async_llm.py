@@ -28,7 +28,7 @@ latency, the engine's queue time (first scheduled − arrival at the core), prom
 token counts, finish reason; and the engine's stats snapshot after each step.
 
 The requests in flight are followed by a ``RequestTracker`` (``request_tracker.py``), which
-routes the engine's outputs to each request's ``RequestStream`` (``request_stream.py``).
+routes the engine's outputs to each request's ``RequestStream`` (the same module).
 
 Data parallel (``parallel.data_parallel_size = N``): ``engine_core`` is a ``DPClient`` of N
 engine core processes; each request (all its ``n`` samples) goes to the core its router picks
@@ -61,8 +61,7 @@ from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode
 from llmkit.engine.frontend import Frontend, FrontendModel, Message
 from llmkit.engine.input_processor import PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
-from llmkit.engine.request_stream import RequestStream
-from llmkit.engine.request_tracker import RequestTracker
+from llmkit.engine.request_tracker import RequestStream, RequestTracker
 from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed

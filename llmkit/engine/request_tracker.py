@@ -1,5 +1,6 @@
 """``RequestTracker``: the engine requests of an ``AsyncLLM`` in flight, as this process follows
-them.
+them; ``RequestStream``: one request's outputs as an async iterator, which the tracker fills and
+ends (it keeps the stream's queue and count of live samples).
 
 It routes the engine's outputs (through the ``OutputProcessor``) to the requests' streams, ends
 streams on abort, refusal or engine death, counts the engine requests that wait for their first
@@ -8,21 +9,78 @@ only; ``AsyncLLM`` hands it the client's messages from the reader thread.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_proc import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
-from llmkit.engine.request_stream import RequestStream
 from llmkit.engine.stat_logger import StatLogger
 from llmkit.outputs import EngineCoreOutput, RequestOutput
 from llmkit.scheduler.base import SchedulerStats
 
-__all__ = ["RequestTracker"]
+__all__ = ["RequestStream", "RequestTracker"]
 
 logger = logging.getLogger(__name__)
+
+
+class StreamOwner(Protocol):
+    """Who follows the stream's engine requests (``RequestTracker``); the stream only asks it
+    to abort them."""
+
+    def abort_local(self, request_ids: list[str]) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request (all its ``n`` samples merged by the output processor:
+    ``outputs[i].index`` is the sample), as an async iterator.
+
+    Ends after the output with ``finished=True``; raises ``EngineDeadError`` if the engine
+    dies, ``ValueError`` if the engine refused the request. ``abort()`` (sync, idempotent)
+    stops the request; the stream then ends with an output whose finish_reason is ``"abort"``.
+    """
+
+    def __init__(self, owner: StreamOwner, request_id: str, child_ids: list[str]) -> None:
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._live = len(child_ids)  # engine requests not finished yet
+        self._done = False  # the consumer has seen the end
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._live == 0
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        """Stop every unfinished sample of this request (no-op once finished)."""
+        if self._live:
+            self._owner.abort_local(self.child_ids)
+
+    async def aclose(self) -> None:
+        self.abort()
 
 
 @dataclass(slots=True)
