@@ -294,3 +294,42 @@ def test_server_answers_while_compiling_and_the_same_after(tiny_model_dir, tmp_p
         assert after == before  # the same tokens and logprobs, bit for bit
     finally:
         srv.stop()
+
+
+def test_eager_steps_wait_out_an_fx_trace_on_the_capture_thread():
+    """torch.fx's tracer patches torch.nn.Module.__call__ and __getattr__ for the whole process
+    while it traces: an eager forward on the engine thread in that window ran through the
+    capture's tracer and failed ("module is not installed as a submodule", seen in a cold
+    `llmkit bench throughput`). Here the capture thread stays inside a real fx trace until the
+    eager step has asked to run; the step must wait for the trace and then compute its own
+    result."""
+    import torch
+    from torch import nn
+
+    from llmkit.worker.step_graph_capture import BackgroundCapture
+
+    inside, eager_asked = threading.Event(), threading.Event()
+
+    class Traced(nn.Module):
+        def forward(self, x):
+            inside.set()
+            eager_asked.wait(10)
+            return x + 1
+
+    class Graphs:
+        name, max_rows = "fake", 1
+
+        def capture(self, block_table_width: int) -> float:
+            torch.fx.symbolic_trace(Traced())
+            return 0.0
+
+    eager = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    want = eager(x)
+    cap = BackgroundCapture(Graphs(), 1).start()
+    assert inside.wait(10)
+    threading.Timer(0.3, eager_asked.set).start()  # the trace ends only after the step waits
+    with cap.eager_step(), torch.inference_mode():
+        got = eager(x)
+    assert cap.wait(10) and not cap.failed
+    assert torch.equal(got, want)

@@ -6,6 +6,8 @@ n tokens starting at position p, its blocks are B" to ``input_ids``, ``positions
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -459,14 +461,17 @@ class ModelRunner:
         (``kv_connector_step``)."""
         graph = (inputs_embeds is None and intermediate_tensors is None
                  and self._graph_step(inputs))
-        conn = self.kv_connector
-        if conn is None:
-            return self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph, False)
-        return kv_connector_step.forward_with_connector(
-            conn, self.kv_caches,
-            lambda hooked: self._forward_once(inputs, inputs_embeds, intermediate_tensors,
-                                              graph, hooked),
-            layer_hook=not graph and self.model.supports_kv_layer_hook)
+        pending = self.pending_graphs
+        with (pending.eager_step() if pending is not None else contextlib.nullcontext()):
+            conn = self.kv_connector
+            if conn is None:
+                return self._forward_once(inputs, inputs_embeds, intermediate_tensors, graph,
+                                          False)
+            return kv_connector_step.forward_with_connector(
+                conn, self.kv_caches,
+                lambda hooked: self._forward_once(inputs, inputs_embeds, intermediate_tensors,
+                                                  graph, hooked),
+                layer_hook=not graph and self.model.supports_kv_layer_hook)
 
     def _graph_step(self, inputs: StepInputs) -> bool:
         """Whether a step graph computes this step: a decode-only step it covers, or

@@ -9,12 +9,18 @@ eager's bits, so a request that spans the swap gets the tokens it would have got
 
 Why this is safe beside live steps: the capture's warm-up runs write no KV (their slots are
 -1) and read block 0 only, and no graph is run by the engine thread before ``poll`` hands it
-over (the thread never touches one after). A capture that fails is logged and the engine
-stays eager; one still running when the engine exits dies with the process (a daemon thread).
+over (the thread never touches one after). torch.fx's tracer patches ``torch.nn.Module``'s
+``__call__`` and ``__getattr__`` for the whole process while it traces, so an eager step on
+the engine thread would run through the other thread's tracer and fail: each fx trace and each
+eager step take one lock while a capture runs (:meth:`BackgroundCapture.eager_step`); the
+traces are short, inductor's code generation and C++ build, the long part, run beside eager
+steps. A capture that fails is logged and the engine stays eager; one still running when the
+engine exits dies with the process (a daemon thread).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -57,6 +63,26 @@ def _yield_to_the_engine() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
+# One per process, as the patch it guards against is: torch.fx's tracer is a process-wide
+# class, and two runners in one process (a draft model's and its target's) share it.
+_FX_TRACE_LOCK = threading.RLock()
+
+
+@functools.cache
+def _serialize_fx_traces() -> None:
+    """Make every torch.fx trace in this process hold ``_FX_TRACE_LOCK`` (installed once)."""
+    from torch.fx._symbolic_trace import Tracer
+
+    trace = Tracer.trace
+
+    @functools.wraps(trace)
+    def locked_trace(self, *args, **kwargs):
+        with _FX_TRACE_LOCK:
+            return trace(self, *args, **kwargs)
+
+    Tracer.trace = locked_trace
+
+
 class BackgroundCapture:
     """``graphs.capture(block_table_width)`` on a daemon thread; :meth:`poll` hands the graphs
     over once they are ready."""
@@ -71,8 +97,14 @@ class BackgroundCapture:
                                         daemon=True)
 
     def start(self) -> BackgroundCapture:
+        _serialize_fx_traces()
         self._thread.start()
         return self
+
+    def eager_step(self) -> contextlib.AbstractContextManager:
+        """Held around an eager step while the capture runs: no fx trace (which patches
+        ``torch.nn.Module`` process-wide) is in progress meanwhile."""
+        return contextlib.nullcontext() if self._done.is_set() else _FX_TRACE_LOCK
 
     def _capture(self) -> None:
         _yield_to_the_engine()
