@@ -12,6 +12,7 @@ counted. docs/architecture.md lists the result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -122,11 +123,9 @@ def served(model: str, site_dir: Path) -> dict[int, set[str]]:
     try:
         deadline = time.monotonic() + 600
         while True:
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
-                pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(1)

@@ -75,3 +75,15 @@ def smollm2_gguf() -> Path:
     except ModelFetchError as e:
         offline = os.environ.get("LLMKIT_OFFLINE")
         pytest.skip(f"SmolLM2 GGUF unavailable{' (LLMKIT_OFFLINE=1)' if offline else ''}: {e}")
+
+
+# A test module that starts a server (its own `server` fixture, a ServerProcess) gets an openai
+# client of it and the served model's name; a module may define its own (test_server_limits).
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

@@ -47,16 +47,6 @@ def server(model_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def chat(client, model, **kw):
     return client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
                                           **kw)

@@ -38,16 +38,6 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def chat_text(client, model, messages, max_tokens):
     r = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                        max_tokens=max_tokens)

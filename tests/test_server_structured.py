@@ -47,16 +47,6 @@ def server(tiny_model_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url(path), json=body, timeout=60)
 
