@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec
 from llmkit.distributed.group import TensorParallelGroup
 from llmkit.distributed.pipeline import PipelineParallelGroup
 from llmkit.linear.base import LinearMethodFactory
@@ -100,6 +101,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors, named as in the Hugging Face model, into the parameters."""
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each of this stage's layers keeps per request, in layer order (equal specs
+        form one KV-cache group). The default: full attention, K and V per KV head."""
+        return [FullAttentionSpec(self.num_kv_heads, self.head_dim)] * self.num_layers
 
     def process_weights_after_loading(self) -> None:
         """Let every linear layer's method prepare its weights (pack, repack, quantize)."""
