@@ -47,6 +47,18 @@ class AttentionMetadata:
     # The step's KV connector hook (set by the model runner on the built metadata; None when
     # no connector runs or the step's transfers were waited for before the forward).
     kv_layer_hook: KVLayerHook | None = None
+    # KV-cache groups (``llmkit.attention.kv_spec``): a model whose layers keep different
+    # state has one metadata per group (its own block table and slot mapping), and layer i
+    # reads ``group_metadata[layer_to_group[i]]``. Empty for one group: this metadata serves
+    # every layer.
+    group_metadata: tuple["AttentionMetadata", ...] = ()
+    layer_to_group: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer ``layer`` (its index in the model's layer list) reads."""
+        if not self.group_metadata:
+            return self
+        return self.group_metadata[self.layer_to_group[layer]]
 
 
 class AttentionBackend(ABC):
