@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmkit.ops.mla import mla_decode_attention_reference, write_latent_cache
 from llmkit.ops.moe import fused_moe_grouped, fused_topk
 from llmkit.kernels.kv_quant import read_rows, to_cache_rows
 
@@ -98,6 +99,42 @@ class ModelOps:
         """One query token per row over its paged context: ``q [B, H, D]`` -> ``[B, H, D]``;
         grouped-query heads share their K/V head; float32 math like SDPA's CPU kernel."""
         return paged_decode_attention_reference(q, kv_cache, block_table, seq_lens, scale)
+
+    # -- multi-head latent attention (MLA; ``llmkit/ops/mla.py``) --------------------------
+    def write_latent_cache(self, latent: torch.Tensor, latent_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Store ``latent [T, latent_dim]`` (per token: normalized ``c_kv`` then roped ``k_pe``)
+        into ``latent_cache [num_blocks, block_size, latent_dim]`` at ``slot_mapping [n]``
+        (flat slot ``block * block_size + offset``; -1 = skip; rows ``n..T`` of ``latent`` are
+        not read), cast to the cache's dtype. A quantized cache is refused (``ConfigError``
+        naming ``kv_cache.cache_dtype``; ``llmkit.ops.mla.check_mla_cache_dtype`` says so at
+        start-up)."""
+        write_latent_cache(latent, latent_cache, slot_mapping)
+
+    def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
+                             latent_cache: torch.Tensor, metadata, scale: float
+                             ) -> torch.Tensor:
+        """Absorbed MLA attention over the paged latent cache: ``[T, H, kv_lora_rank]``.
+
+        ``q_latent [T, H, kv_lora_rank]`` (``q_nope`` times ``W_UK`` per head),
+        ``q_pe [T, H, rope_dim]`` (roped), ``latent_cache [N, block_size, kv_lora_rank +
+        rope_dim]`` (this step's rows already written: ``write_latent_cache`` first),
+        ``metadata`` the layer's ``AttentionMetadata`` (``attn_metadata.for_layer(i)``).
+        Query row t of request i (rows ``query_start_loc[i]:query_start_loc[i+1]``) sits at
+        position ``p = seq_lens[i] - q_len_i + (t - query_start_loc[i])`` and attends over the
+        request's cached positions ``0..p`` (causal: prefill chunks and decode rows alike),
+        read through ``block_table[i]``. With ``c_kv = row[:kv_lora_rank]`` and
+        ``k_pe = row[kv_lora_rank:]``, head h's score at position j is
+        ``scale * (q_latent[t, h] . c_kv_j + q_pe[t, h] . k_pe_j)``; the output is
+        ``sum_j softmax(score)_j * c_kv_j`` in ``q_latent``'s dtype (the model applies
+        ``W_UV``). Math in float32. Rows ``num_actual_tokens..T`` (padding) come back 0.
+
+        A decode-only step (``max_query_len == 1``, one row per request) reads only the
+        tensors ``block_table`` and ``seq_lens`` (a step graph's decode metadata serves);
+        other steps also read ``query_start_loc_cpu`` and ``seq_lens_cpu``. Platforms run
+        decode-only steps in their kernels (one latent row read serves all H heads); their
+        sums may be ordered differently from this reference (float32 rounding only)."""
+        return mla_decode_attention_reference(q_latent, q_pe, latent_cache, metadata, scale)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,147 @@
+"""MLA attention over the paged latent cache (``llmkit/ops/mla.py``): the torch reference
+against a naive dense per-request computation (float64, one query and head at a time), then
+the platforms' kernels against the reference.
+
+Small random shapes: H=4 heads, kv_lora_rank 32, rope 16, block sizes 4 and 16, ragged
+context lengths, decode rows and prefill chunks (several causal queries after a cached
+prefix) in one step. Each request's latent rows are written with ``write_latent_cache``
+through a shuffled block table, so the reads exercise the table.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmkit.attention.base import AttentionMetadata
+from llmkit.config.errors import ConfigError
+from llmkit.ops.base import ModelOps
+
+H, RANK, ROPE = 4, 32, 16
+DIM = RANK + ROPE
+
+
+def make_step(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype,
+              seed: int, extra_rows: int = 0):
+    """A step of requests with ``q_lens[i]`` query tokens ending at ``seq_lens[i]``: returns
+    (q_latent, q_pe, latent_cache, metadata, dense latent rows per request). Every request's
+    whole context is written (the prefix as earlier steps would have, this step's rows too)."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [math.ceil(n / block_size) for n in seq_lens]
+    total = sum(nblocks) + 3  # spare blocks: garbage the reads must not see
+    perm = torch.randperm(total, generator=g)
+    width = max(nblocks) + 1
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(nblocks):
+        table[i, :nb] = perm[at:at + nb].to(torch.int32)
+        table[i, nb:] = perm[-1].item()  # past a row's length: any valid block
+        at += nb
+    cache = torch.randn(total, block_size, DIM, generator=g).to(dtype)
+    ops = ModelOps()
+    dense = []
+    for i, n in enumerate(seq_lens):
+        rows = torch.randn(n, DIM, generator=g).to(dtype)
+        pos = torch.arange(n)
+        slots = table[i, pos // block_size].long() * block_size + pos % block_size
+        ops.write_latent_cache(rows, cache, slots)
+        dense.append(rows)
+    t = sum(q_lens) + extra_rows
+    q_latent = torch.randn(t, H, RANK, generator=g).to(dtype)
+    q_pe = torch.randn(t, H, ROPE, generator=g).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    slot_mapping = torch.cat([
+        table[i, torch.arange(n - q, n) // block_size].long() * block_size
+        + torch.arange(n - q, n) % block_size for i, (q, n) in enumerate(zip(q_lens, seq_lens))])
+    md = AttentionMetadata(
+        num_reqs=len(q_lens), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+        slot_mapping=slot_mapping, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
+        block_size=block_size)
+    return q_latent, q_pe, cache, md, dense
+
+
+def naive(q_latent, q_pe, dense, q_lens, seq_lens, scale) -> torch.Tensor:
+    """One query token and head at a time over the request's dense rows, float64."""
+    out = torch.zeros(q_latent.shape, dtype=torch.float64)
+    t = 0
+    for rows, q_len, n in zip(dense, q_lens, seq_lens):
+        rows = rows.double()
+        c_kv, k_pe = rows[:, :RANK], rows[:, RANK:]
+        for j in range(q_len):
+            p = n - q_len + j
+            for h in range(H):
+                s = [scale * (float(q_latent[t, h].double() @ c_kv[x])
+                              + float(q_pe[t, h].double() @ k_pe[x])) for x in range(p + 1)]
+                m = max(s)
+                w = torch.tensor([math.exp(v - m) for v in s], dtype=torch.float64)
+                out[t, h] = (w / w.sum()) @ c_kv[:p + 1]
+            t += 1
+    return out
+
+
+# (q_lens, seq_lens): decode rows only; prefill chunks after cached prefixes, whole prompts,
+# and decode rows mixed in one step
+STEPS = [
+    ([1, 1, 1, 1], [1, 5, 16, 23]),
+    ([3, 1, 7, 1], [3, 9, 20, 2]),
+    ([5, 2], [5, 18]),
+]
+SCALE = (RANK + ROPE) ** -0.5 * 1.7
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("q_lens,seq_lens", STEPS)
+def test_reference_matches_naive(block_size, q_lens, seq_lens):
+    q_latent, q_pe, cache, md, dense = make_step(q_lens, seq_lens, block_size, torch.float32,
+                                                 seed=block_size + sum(seq_lens), extra_rows=2)
+    out = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    assert out.shape == (sum(q_lens) + 2, H, RANK) and out.dtype == torch.float32
+    want = naive(q_latent, q_pe, dense, q_lens, seq_lens, SCALE)
+    n = sum(q_lens)
+    torch.testing.assert_close(out[:n].double(), want[:n], rtol=1e-5, atol=1e-5)
+    assert not out[n:].any()  # padding rows
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_reference_bf16_matches_naive(block_size):
+    q_lens, seq_lens = [1, 4, 1], [13, 7, 30]
+    q_latent, q_pe, cache, md, dense = make_step(q_lens, seq_lens, block_size, torch.bfloat16,
+                                                 seed=7 * block_size)
+    out = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    assert out.dtype == torch.bfloat16
+    want = naive(q_latent, q_pe, dense, q_lens, seq_lens, SCALE)
+    # float32 math on the same bf16 inputs: only the output's rounding to bf16 differs
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_decode_path_reads_tensors_only():
+    """A step graph's decode metadata has no host copies: the decode-only path must not read
+    them (and gives the per-request path's values)."""
+    q_lens, seq_lens = [1, 1, 1], [6, 1, 11]
+    q_latent, q_pe, cache, md, dense = make_step(q_lens, seq_lens, 4, torch.float32, seed=3)
+    want = naive(q_latent, q_pe, dense, q_lens, seq_lens, SCALE)
+    md.query_start_loc, md.query_start_loc_cpu, md.seq_lens_cpu = None, [], []
+    out = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_write_latent_cache_skips_negative_slots():
+    cache = torch.zeros(3, 4, DIM)
+    latent = torch.randn(4, DIM)
+    ModelOps().write_latent_cache(latent, cache, torch.tensor([5, -1, 0, 11]))
+    flat = cache.view(-1, DIM)
+    assert torch.equal(flat[5], latent[0]) and torch.equal(flat[0], latent[2])
+    assert torch.equal(flat[11], latent[3])
+    assert int((flat.abs().sum(-1) > 0).sum()) == 3
+
+
+def test_quantized_latent_cache_refused():
+    with pytest.raises(ConfigError, match="kv_cache.cache_dtype"):
+        ModelOps().write_latent_cache(torch.randn(1, DIM), torch.zeros(1, 4, DIM,
+                                                                       dtype=torch.int8),
+                                      torch.tensor([0]))
