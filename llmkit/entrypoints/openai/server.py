@@ -21,9 +21,9 @@ API key (``server.api_key`` or ``LLMKIT_API_KEY``; ``/v1/*``, ``/tokenize`` and
 not); 403 for a LoRA path outside ``lora.allowed_paths``; 404 for an unknown model, adapter or
 route; 503 with ``Retry-After`` when ``server.max_waiting_requests`` requests already wait for
 their first token; 500 when the engine process has died; 413 for a body over
-``server.max_request_bytes`` (``limits.py``). ``server.allowed_origins`` lists the origins whose
-pages may call the API (CORS; none by default: same origin only). ``server.restart_engine``
-starts a new engine core when it dies (``engine_restart.py``).
+``server.max_request_bytes`` (``RequestSizeLimit``). ``server.allowed_origins`` lists the
+origins whose pages may call the API (CORS; none by default: same origin only).
+``server.restart_engine`` starts a new engine core when it dies (``engine_restart.py``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ from llmkit.entrypoints.openai.embeddings import add_embeddings_routes
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
 from llmkit.entrypoints.openai.errors import OpenAIError
-from llmkit.entrypoints.openai.limits import RequestSizeLimit
 from llmkit.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, ErrorResponse,
                                                 LoadLoRAAdapterRequest, ModelCard, ModelList,
@@ -111,6 +110,58 @@ class ApiKeyMiddleware:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestSizeLimit:
+    """A request body larger than ``server.max_request_bytes`` is answered with 413 in OpenAI's
+    error body, before it is read whole: by its ``Content-Length`` when it has one, else
+    (chunked uploads) as soon as the bytes received pass the limit (the body reader then raises
+    an ``HTTPException(413)``, which FastAPI passes on to the app's handler). Pure ASGI, so
+    streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app, max_bytes: int, on_refused=None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_refused = on_refused  # called with the status (metrics)
+
+    def message(self) -> str:
+        return (f"the request body is larger than the server's limit of {self.max_bytes} "
+                "bytes (server.max_request_bytes)")
+
+    def _error(self) -> OpenAIError:
+        if self.on_refused is not None:
+            self.on_refused(413)
+        return OpenAIError(413, self.message(), code="request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    await OpenAIError(400, "the Content-Length header is not a number",
+                                      code="invalid_request").response()(scope, receive, send)
+                    return
+                break
+        if length is not None and length > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self.message())
+            return message
+
+        await self.app(scope, counting_receive, send)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z_-]+\[.*\])$")
