@@ -32,8 +32,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("runtime", {"scheduler", "kv_cache", "kv_transfer", "worker", "executor", "spec_decode",
                  "compilation", "platforms", "structured_output", "lora"}),
     # what a step computes: the model, its attention, sampling, linear methods and ops
+    # (cost_model: what a step costs on a modelled device; the simulator prices steps with it
+    # and scheduler=slo predicts them with it, so it sits below both)
     ("model", {"models", "attention", "sampling", "linear", "ops", "request", "multimodal",
-               "distributed"}),
+               "distributed", "cost_model"}),
     # kernels (C++, Triton) with their torch references
     ("kernels", {"kernels"}),
     # plain data and the machinery every layer uses
@@ -50,6 +52,10 @@ ONLY = {
     # spec_decode.base.ProposerBatch: no arrow back into the worker, the engine or the scheduler
     "spec_decode": {"models", "attention", "sampling", "linear", "ops", "request", "kernels",
                     "config", "registry", "outputs", "facts", "startup"},
+    # the cost model reads a model's shape and a device's profile: never the runtime that asks
+    # it (the scheduler) nor the tools that replay steps with it
+    "cost_model": {"distributed", "models", "attention", "config", "registry", "facts",
+                   "startup"},
     # the cache folder, the build: nothing of the components that call them
     "kernels": {"config", "startup"},
     # below everything
@@ -61,13 +67,14 @@ ONLY = {
 }
 
 # What the tools may import of the engine: its public API (the config, ``LLM``,
-# ``SamplingParams``, outputs, ``LoRARequest``), its step observers, and the interfaces an
+# ``SamplingParams``, outputs, ``LoRARequest``), its step observers, the cost model (the
+# simulator prices steps with the one scheduler=slo predicts them with), and the interfaces an
 # executor plugin implements (``executor=sim`` registers through an entry point as a third
 # party's executor would). A module, or a package with everything under it (``.*``).
 TOOLS_PUBLIC = {
     "llmkit.config.*", "llmkit.outputs", "llmkit.sampling.params", "llmkit.lora.request",
     "llmkit.engine.llm", "llmkit.engine.observer", "llmkit.engine.step_trace",
-    "llmkit.executor.base", "llmkit.scheduler.base",
+    "llmkit.executor.base", "llmkit.scheduler.base", "llmkit.cost_model.*",
 }
 
 # Where a tool reaches past that API today, and why. The list may only shrink: an entry that
@@ -81,9 +88,6 @@ TOOLS_REACH: dict[str, set[str]] = {
     "llmkit.tools.sim.calibrate": {"llmkit.kv_cache", "llmkit.scheduler", "llmkit.request",
                                    "llmkit.platforms", "llmkit.platforms.cpu"},
     "llmkit.tools.sim.engine_measure": {"llmkit.platforms", "llmkit.request"},
-    # the cost model prices a pipeline stage by the layers the engine gives it (issue 34 moves
-    # the cost model below the scheduler)
-    "llmkit.tools.sim.cost_model": {"llmkit.distributed.pipeline"},
     # where a model's config.json / tokenizer lies (a preset, a folder, a .gguf), as the engine
     # resolves it
     "llmkit.tools.sim.source": {"llmkit.models.loader", "llmkit.models.max_model_len"},

@@ -60,7 +60,7 @@ def test_profile_yaml_names_the_source_of_every_value():
 # --------------------------------------------------------------------------- engine calibration
 
 def _smol_shape():
-    from llmkit.tools.sim.model_shape import ModelShape
+    from llmkit.cost_model.model_shape import ModelShape
 
     return ModelShape.from_hf_config({
         "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
@@ -85,7 +85,7 @@ def _groups(cm):
 
 
 def _cpu(**kw):
-    from llmkit.tools.sim.hardware import HardwareProfile
+    from llmkit.cost_model.hardware import HardwareProfile
 
     base = dict(name="cpu-local", peak_flops={"float32": 150e9}, memory_bytes=16e9,
                 memory_bandwidth=25.6e9, compute_efficiency=1.0, memory_efficiency=1.0)
@@ -95,10 +95,10 @@ def _cpu(**kw):
 def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
     """A served run whose steps took 1 / (1 - c·R) of what the engine-alone profile prices
     them at, R the tokens/s streamed lately, gives back c."""
+    from llmkit.cost_model.hardware import HardwareProfile
+    from llmkit.cost_model.step_cost import CostModel, SeqWork
     from llmkit.engine.step_trace import StepRecord, StepTrace
-    from llmkit.tools.sim.cost_model import CostModel, SeqWork
     from llmkit.tools.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
-    from llmkit.tools.sim.hardware import HardwareProfile
 
     c = 1.5e-3
     shape, hw = _smol_shape(), _cpu(seq_overhead_s=1e-3, token_overhead_s=1e-3)
@@ -145,7 +145,7 @@ def test_frontend_cost_refuses_a_file_without_steps(tmp_path):
 
 
 def test_engine_fit_recovers_the_terms_of_a_known_profile():
-    from llmkit.tools.sim.cost_model import CostModel
+    from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.sim.engine_fit import fit_engine
 
     shape = _smol_shape()
@@ -167,7 +167,7 @@ def test_engine_fit_recovers_the_terms_of_a_known_profile():
 
 
 def test_engine_fit_raises_a_peak_the_engine_beats_and_leaves_out_an_outlier():
-    from llmkit.tools.sim.cost_model import CostModel
+    from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.sim.engine_fit import fit_engine
 
     shape = _smol_shape()
@@ -185,7 +185,7 @@ def test_engine_fit_raises_a_peak_the_engine_beats_and_leaves_out_an_outlier():
 
 def test_calibrated_terms_are_validated_beside_the_schema(tmp_path):
     from llmkit.config.errors import ConfigError
-    from llmkit.tools.sim.hardware import load_profile, load_profile_yaml
+    from llmkit.cost_model.hardware import load_profile, load_profile_yaml
 
     text = (REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml").read_text()
     good = tmp_path / "good.yaml"
@@ -237,9 +237,9 @@ def test_engine_calibration_of_a_tiny_model_predicts_its_own_steps(tiny_model_di
 
 
 def _calibrate_tiny(tiny_model_dir, tmp_path):
+    from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.compose import build_tool_config
     from llmkit.tools.sim.calibrate import run_engine_calibrate
-    from llmkit.tools.sim.cost_model import CostModel
     from llmkit.tools.sim.hardware import resolve_hardware
     from llmkit.tools.sim.replay import run_sim
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmkit.tools.sim.cost_model import CostModel, SeqWork
-from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml
-from llmkit.tools.sim.model_shape import ModelShape, load_shape, shape_names
+from llmkit.cost_model.hardware import HardwareProfile, load_profile_yaml
+from llmkit.cost_model.model_shape import ModelShape, load_shape, shape_names
+from llmkit.cost_model.step_cost import CostModel, SeqWork
 
 REPO = Path(__file__).resolve().parents[1]
 HW_DIR = REPO / "conf" / "tools" / "hardware"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from llmkit.cost_model.step_cost import StepCost
 from llmkit.tools.bench.datasets import WorkloadRequest, build_workload
 from llmkit.tools.bench.metrics import summarize
-from llmkit.tools.sim.cost_model import StepCost
 from llmkit.tools.sim.replay import build_sim_engine, replay, run_sim
 from llmkit.tools.sim.virtual_clock import VirtualClock
 

@@ -78,7 +78,7 @@ def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides:
     import os
     import subprocess
 
-    from llmkit.tools.sim.hardware import CALIBRATED_NAME, default_calibration_path
+    from llmkit.cost_model.hardware import CALIBRATED_NAME, default_calibration_path
 
     if cfg.hardware is None or cfg.hardware.name != CALIBRATED_NAME:
         return

@@ -56,8 +56,9 @@ class SimContext:
 
     @classmethod
     def build(cls, cfg: Any, cores: int) -> "SimContext":
+        from llmkit.cost_model.hardware import CALIBRATED_NAME
         from llmkit.tools.bench.datasets import build_workload
-        from llmkit.tools.sim.hardware import CALIBRATED_NAME, resolve_hardware
+        from llmkit.tools.sim.hardware import resolve_hardware
         from llmkit.tools.sim.source import resolve_sim_model, workload_tokenizer
 
         model = resolve_sim_model(cfg)
@@ -86,9 +87,9 @@ def _replicas(workload: Sequence[Any], dp: int) -> list[list[Any]]:
 def simulate(cfg: Any, cand: Candidate, ctx: SimContext) -> Prediction:
     """Simulate ``cand`` (``cfg``: its composed ``PlanToolConfig``); a candidate the simulator
     or the engine rejects becomes a ``Prediction`` with its ``error``."""
+    from llmkit.cost_model.model_shape import ShapeError
     from llmkit.tools.bench.datasets import WorkloadError
     from llmkit.tools.bench.metrics import summarize
-    from llmkit.tools.sim.model_shape import ShapeError
     from llmkit.tools.sim.replay import build_sim_engine, replay
 
     t0 = time.perf_counter()

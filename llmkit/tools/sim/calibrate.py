@@ -284,7 +284,7 @@ def _write_profile(cfg: Any, text: str) -> tuple[Path, dict[str, Any]]:
     """Validate ``text`` and write it to ``sim.calibrate_output`` (atomically)."""
     import yaml
 
-    from llmkit.tools.sim.hardware import default_calibration_path, validate_profile
+    from llmkit.cost_model.hardware import default_calibration_path, validate_profile
 
     sim = cfg.sim
     path = Path(sim.calibrate_output).expanduser() if sim.calibrate_output else \
@@ -316,10 +316,10 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
     ``measure_engine``)."""
     import yaml
 
+    from llmkit.cost_model.hardware import HardwareProfile
     from llmkit.platforms import resolve_platform
     from llmkit.tools.sim.engine_fit import fit_engine, group_samples
     from llmkit.tools.sim.engine_measure import engine_dtype, measure_engine
-    from llmkit.tools.sim.hardware import HardwareProfile
 
     log = log or (lambda s: None)
     resolve_platform(cfg.engine.platform).apply_runtime_settings()  # the engine's threads

@@ -41,7 +41,7 @@ class SimError(Exception):
 def model_overrides(args: Any) -> list[str]:
     """A MODEL that names a shape (and no preset) or a config.json becomes ``sim.model``."""
     from llmkit.config.compose import model_presets
-    from llmkit.tools.sim.model_shape import shape_names
+    from llmkit.cost_model.model_shape import shape_names
 
     model = args.model
     if model is None:
@@ -125,8 +125,8 @@ def _calibrate(args: Any, load_config: Callable[..., Any], out: Any) -> int:
 
 
 def run_sim_command(args: Any, load_config: Callable[..., Any], out: Any = None) -> int:
+    from llmkit.cost_model.model_shape import ShapeError
     from llmkit.tools.bench.datasets import WorkloadError
-    from llmkit.tools.sim.model_shape import ShapeError
 
     out = out or sys.stdout
     try:

@@ -8,7 +8,7 @@ model's terms to it:
 1. **measure** (``measure_engine`` in ``llmkit.tools.sim.engine_measure``): timed steps of known
    shapes, grouped by shape (``group_samples``).
 
-2. **fit** (``fit_engine``): the cost model of ``llmkit.tools.sim.cost_model`` with this machine's
+2. **fit** (``fit_engine``): the cost model of ``llmkit.cost_model.step_cost`` with this machine's
    measured peak FLOP/s ``F`` and bandwidth ``B``::
 
        step = max(FLOPs / (F·η_c), bytes / (B·η_m)) + t_0 + n·t_seq + T·t_token + C·t_context
@@ -35,10 +35,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from llmkit.tools.sim.cost_model import CostModel
+from llmkit.cost_model.hardware import HardwareProfile
+from llmkit.cost_model.model_shape import ModelShape
+from llmkit.cost_model.step_cost import CostModel
 from llmkit.tools.sim.engine_measure import StepSample, Work
-from llmkit.tools.sim.hardware import HardwareProfile
-from llmkit.tools.sim.model_shape import ModelShape
 
 __all__ = ["EngineFit", "StepGroup", "fit_engine", "group_samples"]
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from llmkit.tools.sim.model_shape import ModelShape
+from llmkit.cost_model.model_shape import ModelShape
 
 __all__ = ["EngineMeasurement", "StepSample", "Work", "engine_dtype", "measure_engine"]
 

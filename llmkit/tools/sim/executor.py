@@ -5,7 +5,7 @@ is replaced. For every ``SchedulerOutput`` the executor
 
 1. works out each scheduled request's share of the step: new tokens ``q``, context after the
    step ``c``, and whether the step reaches the end of what the request holds (then it samples);
-2. prices the step with ``llmkit.tools.sim.cost_model.CostModel`` for the ``hardware`` profile (with
+2. prices the step with ``llmkit.cost_model.step_cost.CostModel`` for the ``hardware`` profile (with
    the tokens/s streamed lately, which a CPU profile's front-end term charges for) and advances
    the virtual clock (if it was given one) by that time;
 3. returns one sampled token per sampling request, drawn from a seeded RNG over the vocabulary
@@ -39,13 +39,14 @@ import random
 from typing import Any, Callable
 
 from llmkit.config.schema import EngineConfig
+from llmkit.cost_model.hardware import HardwareProfile
+from llmkit.cost_model.step_cost import CostModel, StepCost
 from llmkit.executor.base import BackendInfo, DoneFuture, Executor, ModelFacts, StepFuture
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.tools.schema import SimToolConfig
-from llmkit.tools.sim.cost_model import CostModel, StepCost
 from llmkit.tools.sim.frontend_cost import StreamRate
-from llmkit.tools.sim.hardware import HardwareProfile, resolve_hardware
+from llmkit.tools.sim.hardware import resolve_hardware
 from llmkit.tools.sim.source import SimModel, resolve_sim_dtype, resolve_sim_model
 from llmkit.tools.sim.speculation import SimSpeculation
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.config.errors import ConfigError
-from llmkit.tools.sim.cost_model import CostModel, SeqWork
-from llmkit.tools.sim.hardware import HardwareProfile
-from llmkit.tools.sim.model_shape import ModelShape
+from llmkit.cost_model.hardware import HardwareProfile
+from llmkit.cost_model.model_shape import ModelShape
+from llmkit.cost_model.step_cost import CostModel, SeqWork
 
 __all__ = ["FrontendFit", "StreamRate", "frontend_cost_from_trace", "step_work", "trace_steps"]
 

@@ -33,9 +33,9 @@ if __name__ == "__main__" and "llmkit" not in sys.modules:  # pragma: no cover -
     _pkg.__path__ = [str(_root / "llmkit")]  # type: ignore[attr-defined]
     sys.modules["llmkit"] = _pkg
 
-from llmkit.tools.sim.cost_model import CostModel  # noqa: E402
-from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml  # noqa: E402
-from llmkit.tools.sim.model_shape import ModelShape, load_shape  # noqa: E402
+from llmkit.cost_model.hardware import HardwareProfile, load_profile_yaml  # noqa: E402
+from llmkit.cost_model.model_shape import ModelShape, load_shape  # noqa: E402
+from llmkit.cost_model.step_cost import CostModel  # noqa: E402
 
 
 def _events_time(fn, reps: int = 5, warmup: int = 2) -> float:

@@ -1,6 +1,6 @@
 """Which model ``llmkit sim`` simulates, found without reading any weights.
 
-- ``sim.model=NAME``: a shape shipped in ``llmkit/tools/sim/shapes/NAME.json``
+- ``sim.model=NAME``: a shape shipped in ``llmkit/cost_model/shapes/NAME.json``
   (e.g. ``llama-2-7b``), so people can simulate models they do not have; or a ``config.json``; or an HF folder / a
   ``.gguf`` (read through ``llmkit.models.loader.resolve_model_source``, which reads the config
   only). The ``model`` section is then not used; ``sim.max_model_len`` caps the context.
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from llmkit.cost_model.model_shape import ModelShape, ShapeError, load_shape, shape_names
 from llmkit.models.max_model_len import cap_max_model_len
-from llmkit.tools.sim.model_shape import ModelShape, ShapeError, load_shape, shape_names
 
 __all__ = ["SimModel", "VocabTokenizer", "resolve_sim_dtype", "resolve_sim_model",
            "workload_tokenizer"]

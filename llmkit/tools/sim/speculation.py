@@ -19,8 +19,8 @@ import dataclasses
 import random
 from typing import Any
 
+from llmkit.cost_model.step_cost import CostModel, SeqWork
 from llmkit.spec_decode.adaptive import DraftLengthPolicy
-from llmkit.tools.sim.cost_model import CostModel, SeqWork
 
 __all__ = ["SimSpeculation", "ridge_tokens"]
 
@@ -59,7 +59,7 @@ class SimSpeculation:
             shape = dataclasses.replace(target.shape, name=f"{target.shape.name}-eagle",
                                         num_layers=1)
         elif spec.name == "draft_model":
-            from llmkit.tools.sim.model_shape import load_shape
+            from llmkit.cost_model.model_shape import load_shape
             shape = load_shape(spec.model)
         else:
             return None

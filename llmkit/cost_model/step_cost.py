@@ -60,9 +60,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from llmkit.cost_model.hardware import HardwareProfile
+from llmkit.cost_model.model_shape import ModelShape, dtype_bytes
 from llmkit.distributed.pipeline import get_pp_indices
-from llmkit.tools.sim.hardware import HardwareProfile
-from llmkit.tools.sim.model_shape import ModelShape, dtype_bytes
 
 __all__ = ["CostModel", "SeqWork", "StepCost"]
 

@@ -6,7 +6,7 @@ count, layers, heads, and the bytes one token's K/V costs.
 ``num_hidden_layers``, ...), GPT-2's (``n_embd``, ``n_layer``, ...) and mixture-of-experts
 fields (``num_local_experts`` / ``num_experts``, ``num_experts_per_tok``).
 ``load_shape(name_or_path)`` reads a named shape shipped in
-``llmkit/tools/sim/shapes/NAME.json`` (so people can simulate models they do not have), a
+``llmkit/cost_model/shapes/NAME.json`` (so people can simulate models they do not have), a
 ``config.json``, or a model folder.
 
 Counting (per layer, ``h`` hidden, ``n_h``/``n_kv`` heads of ``d`` dims, ``I`` intermediate):
@@ -218,7 +218,7 @@ def _read_json(path: Path) -> dict:
 
 
 def load_shape(name_or_path: str) -> ModelShape:
-    """A named shape (``llmkit/tools/sim/shapes/NAME.json``), a ``config.json`` file, or a folder
+    """A named shape (``llmkit/cost_model/shapes/NAME.json``), a ``config.json`` file, or a folder
     holding one. (A ``.gguf`` goes through ``llmkit.models.loader.resolve_model_source``.)"""
     named = shapes_dir() / f"{name_or_path}.json"
     if named.is_file():
