@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmkit.ops.mamba import (RecurrentBatch, causal_conv1d_reference, ssd_scan_reference,
+                              ssm_state_update)
 from llmkit.ops.mla import mla_decode_attention_reference, write_latent_cache
 from llmkit.ops.moe import fused_moe_grouped, fused_topk
 from llmkit.kernels.kv_quant import read_rows, to_cache_rows
@@ -86,6 +88,32 @@ class ModelOps:
         """This rank's experts' weighted sum for every token: ``[T, H]`` in ``x``'s dtype
         (tokens grouped by expert, one GEMM pair per active expert)."""
         return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map)
+
+    # -- recurrent state (Mamba-2; ``llmkit/ops/mamba.py`` has the shapes) ------------------
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, batch: RecurrentBatch,
+                      activation: str | None = "silu") -> torch.Tensor:
+        """Each request's causal depthwise conv over its carried inputs and this step's
+        (``x [T, C]`` -> ``[T, C]``); ``conv_state`` is left holding each one's last inputs."""
+        return causal_conv1d_reference(x, weight, bias, conv_state, batch, activation)
+
+    def ssd_scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                 ssm_state: torch.Tensor, batch: RecurrentBatch, chunk_size: int,
+                 dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+        """Each request's selective-state scan from its carried state (``x [T, H, P]`` ->
+        ``y [T, H, P]`` float32); one-token rows take :meth:`ssm_state_update`."""
+        return ssd_scan_reference(x, dt, A, B, C, D, dt_bias, ssm_state, batch, chunk_size,
+                                  dt_limit, update=self.ssm_state_update)
+
+    def ssm_state_update(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                         dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                         state_indices: torch.Tensor,
+                         dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+        """The decode step of the scan, in place on ``ssm_state[state_indices]``: ``x [R, H,
+        P]`` -> ``[R, H, P]`` float32."""
+        return ssm_state_update(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_limit)
 
     # -- KV cache ----------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
