@@ -86,12 +86,13 @@ def test_bamba_state_by_hand():
     assert [isinstance(s, FullAttentionSpec) for s in specs] == \
         [t == "full_attention" for t in cfg.layers_block_type]
     # d_inner = 2 * 64 = 128, head_dim = 128 / 8 = 16; conv over x, B, C: 128 + 2*2*16
-    state = RecurrentStateSpec(((192, 3), (8, 16, 16)))
+    state = RecurrentStateSpec(((192, 3), (8, 16, 16)), dtype=torch.float32)
     assert specs[0] == state and specs[1] == FullAttentionSpec(2, 16)
     assert state.state_bytes(torch.float32) == (192 * 3 + 8 * 16 * 16) * 4
+    assert state.state_bytes(torch.bfloat16) == state.state_bytes(torch.float32)
     # two ranks: half the heads and groups each
     assert kv_cache_specs_from_hf_config(cfg, tp_size=2)[0] == \
-        RecurrentStateSpec(((96, 3), (4, 16, 16)))
+        RecurrentStateSpec(((96, 3), (4, 16, 16)), dtype=torch.float32)
 
 
 def test_tensor_parallel_kv_heads_split_then_replicate():

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import torch
+
 from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
                                       RecurrentStateSpec, SlidingWindowSpec)
 
@@ -145,7 +147,10 @@ def bamba_kv_specs(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
     n = int(_get(cfg, "num_hidden_layers"))
     attn = set(_get(cfg, "attn_layer_indices", ()) or ())
     full = _attention_spec(cfg, tp_size)
-    state = RecurrentStateSpec(mamba2_state_shapes(cfg, tp_size))
+    # float32 whatever the model's dtype: transformers keeps the SSM state its chunked scan
+    # returns in float32 (a bf16 state would round at every token), and the conv's bf16
+    # inputs are exact in float32
+    state = RecurrentStateSpec(mamba2_state_shapes(cfg, tp_size), dtype=torch.float32)
     return [full if i in attn else state for i in range(n)]
 
 

@@ -20,6 +20,7 @@ MODELS.register_lazy("LlavaForConditionalGeneration",
                      "llmkit.models.llava.LlavaForConditionalGeneration")
 for _arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
     MODELS.register_lazy(_arch, "llmkit.models.qwen2_vl.Qwen2VLForConditionalGeneration")
+MODELS.register_lazy("BambaForCausalLM", "llmkit.models.bamba.BambaForCausalLM")
 
 
 class UnsupportedModelError(ValueError):

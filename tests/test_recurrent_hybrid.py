@@ -1,0 +1,206 @@
+"""The recurrent hybrid (Bamba: Mamba-2 mixers + attention layers) against Hugging Face
+transformers on a tiny random checkpoint: logits of flat multi-request batches through grouped
+caches (the attention layers' paged K/V, the mixers' per-request state blocks) under prefill,
+chunked prefill mixed with decodes and one-row decode."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.kv_spec import FullAttentionSpec, RecurrentStateSpec
+from helpers.model_logits import assert_close, hf_logits, load_llmkit, random_seqs
+
+BLOCK_SIZE = 4
+ATTN_LAYERS = [1, 4]
+# Non-default values the test must exercise: two B/C groups, an SSD chunk shorter than the
+# prompts (the scan crosses chunk boundaries inside a prompt), a bias on the conv.
+BAMBA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+             attn_layer_indices=ATTN_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+             mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=16,
+             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_conv_bias=True,
+             max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# The SSM's own parameters keep transformers' init (A = -1..-n_heads, dt_bias 1, D 1): scaled
+# by 3 they would make A = -n^3 and every head forget within a token.
+KEEP_INIT = ("A_log", "dt_bias", ".D")
+
+
+def build_bamba_dir(out: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A tiny random Bamba saved with safetensors and ``tokenizer`` (weights x3 as in
+    ``helpers.tiny_models``, except the SSM's decay parameters)."""
+    from transformers import AutoModelForCausalLM, BambaConfig
+
+    config = BambaConfig(**{**BAMBA, "vocab_size": len(tokenizer),
+                            "bos_token_id": tokenizer.bos_token_id,
+                            "eos_token_id": tokenizer.eos_token_id,
+                            "pad_token_id": tokenizer.pad_token_id, **overrides})
+    config.architectures = ["BambaForCausalLM"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(KEEP_INIT):
+                continue
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.02)
+            param.mul_(3.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bamba_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    return build_bamba_dir(tmp_path_factory.mktemp("tiny-bamba"), tiny_tokenizer)
+
+
+class GroupedRun:
+    """Drives the model over several sequences with hand-allocated grouped caches, as the
+    runner lays them out: the attention layers' paged K/V (sequence i owns blocks in reverse
+    order) and the Mamba layers' state tuples (sequence i's state in block ``2 + 3 * i``, so
+    block ids are not request ids), each group with its own block table."""
+
+    def __init__(self, model, num_seqs: int, max_len: int) -> None:
+        self.model = model
+        specs = model.kv_cache_specs()
+        per_seq = -(-max_len // BLOCK_SIZE)
+        self.state_blocks = [2 + 3 * i for i in range(num_seqs)]
+        num_state_blocks = max(self.state_blocks) + 1
+        self.kv_caches = []
+        for spec in specs:
+            if isinstance(spec, RecurrentStateSpec):
+                # stale values: a request's first step must not read them
+                self.kv_caches.append(tuple(torch.full((num_state_blocks, *s), 0.5)
+                                            for s in spec.shapes))
+            else:
+                shape = model.attn_backend.kv_cache_shape(num_seqs * per_seq, BLOCK_SIZE,
+                                                          spec.num_kv_heads, spec.head_dim)
+                self.kv_caches.append(torch.zeros(shape))
+        self.layer_to_group = tuple(int(isinstance(s, RecurrentStateSpec)) for s in specs)
+        self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
+                       for i in range(num_seqs)]
+        self.computed = [0] * num_seqs
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for seq, tokens in chunks.items():
+            start = self.computed[seq]
+            for p in range(start, start + len(tokens)):
+                positions.append(p)
+                slots.append(self.blocks[seq][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            ids += tokens
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(start + len(tokens))
+            tables.append(self.blocks[seq])
+            self.computed[seq] += len(tokens)
+
+        def metadata(block_table, slot_mapping) -> AttentionMetadata:
+            return AttentionMetadata(
+                num_reqs=len(chunks), num_actual_tokens=len(ids),
+                max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                block_table=torch.tensor(block_table, dtype=torch.int32),
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
+
+        # (the backend extends the attention group's metadata only: a state group's block
+        # table has one column, no token slots)
+        attn = self.model.attn_backend.build_metadata(metadata(tables, slots))
+        state = metadata([[self.state_blocks[s]] for s in chunks], [-1] * len(ids))
+        md = metadata(tables, slots)
+        md.group_metadata, md.layer_to_group = (attn, state), self.layer_to_group
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
+            logits = self.model.compute_logits(hidden)
+        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
+
+
+PROMPT_LENS = (5, 19, 11)
+EXTRA_TOKENS = 4
+KERNELS = ("torch", "native")
+
+
+@pytest.fixture(scope="module")
+def case(bamba_dir, tiny_tokenizer):
+    seqs = random_seqs(len(tiny_tokenizer), [n + EXTRA_TOKENS for n in PROMPT_LENS])
+    models = {k: load_llmkit(bamba_dir, kernels=k)[0] for k in KERNELS}
+    return SimpleNamespace(models=models, seqs=seqs, ref=hf_logits(bamba_dir, seqs))
+
+
+def test_checkpoint_is_a_hybrid_with_peaked_logits(case):
+    """The test checkpoint means something: both layer kinds, and greedy choices that do not
+    flip on rounding (top-1 ahead of top-2 by a margin far above the tolerance)."""
+    model = case.models["torch"]
+    specs = model.kv_cache_specs()
+    assert [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)] == ATTN_LAYERS
+    state = specs[0]
+    assert isinstance(state, RecurrentStateSpec)
+    # conv: intermediate 128 + 2 groups x 2 x d_state 16 channels, d_conv - 1 = 3 inputs;
+    # SSM: 8 heads x head_dim 16 x d_state 16
+    assert state.shapes == ((192, 3), (8, 16, 16))
+    assert state.bytes_per_token(torch.float32) == 0 and state.dtype == torch.float32
+    top2 = torch.cat(case.ref).topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).median() > 0.05
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_prefill_batch_matches_hf(case, kernels):
+    run = GroupedRun(case.models[kernels], len(case.seqs), max(map(len, case.seqs)))
+    prompts = [s[:n] for s, n in zip(case.seqs, PROMPT_LENS)]
+    out = run.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        assert_close(out[i], case.ref[i][:len(p)])
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_and_decode_match_hf(case, kernels):
+    """Prompts in chunks (the scan and conv continue from the stored state), mixed with
+    decodes (the one-token update), then decode-only steps."""
+    seqs = case.seqs
+    run = GroupedRun(case.models[kernels], len(seqs), max(map(len, seqs)))
+    p0, p1, p2 = PROMPT_LENS
+    schedule = [
+        {0: (0, p0), 1: (0, 7), 2: (0, 1)},  # seq 2's first chunk is one token
+        {0: (p0, p0 + 1), 1: (7, 9), 2: (1, 6)},
+        {0: (p0 + 1, p0 + 2), 1: (9, p1), 2: (6, p2)},
+        {0: (p0 + 2, p0 + 3), 1: (p1, p1 + 1), 2: (p2, p2 + 1)},  # decode only
+        {0: (p0 + 3, p0 + 4), 1: (p1 + 1, p1 + 4), 2: (p2 + 1, p2 + 4)},
+    ]
+    for step in schedule:
+        out = run.step({i: seqs[i][a:b] for i, (a, b) in step.items()})
+        for i, (a, b) in step.items():
+            assert_close(out[i], case.ref[i][a:b])
+    assert run.computed == [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_single_sequence_decode_matches_hf(case, kernels):
+    seq, p0 = case.seqs[1], PROMPT_LENS[1]
+    run = GroupedRun(case.models[kernels], 2, len(seq))
+    run.computed[0] = 0
+    assert_close(run.step({1: seq[:p0]})[1], case.ref[1][:p0])
+    for t in range(p0, len(seq)):
+        assert_close(run.step({1: seq[t:t + 1]})[1], case.ref[1][t:t + 1])
+
+
+def test_registered_and_refuses_tensor_parallel(bamba_dir):
+    from llmkit.distributed.group import TensorParallelGroup
+    from llmkit.attention.torch_backend import TorchAttentionBackend
+    from llmkit.config.schema import ModelConfig
+    from llmkit.models import get_model_class
+    from llmkit.models.base import ModelContext
+    from llmkit.models.loader import resolve_model_source
+
+    source = resolve_model_source(ModelConfig(path=str(bamba_dir)))
+    cls = get_model_class(source.hf_config)
+    assert cls.__name__ == "BambaForCausalLM"
+    ctx = ModelContext(TorchAttentionBackend(), tp=TensorParallelGroup(rank=0, size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        cls(source.hf_config, ctx)
