@@ -29,7 +29,7 @@ from llmkit.entrypoints.openai.protocol import (CompletionChoice, CompletionRequ
                                                 CompletionResponse, Usage)
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
                                                  sse)
-from llmkit.entrypoints.openai.structured import requested_structured_outputs
+from llmkit.entrypoints.openai.sampling import requested_structured_outputs
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import RequestOutput
 

@@ -1,4 +1,5 @@
-"""An OpenAI request's sampling fields as ``SamplingParams``, by their (vLLM = OpenAI) names.
+"""An OpenAI request's sampling fields as ``SamplingParams``, by their (vLLM = OpenAI) names, and
+its output constraint as ``StructuredOutputsParams`` (``SamplingParams.structured_outputs``).
 
 A field set to a non-neutral value that this build's ``SamplingParams`` lacks is refused with a
 400 naming it, never silently ignored.
@@ -6,17 +7,25 @@ A field set to a non-neutral value that this build's ``SamplingParams`` lacks is
 Fields the request leaves unset take the model's recommended defaults (``defaults``: vLLM's
 generation config, ``llmkit.models.generation_config``) before ``SamplingParams``' own; the
 model's ``max_tokens`` caps the request's, as in vLLM.
+
+The constraint: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` extra, or the older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` names. At most one may be given; a spec that cannot
+become a grammar is a 400 naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
 
+from llmkit.config.schema import EngineConfig
 from llmkit.entrypoints.openai.errors import bad_request, param_of
 from llmkit.entrypoints.openai.protocol import SamplingFields
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
+from llmkit.structured_output.validation import validate_structured_outputs
 
-__all__ = ["check_token_ids", "to_sampling_params"]
+__all__ = ["check_token_ids", "checked_structured_outputs", "requested_structured_outputs",
+           "to_sampling_params"]
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Values that ask for nothing: a field that SamplingParams lacks may still be sent with these.
@@ -84,3 +93,45 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param_of(str(e))) from None
+
+
+def requested_structured_outputs(req: SamplingFields
+                                 ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The constraint the request asks for, and the field it came from (None, None: none)."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        found.append(("response_format", {"json": rf.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                 "grammar": so.grammar, "json_object": so.json_object or None}
+        found.append(("structured_outputs", {k: v for k, v in given.items() if v is not None}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = ", ".join(f for f, _ in found)
+        raise bad_request(f"give at most one output constraint; got {names}", found[1][0])
+    field, kwargs = found[0]
+    try:
+        return StructuredOutputsParams(**kwargs), field
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", field) from None
+
+
+def checked_structured_outputs(config: EngineConfig, params: StructuredOutputsParams,
+                               field: str) -> StructuredOutputsParams:
+    """``params`` if the engine's backend can build its grammar, else a 400 naming ``field``
+    and what is wrong (an invalid schema, regex or grammar, an unsupported keyword)."""
+    try:
+        validate_structured_outputs(config, params)
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", field) from None
+    return params
