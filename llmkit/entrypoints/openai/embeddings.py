@@ -23,10 +23,10 @@ from llmkit.engine.async_llm import RequestOutputKind, RequestStream
 from llmkit.entrypoints.openai.embeddings_protocol import (EmbeddingData, EmbeddingRequest,
                                                            EmbeddingResponse, EmbeddingUsage)
 from llmkit.entrypoints.openai.errors import bad_request, engine_dead
-from llmkit.entrypoints.openai.request_streams import abort_all, admitting, collect
 from llmkit.entrypoints.openai.sampling import check_token_ids
 from llmkit.entrypoints.openai.serving import OpenAIServing
-from llmkit.entrypoints.openai.streaming import run_until_disconnect
+from llmkit.entrypoints.openai.streaming import (abort_all, admitting, collect,
+                                                 run_until_disconnect)
 from llmkit.models.pooling_config import PoolingSpec
 from llmkit.outputs import EmbeddingRequestOutput
 

@@ -21,7 +21,6 @@ from llmkit.engine.async_llm import EngineDeadError, RequestStream
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.protocol import ChatCompletionRequest
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning
-from llmkit.entrypoints.openai.request_streams import abort_all, collect, merge
 from llmkit.entrypoints.openai.responses_protocol import (IncompleteDetails, InputMessage,
                                                           OutputFunctionCall, OutputMessage,
                                                           OutputReasoning, OutputText,
@@ -29,7 +28,8 @@ from llmkit.entrypoints.openai.responses_protocol import (IncompleteDetails, Inp
                                                           ResponsesRequest, ResponseUsage)
 from llmkit.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from llmkit.entrypoints.openai.serving import OpenAIServing, _chat_message
-from llmkit.entrypoints.openai.streaming import EngineStreamingResponse, run_until_disconnect
+from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, abort_all, collect,
+                                                 merge, run_until_disconnect)
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
 from llmkit.entrypoints.openai.tools import ToolUse
 

@@ -1,10 +1,10 @@
 """The OpenAI endpoints' logic: request → ``SamplingParams`` → ``AsyncLLM`` streams → OpenAI
 response bodies (JSON, or server-sent events when ``stream`` is true).
 
-Beside it: ``sampling`` (request fields and output constraint → ``SamplingParams``), ``chat_prompt`` (messages and
-their images → the prompt), ``errors`` (OpenAI error bodies), ``logprobs`` (their two OpenAI
-shapes), ``streaming`` (server-sent events, client disconnects) and ``request_streams`` (a
-request's engine streams as a group).
+Beside it: ``sampling`` (request fields and output constraint → ``SamplingParams``),
+``chat_prompt`` (messages and their images → the prompt), ``errors`` (OpenAI error bodies),
+``logprobs`` (their two OpenAI shapes) and ``streaming`` (a request's engine streams as a group,
+server-sent events, client disconnects).
 
 ``n > 1`` and a list of prompts both fan out into engine requests (``AsyncLLM`` handles ``n``:
 ``n`` engine requests with seeds ``seed + i``); choice ``index`` = ``prompt_index * n + i``.
@@ -38,12 +38,11 @@ from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning, make_reasoning_parser
-from llmkit.entrypoints.openai.request_streams import abort_all, admitting, collect, merge
 from llmkit.entrypoints.openai.serving_models import ServingModels
 from llmkit.entrypoints.openai.sampling import (check_token_ids, checked_structured_outputs,
                                                 requested_structured_outputs, to_sampling_params)
-from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, run_until_disconnect,
-                                                 sse)
+from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, abort_all, admitting,
+                                                 collect, merge, run_until_disconnect, sse)
 from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_parser
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
 from llmkit.entrypoints.openai.tools import ToolUse, template_supports_tools, tool_use
