@@ -14,7 +14,12 @@ attention ``h·n_h·d`` (q) + ``2·h·n_kv·d`` (k, v) + ``n_h·d·h`` (o); MLP 
 (SiLU-GLU: gate, up, down) else ``2·h·I``; norms ``2·h``. Plus the embedding ``V·h``, the LM
 head ``V·h`` unless tied, and the final norm. Llama-2-7B: 6.74 B parameters, 13.5 GB in fp16.
 KV bytes per token = ``2 (K and V) · layers · n_kv · d · dtype bytes`` (0.5 MiB for Llama-2-7B
-in fp16).
+in fp16) for full attention; each layer's KV-cache spec (``kv_specs``, read from the config by
+``llmkit.models.kv_specs`` as the engine's models read it) prices MLA's latent, sliding windows
+and recurrent states instead (``llmkit.tools.sim.kv_footprint``). MLA attention (DeepSeek)
+counts ``h·n_h·(d_nope + d_rope)`` for q (or ``h·r_q + r_q·n_h·(d_nope + d_rope)`` through its
+LoRA), ``h·(r + d_rope)`` for the latent's down-projection, ``r·n_h·(d_nope + d_v)`` for its
+up-projection and ``n_h·d_v·h`` for o.
 """
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec
+from llmkit.models.kv_specs import kv_cache_specs_from_hf_config
+from llmkit.tools.sim.kv_footprint import KVFootprint, spec_label
 
 __all__ = ["DTYPE_BYTES", "ModelShape", "ShapeError", "dtype_bytes", "load_shape",
            "shape_names", "shapes_dir"]
@@ -78,6 +87,16 @@ class ModelShape:
     eos_token_ids: tuple[int, ...] = ()
     # The checkpoint's dtype when its config says (``torch_dtype``), else None.
     checkpoint_dtype: str | None = None
+    # What each layer keeps per request (whole model, tp = 1); empty: full attention.
+    kv_specs: tuple[KVCacheSpec, ...] = ()
+    # MLA (DeepSeek-V2/V3): kv_lora_rank > 0; q_lora_rank 0 = q projected directly
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE shared experts (DeepSeek, Qwen2-MoE's is counted as one expert-sized MLP each)
+    num_shared_experts: int = 0
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -110,6 +129,12 @@ class ModelShape:
         dtype = str(dtype).replace("torch.", "") if dtype is not None else None
         if name is None:
             name = str(_get(cfg, "_name_or_path", "name_or_path", default="") or model_type)
+        try:
+            specs = tuple(kv_cache_specs_from_hf_config(cfg))
+        except TypeError:
+            specs = ()  # not the Llama family's names (GPT-2's n_head ...): full attention
+        except ValueError as e:
+            raise ShapeError(f"cannot read the KV-cache layout of {name!r}: {e}") from None
         return cls(
             name=name, model_type=model_type, hidden_size=int(h), num_layers=int(layers),
             num_heads=int(heads), num_kv_heads=int(kv_heads), head_dim=int(head_dim),
@@ -123,6 +148,13 @@ class ModelShape:
             num_experts=experts, num_experts_per_tok=per_tok if experts else 0,
             eos_token_ids=eos_ids,
             checkpoint_dtype=dtype if dtype in DTYPE_BYTES else None,
+            kv_specs=specs if len(specs) == int(layers) else (),
+            kv_lora_rank=int(_get(cfg, "kv_lora_rank", default=0)),
+            q_lora_rank=int(_get(cfg, "q_lora_rank", default=0)),
+            qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", default=0)),
+            qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", default=0)),
+            v_head_dim=int(_get(cfg, "v_head_dim", default=0)),
+            num_shared_experts=int(_get(cfg, "n_shared_experts", default=0)) if experts else 0,
         )
 
     # -- parameters ------------------------------------------------------------------------
@@ -137,6 +169,13 @@ class ModelShape:
     @property
     def attn_params_per_layer(self) -> int:
         h = self.hidden_size
+        if self.kv_lora_rank:
+            n, r, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+            qk = self.qk_nope_head_dim + rope
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk
+                 if self.q_lora_rank else h * n * qk)
+            return q + h * (r + rope) + r + r * n * (self.qk_nope_head_dim + self.v_head_dim) \
+                + n * self.v_head_dim * h
         bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         return h * self.q_size + 2 * h * self.kv_size + self.q_size * h + bias
 
@@ -148,7 +187,8 @@ class ModelShape:
     @property
     def mlp_params_per_layer(self) -> int:
         if self.num_experts:
-            return self.num_experts * self.expert_params + self.hidden_size * self.num_experts
+            return ((self.num_experts + self.num_shared_experts) * self.expert_params
+                    + self.hidden_size * self.num_experts)
         return self.expert_params
 
     @property
@@ -174,7 +214,8 @@ class ModelShape:
         """Parameters one token multiplies by in one layer (an MoE token uses k experts)."""
         if not self.num_experts:
             return self.layer_params
-        return (self.attn_params_per_layer + self.num_experts_per_tok * self.expert_params
+        return (self.attn_params_per_layer
+                + (self.num_experts_per_tok + self.num_shared_experts) * self.expert_params
                 + self.hidden_size * self.num_experts + 2 * self.hidden_size)
 
     def layer_params_read(self, num_tokens: int) -> float:
@@ -185,7 +226,8 @@ class ModelShape:
             return float(self.layer_params)
         e, k = self.num_experts, self.num_experts_per_tok
         touched = e * (1.0 - (1.0 - k / e) ** max(num_tokens, 0))
-        return (self.attn_params_per_layer + touched * self.expert_params
+        return (self.attn_params_per_layer
+                + (touched + self.num_shared_experts) * self.expert_params
                 + self.hidden_size * e + 2 * self.hidden_size)
 
     def weight_bytes(self, dtype: str) -> int:
@@ -197,14 +239,27 @@ class ModelShape:
         ``tp``)."""
         return max(1, -(-self.num_kv_heads // tp))
 
+    @property
+    def layer_kv_specs(self) -> tuple[KVCacheSpec, ...]:
+        """One spec per layer (full attention when the config gave none)."""
+        return self.kv_specs or (FullAttentionSpec(self.num_kv_heads, self.head_dim),) * \
+            self.num_layers
+
+    def kv_footprint(self, dtype: str, tp: int = 1) -> KVFootprint:
+        """The KV state by group on one rank (``llmkit.tools.sim.kv_footprint``)."""
+        return KVFootprint(self.layer_kv_specs, dtype, self.num_heads, tp)
+
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
-        """K and V of one token in every layer, on one rank (``tp=1``: the whole model)."""
-        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * \
-            dtype_bytes(dtype)
+        """What one more token of context costs in every layer, on one rank (``tp=1``: the
+        whole model): K and V per KV head, MLA's latent row; 0 for a recurrent state, and a
+        sliding window's layers count while the context is inside the window."""
+        dtype_bytes(dtype)  # an unknown dtype is a ShapeError
+        return int(self.kv_footprint(dtype, tp).kv_bytes_per_token)
 
     def summary(self, dtype: str) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["kv_specs"] = [spec_label(s) for s in self.layer_kv_specs]
         d.update(num_params=self.num_params, weight_bytes=self.weight_bytes(dtype),
                  kv_bytes_per_token=self.kv_bytes_per_token(dtype), dtype=dtype)
         return d

@@ -22,6 +22,16 @@ of ``p`` tensor-parallel ranks::
               + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
     step    = base / (1 − min(0.9, c_fe · R))              R: tokens/s the front end streams
 
+**KV-cache specs** (``llmkit.tools.sim.kv_footprint``): the KV terms above are for full
+attention. Each layer prices its own spec: a sliding-window layer reads only the keys its
+queries see (``min(c_i, q_i + W − 1)`` rows, and ``Σ min(j, W)`` pairs), an MLA layer reads one
+latent row per token (``κ`` from ``kv_lora_rank + qk_rope_head_dim``) and its pairs cost
+``2·n_h·(2r + d_rope)`` (absorbed), a recurrent layer reads and writes its fixed state once per
+request (``2·S``) and has no pairs::
+
+    bytes_KV = Σ_groups layers_g · Σ_i [ rows_g(q_i, c_i) · κ_g + 2·S_g ]
+    FLOPs_attn = Σ_groups layers_g · φ_g · Σ_i pairs_g(q_i, c_i) / p
+
 **Pipeline parallel** (``pipeline_parallel_size`` ``s`` > 1): the layers split into stages as
 the engine splits them (``get_pp_indices``); stage ``k`` computes its ``L_k`` layers with the
 terms above (the first also the embedding gather, the last the LM head), and between stages the
@@ -138,12 +148,19 @@ class CostModel:
         self.b_w = dtype_bytes(dtype)
         self.b_act = dtype_bytes("bfloat16") if dtype in ("fp8", "int8") else self.b_w
         self.peak_flops = hardware.peak(dtype)
-        # every layer's K/V on one TP rank (under PP a device holds its stage's layers only)
-        self.kv_bytes_per_token = shape.kv_bytes_per_token(self.kv_dtype, self.tp)
+        # every layer's KV state on one TP rank, by spec (under PP a device holds its stage's
+        # layers only); kv_bytes_per_token: what one more token costs inside every window
+        self.kv = shape.kv_footprint(self.kv_dtype, self.tp)
+        self.kv_bytes_per_token = int(self.kv.kv_bytes_per_token)
         s = shape
         self._flops_per_token = 2.0 * s.num_layers * s.active_layer_params()
         self._flops_per_logit_row = 2.0 * s.vocab_size * s.hidden_size
-        self._flops_per_attn_pair = 4.0 * s.num_layers * s.num_heads * s.head_dim
+        # per stage: how many layers of each KV group it holds
+        self._stage_groups = []
+        begin = 0
+        for n in self.stage_layers:
+            self._stage_groups.append(self.kv.stage_counts(begin, begin + n))
+            begin += n
         self._compute_rate = self.peak_flops * hardware.compute_efficiency
         self._memory_rate = hardware.memory_bandwidth * hardware.memory_efficiency
         self._overhead_s = hardware.step_overhead_s + s.num_layers * hardware.layer_overhead_s
@@ -185,8 +202,11 @@ class CostModel:
         """The cost of one step; ``stream_rate``: tokens/s the front end is streaming (the
         profile's ``frontend_token_s`` prices them)."""
         T = S = n = 0
-        pairs = 0.0
-        ctx = attended = 0
+        attended = 0
+        groups = self.kv.groups
+        # per KV group, for one of its layers: bytes read and written, FLOPs of attention
+        kv_bytes = [0.0] * len(groups)
+        attn_flops = [0.0] * len(groups)
         for w in work:
             q, c, samples = (w.num_new_tokens, w.context_len, w.samples) \
                 if isinstance(w, SeqWork) else w
@@ -195,15 +215,18 @@ class CostModel:
             n += 1
             T += q
             S += 1 if samples else 0
-            pairs += q * (c - q) + q * (q + 1) / 2.0
-            ctx += c + q  # the whole context is read, the new tokens' K/V written
             attended += c
+            for k, g in enumerate(groups):
+                # the keys its queries see are read, the new rows written; a state both
+                kv_bytes[k] += g.step_rows(q, c) * g.bytes_per_token + 2 * g.state_bytes
+                attn_flops[k] += g.pairs(q, c) * g.flops_per_pair
         if T == 0:
             return _EMPTY
         share = min(MAX_FRONTEND_SHARE, self._frontend_token_s * stream_rate)
         hw = self.hw
         engine = hw.step_overhead_s + n * self._seq_s
-        stages = [self._stage(T, S, pairs, ctx, attended, layers, k == 0, k == self.pp - 1)
+        stages = [self._stage(T, S, self._by_group(kv_bytes, k), self._by_group(attn_flops, k),
+                              attended, layers, k == 0, k == self.pp - 1)
                   for k, layers in enumerate(self.stage_layers)]
         if self.pp == 1:
             compute_s, memory_s, comm, _, flops, nbytes = stages[0]
@@ -227,17 +250,23 @@ class CostModel:
             flops=sum(x[4] for x in stages) / self.pp, bytes=sum(x[5] for x in stages) / self.pp,
             num_tokens=T, num_seqs=n, stage_s=stage_s, transfer_s=transfer, engine_s=engine)
 
-    def _stage(self, T: int, S: int, pairs: float, ctx: int, attended: int, layers: int,
-               first: bool, last: bool) -> tuple[float, float, float, float, float, float]:
+    def _by_group(self, per_layer: list[float], stage: int) -> float:
+        """A per-layer figure of each KV group summed over the stage's layers."""
+        return sum(x * n for x, n in zip(per_layer, self._stage_groups[stage]))
+
+    def _stage(self, T: int, S: int, kv_bytes: float, attn_flops: float, attended: int,
+               layers: int, first: bool, last: bool
+               ) -> tuple[float, float, float, float, float, float]:
         """``(compute_s, memory_s, comm_s, overhead_s, flops, bytes)`` of ``layers`` layers on
-        one TP rank (the first stage gathers the embedding, the last computes the LM head)."""
+        one TP rank (the first stage gathers the embedding, the last computes the LM head);
+        ``kv_bytes`` and ``attn_flops`` are already the stage's, on one rank."""
         s, p, L = self.shape, self.tp, self.shape.num_layers
         f = layers / L
         flops = (f * self._flops_per_token * T + (self._flops_per_logit_row * S if last else 0.0)
-                 + f * self._flops_per_attn_pair * pairs) / p
+                 ) / p + attn_flops
         weights = (layers * s.layer_params_read(T) + (s.lm_head_params if S and last else 0)
                    + (T * s.hidden_size if first else 0)) * self.b_w / p
-        nbytes = weights + ctx * self.kv_bytes_per_token * f
+        nbytes = weights + kv_bytes
         comm = 0.0
         if p > 1:
             msg = T * s.hidden_size * self.b_act
@@ -265,6 +294,7 @@ class CostModel:
             "pipeline_parallel_size": self.pp, "stage_layers": list(self.stage_layers),
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token_per_rank": self.kv_bytes_per_token,
+            "kv_state_bytes_per_request_per_rank": self.kv.state_bytes_per_request,
             "flops_per_token": self._flops_per_token,
             "peak_flops": self.peak_flops, "compute_efficiency": hw.compute_efficiency,
             "memory_bandwidth": hw.memory_bandwidth, "memory_efficiency": hw.memory_efficiency,

@@ -84,6 +84,11 @@ def format_sim_block(result: dict) -> str:
         f"peak KV usage {pct(sim.get('peak_kv_usage'))}",
         f"  {sim.get('virtual_time_s') or 0:.2f} s simulated in {sim.get('wall_s') or 0:.2f} s",
     ]
+    groups = sim.get("kv_groups") or []
+    if len(groups) > 1 or any(not g["spec"].startswith("FullAttention(") for g in groups):
+        lines[2:2] = [f"  KV group {g['spec']}: {len(g['layers'])} layers, "
+                      f"{g['bytes_per_token']:.0f} B/token, {g['bytes_per_block']:.0f} B/block"
+                      for g in groups]
     spec = sim.get("spec_decode")
     if spec:
         lines.append(

@@ -27,7 +27,10 @@ moves the virtual clock to then. A lone batch leaves the other stages idle (the 
 scheduler's interleaved batches fill them.
 
 The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
-activations`` per rank, in blocks (``num_kv_blocks()``). ``llmkit sim`` sets
+activations − recurrent states`` per rank, in blocks (``num_kv_blocks()``). A block holds
+``block_size`` tokens of every layer whose state grows with the context (full attention, a
+window, MLA's latent: the model's KV-cache specs, ``llmkit.tools.sim.kv_footprint``); a
+recurrent layer's fixed state is set aside for ``max_num_seqs`` requests. ``llmkit sim`` sets
 ``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
 ``executor=sim`` by hand uses ``kv_cache.num_blocks`` / ``kv_cache.memory_gib`` as usual.
 """
@@ -342,11 +345,20 @@ class SimExecutor(Executor):
         rows = min(t, sched.max_num_seqs)
         return t * per_token * cm.b_act + rows * s.vocab_size * 4
 
+    def state_bytes(self) -> float:
+        """Per rank: the recurrent layers' fixed states of ``max_num_seqs`` requests (0 for a
+        model without any)."""
+        cm = self.cost_model
+        return (cm.kv.state_bytes_per_request * cm.max_stage_fraction
+                * self.config.scheduler.max_num_seqs)
+
     def kv_budget_bytes(self) -> float:
-        """Per rank: usable memory minus this rank's weights and activations."""
+        """Per rank: usable memory minus this rank's weights, activations and recurrent
+        states."""
         cm = self.cost_model
         usable = self.hardware.memory_bytes * self.settings.sim.gpu_memory_utilization
-        return usable - cm.weight_bytes_per_device - self.activation_bytes()
+        return usable - cm.weight_bytes_per_device - self.activation_bytes() - \
+            self.state_bytes()
 
     def num_kv_blocks(self) -> int:
         """KV blocks the device's memory holds after the weights (0 if the weights alone do

@@ -262,6 +262,8 @@ def sim_block(core: Any, executor: Any, run: SimRun) -> dict[str, Any]:
         "cost_model": cm.describe(),
         "num_kv_blocks": core.num_blocks,
         "kv_capacity_tokens": core.num_blocks * core.config.kv_cache.block_size,
+        # per KV-cache group: its spec, layers, bytes per token and per block (one rank)
+        "kv_groups": cm.kv.describe(core.config.kv_cache.block_size),
         "steps": run.steps,
         "priced_steps": st.steps,
         "virtual_time_s": run.duration_s,
