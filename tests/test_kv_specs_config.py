@@ -106,3 +106,15 @@ def test_unknown_layer_type_names_it():
                layer_types=["full_attention", "chunked_attention", "full_attention"])
     with pytest.raises(UnknownLayerTypeError, match=r"layer_types\[1\]='chunked_attention'"):
         kv_cache_specs_from_hf_config(raw)
+
+
+def test_describe_groups_by_hand():
+    from llmkit.models.kv_specs import describe_kv_groups
+
+    specs = kv_cache_specs_from_hf_config(dict(CASES["gemma3_text"], model_type="gemma3_text"))
+    per_layer = 2 * 2 * 16 * 2  # K and V, 2 heads of 16, bf16
+    assert describe_kv_groups(specs, torch.bfloat16, 16) == [
+        f"SlidingWindow(num_kv_heads=2, head_dim=16, sliding_window=8): layers 0-1,3-4,6 (5), "
+        f"{5 * per_layer} B/token, {5 * 16 * per_layer} B/block",
+        f"FullAttention(num_kv_heads=2, head_dim=16): layers 2,5 (2), {2 * per_layer} B/token, "
+        f"{2 * 16 * per_layer} B/block"]

@@ -94,11 +94,6 @@ TOOLS_REACH: dict[str, set[str]] = {
     "llmkit.tools.bench.serve": {"llmkit.models.loader"},
     # the simulated draft length follows the engine's adaptive policy
     "llmkit.tools.sim.speculation": {"llmkit.spec_decode.adaptive"},
-    # a model's KV state (full attention, window, MLA latent, recurrent state) is priced from
-    # the same per-layer specs the engine's models declare, read from the config without
-    # weights (issue 33)
-    "llmkit.tools.sim.model_shape": {"llmkit.attention.kv_spec", "llmkit.models.kv_specs"},
-    "llmkit.tools.sim.kv_footprint": {"llmkit.attention.kv_spec"},
 }
 
 # The only modules outside llmkit/tools/ that import a tool: the command line runs them (and

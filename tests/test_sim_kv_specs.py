@@ -9,10 +9,10 @@ import json
 import pytest
 
 from llmkit.attention.kv_spec import FullAttentionSpec
-from llmkit.tools.sim.cost_model import CostModel, SeqWork
-from llmkit.tools.sim.hardware import HardwareProfile, load_profile_yaml
-from llmkit.tools.sim.kv_footprint import _pairs
-from llmkit.tools.sim.model_shape import ModelShape, dtype_bytes
+from llmkit.cost_model.hardware import HardwareProfile, load_profile_yaml
+from llmkit.cost_model.kv_footprint import _pairs
+from llmkit.cost_model.model_shape import ModelShape, dtype_bytes
+from llmkit.cost_model.step_cost import CostModel, SeqWork
 
 from helpers.sim_config import cfg_of
 from test_sim_cost_model import HW_DIR
@@ -124,8 +124,8 @@ def test_sliding_window_bounds_what_a_request_holds_and_reads(h200):
 def test_recurrent_state_is_flat_in_the_context(h200):
     s = ModelShape.from_hf_config(BAMBA)  # layer 1 attends, 0, 2, 3 keep a Mamba-2 state
     f = s.kv_footprint("bfloat16")
-    # conv [128 + 2*2*16, 3] + ssm [8 heads, 16, 16] in bf16
-    state = (192 * 3 + 8 * 16 * 16) * 2
+    # conv [128 + 2*2*16, 3] + ssm [8 heads, 16, 16], float32 whatever the model's dtype
+    state = (192 * 3 + 8 * 16 * 16) * 4
     attn = 2 * 2 * 16 * 2
     assert f.state_bytes_per_request == 3 * state
     assert f.kv_bytes_per_token == attn
@@ -154,8 +154,8 @@ def test_sim_engine_pool_follows_the_specs(tmp_path):
     core, ex, _ = build_sim_engine(cfg_of(f"sim.model={paths['bamba']}", "hardware=h200",
                                           "scheduler.max_num_seqs=4"))
     b = dtype_bytes(ex.cost_model.kv_dtype)
-    # 4 sequences x 3 Mamba layers x their state, set aside before the blocks
-    assert ex.state_bytes() == 4 * 3 * (192 * 3 + 8 * 16 * 16) * b
+    # 4 sequences x 3 Mamba layers x their float32 state, set aside before the blocks
+    assert ex.state_bytes() == 4 * 3 * (192 * 3 + 8 * 16 * 16) * 4
     assert ex.cost_model.kv_bytes_per_token == 2 * 2 * 16 * b
     assert ex.kv_cache_bytes_per_block() == core.config.kv_cache.block_size * \
         ex.cost_model.kv_bytes_per_token

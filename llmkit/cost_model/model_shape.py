@@ -16,7 +16,7 @@ head ``V·h`` unless tied, and the final norm. Llama-2-7B: 6.74 B parameters, 13
 KV bytes per token = ``2 (K and V) · layers · n_kv · d · dtype bytes`` (0.5 MiB for Llama-2-7B
 in fp16) for full attention; each layer's KV-cache spec (``kv_specs``, read from the config by
 ``llmkit.models.kv_specs`` as the engine's models read it) prices MLA's latent, sliding windows
-and recurrent states instead (``llmkit.tools.sim.kv_footprint``). MLA attention (DeepSeek)
+and recurrent states instead (``llmkit.cost_model.kv_footprint``). MLA attention (DeepSeek)
 counts ``h·n_h·(d_nope + d_rope)`` for q (or ``h·r_q + r_q·n_h·(d_nope + d_rope)`` through its
 LoRA), ``h·(r + d_rope)`` for the latent's down-projection, ``r·n_h·(d_nope + d_v)`` for its
 up-projection and ``n_h·d_v·h`` for o.
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec
-from llmkit.models.kv_specs import kv_cache_specs_from_hf_config
-from llmkit.tools.sim.kv_footprint import KVFootprint, spec_label
+from llmkit.models.kv_specs import kv_cache_specs_from_hf_config, spec_label
+from llmkit.cost_model.kv_footprint import KVFootprint
 
 __all__ = ["DTYPE_BYTES", "ModelShape", "ShapeError", "dtype_bytes", "load_shape",
            "shape_names", "shapes_dir"]
@@ -246,7 +246,7 @@ class ModelShape:
             self.num_layers
 
     def kv_footprint(self, dtype: str, tp: int = 1) -> KVFootprint:
-        """The KV state by group on one rank (``llmkit.tools.sim.kv_footprint``)."""
+        """The KV state by group on one rank (``llmkit.cost_model.kv_footprint``)."""
         return KVFootprint(self.layer_kv_specs, dtype, self.num_heads, tp)
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:

@@ -22,7 +22,7 @@ of ``p`` tensor-parallel ranks::
               + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
     step    = base / (1 − min(0.9, c_fe · R))              R: tokens/s the front end streams
 
-**KV-cache specs** (``llmkit.tools.sim.kv_footprint``): the KV terms above are for full
+**KV-cache specs** (``llmkit.cost_model.kv_footprint``): the KV terms above are for full
 attention. Each layer prices its own spec: a sliding-window layer reads only the keys its
 queries see (``min(c_i, q_i + W − 1)`` rows, and ``Σ min(j, W)`` pairs), an MLA layer reads one
 latent row per token (``κ`` from ``kv_lora_rank + qk_rope_head_dim``) and its pairs cost

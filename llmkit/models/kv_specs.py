@@ -26,7 +26,8 @@ heads and groups split, the MLA latent is whole on every rank.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Callable
 
 import torch
@@ -34,8 +35,10 @@ import torch
 from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
                                       RecurrentStateSpec, SlidingWindowSpec)
 
-__all__ = ["UnknownLayerTypeError", "bamba_kv_specs", "deepseek_kv_specs", "gemma_kv_specs",
-           "kv_cache_specs_from_hf_config", "llama_kv_specs", "mamba2_state_shapes"]
+__all__ = ["UnknownLayerTypeError", "bamba_kv_specs", "deepseek_kv_specs",
+           "describe_kv_groups", "gemma_kv_specs", "kv_cache_groups",
+           "kv_cache_specs_from_hf_config", "llama_kv_specs", "mamba2_state_shapes",
+           "spec_label"]
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -167,3 +170,50 @@ def kv_cache_specs_from_hf_config(cfg: Any, tp_size: int = 1) -> list[KVCacheSpe
     its ``model_type``; anything not listed is read as the Llama family."""
     fn = _BY_MODEL_TYPE.get(str(_get(cfg, "model_type", "")), llama_kv_specs)
     return fn(cfg, tp_size)
+
+
+# -- describing the groups (llmkit config, start-up, llmkit sim) -------------------------------
+
+def kv_cache_groups(specs: Sequence[KVCacheSpec]) -> list[tuple[KVCacheSpec, list[int]]]:
+    """Layers with equal specs, in order of their first layer: the KV-cache groups."""
+    groups: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(i)
+    return list(groups.items())
+
+
+def spec_label(spec: KVCacheSpec) -> str:
+    """``FullAttention(num_kv_heads=8, head_dim=128)`` (a state's dtype only when fixed)."""
+    args = ", ".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec)
+                     if not (f.name == "dtype" and getattr(spec, f.name) is None))
+    return f"{type(spec).__name__.removesuffix('Spec')}({args})"
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """``0-4,6-10,12`` for a sorted list of layer indices."""
+    out: list[str] = []
+    start = prev = layers[0]
+    for i in [*layers[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def describe_kv_groups(specs: Sequence[KVCacheSpec], dtype: torch.dtype,
+                       block_size: int) -> list[str]:
+    """One line per group: its spec, layers, and bytes per token and per block over all its
+    layers (a recurrent state: bytes per request, one block each)."""
+    lines = []
+    for spec, layers in kv_cache_groups(specs):
+        n = len(layers)
+        if isinstance(spec, RecurrentStateSpec):
+            cost = f"{n * spec.state_bytes(dtype)} B/request (one block)"
+        else:
+            cost = (f"{n * spec.bytes_per_token(dtype)} B/token, "
+                    f"{n * spec.page_bytes(block_size, dtype)} B/block")
+        lines.append(f"{spec_label(spec)}: layers {_ranges(layers)} ({n}), {cost}")
+    return lines

@@ -29,7 +29,7 @@ scheduler's interleaved batches fill them.
 The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
 activations − recurrent states`` per rank, in blocks (``num_kv_blocks()``). A block holds
 ``block_size`` tokens of every layer whose state grows with the context (full attention, a
-window, MLA's latent: the model's KV-cache specs, ``llmkit.tools.sim.kv_footprint``); a
+window, MLA's latent: the model's KV-cache specs, ``llmkit.cost_model.kv_footprint``); a
 recurrent layer's fixed state is set aside for ``max_num_seqs`` requests. ``llmkit sim`` sets
 ``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
 ``executor=sim`` by hand uses ``kv_cache.num_blocks`` / ``kv_cache.memory_gib`` as usual.

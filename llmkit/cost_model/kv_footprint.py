@@ -26,26 +26,20 @@ token the cost model always used.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
                                       RecurrentStateSpec, SlidingWindowSpec)
+from llmkit.models.kv_specs import kv_cache_groups, spec_label
 
-__all__ = ["KVFootprint", "KVGroup", "TORCH_DTYPES", "spec_label"]
+__all__ = ["KVFootprint", "KVGroup", "TORCH_DTYPES"]
 
 # the simulator's dtype names -> the torch dtypes the specs price
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-
-
-def spec_label(spec: KVCacheSpec) -> str:
-    """``FullAttention(num_kv_heads=8, head_dim=128)`` (the dtype of a state only if fixed)."""
-    args = ", ".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec)
-                     if not (f.name == "dtype" and getattr(spec, f.name) is None))
-    return f"{type(spec).__name__.removesuffix('Spec')}({args})"
 
 
 def _pairs(q: int, c: int, window: int | None) -> float:
@@ -140,11 +134,9 @@ class KVFootprint:
         except KeyError:
             raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: "
                              f"{', '.join(TORCH_DTYPES)}") from None
-        by_spec: dict[KVCacheSpec, list[int]] = {}
-        for i, s in enumerate(specs):
-            by_spec.setdefault(s, []).append(i)
         self.num_layers = len(specs)
-        self.groups = [_group(s, tuple(ls), dtype, tp, num_heads) for s, ls in by_spec.items()]
+        self.groups = [_group(s, tuple(ls), dtype, tp, num_heads)
+                       for s, ls in kv_cache_groups(specs)]
         # Bytes one more token costs while it is inside every window (the per-token figure
         # that sizes a block of the pool); a state's bytes are per request instead.
         self.kv_bytes_per_token = sum(len(g.layers) * g.bytes_per_token for g in self.groups)
