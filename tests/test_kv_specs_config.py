@@ -118,3 +118,22 @@ def test_describe_groups_by_hand():
         f"{5 * per_layer} B/token, {5 * 16 * per_layer} B/block",
         f"FullAttention(num_kv_heads=2, head_dim=16): layers 2,5 (2), {2 * per_layer} B/token, "
         f"{2 * 16 * per_layer} B/block"]
+
+
+def test_llmkit_config_lists_the_groups(capsys, tmp_path):
+    from llmkit.entrypoints import cli
+
+    cfg = transformers.AutoConfig.for_model(
+        "gemma3_text", **dict(CASES["gemma3_text"], num_hidden_layers=6, vocab_size=100,
+                              intermediate_size=32))
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    assert cli.main(["config", str(tmp_path), "model.dtype=float32",
+                     "kv_cache.block_size=4"]) == 0
+    text = capsys.readouterr().out
+    per_layer = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32
+    assert "# KV-cache groups (6 layers, float32, block_size 4, per tensor-parallel rank):\n" \
+        f"#   SlidingWindow(num_kv_heads=2, head_dim=16, sliding_window=8): layers 0-1,3-4 (4), " \
+        f"{4 * per_layer} B/token, {4 * 4 * per_layer} B/block\n" \
+        f"#   FullAttention(num_kv_heads=2, head_dim=16): layers 2,5 (2), {2 * per_layer} " \
+        f"B/token, {2 * 4 * per_layer} B/block\n" in text

@@ -212,7 +212,8 @@ def _cmd_config(args: CliArgs) -> int:
         else:
             # The hardware `llmkit sim` models (an A100 by default) is no part of an engine that
             # runs here: shown only when asked for, named in a closing hint.
-            text = config_to_yaml(tool_cfg.engine) + _cpu_dispatch_comment(tool_cfg.engine)
+            text = (config_to_yaml(tool_cfg.engine) + _cpu_dispatch_comment(tool_cfg.engine)
+                    + _kv_groups_comment(tool_cfg.engine))
             if tool_cfg.hardware is not None:
                 text += (f"# hardware ({tool_cfg.hardware.name}): what `llmkit sim` models; "
                          "`llmkit config hardware=NAME` shows it\n")
@@ -248,6 +249,35 @@ def _cpu_dispatch_comment(config) -> str:
         lines.append(textwrap.fill(group, 96, initial_indent="#   ",
                                    subsequent_indent="#     "))
     return head + "\n".join(lines) + "\n"
+
+
+def _kv_groups_comment(config) -> str:
+    """The model's KV-cache groups (its layers' specs read from its config, no weights), each
+    with its layers and bytes per token and per block on one tensor-parallel rank, as closing
+    comment lines; a note instead when the model's config cannot be read without fetching."""
+    from llmkit.models.kv_specs import describe_kv_groups, kv_cache_specs_from_hf_config
+
+    model = config.model
+    if model.path is None:
+        from llmkit.models.default_model import cached_package_file
+        if not cached_package_file(model.package, model.package_file).exists():
+            return "# KV-cache groups: the default model is not fetched yet\n"
+    try:
+        from llmkit.models.loader import resolve_model_source
+        from llmkit.platforms import resolve_platform
+        from llmkit.worker.model_setup import resolve_dtype, resolve_kv_cache_dtype
+
+        hf = resolve_model_source(model).hf_config
+        specs = kv_cache_specs_from_hf_config(hf, config.parallel.tensor_parallel_size)
+        dtype = resolve_kv_cache_dtype(config.kv_cache.cache_dtype,
+                                       resolve_dtype(model.dtype, resolve_platform(
+                                           config.platform)))
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        return f"# KV-cache groups: cannot read the model's config ({type(e).__name__}: {e})\n"
+    block = config.kv_cache.block_size
+    head = (f"# KV-cache groups ({len(specs)} layers, {str(dtype).removeprefix('torch.')}, "
+            f"block_size {block}, per tensor-parallel rank):\n")
+    return head + "".join(f"#   {line}\n" for line in describe_kv_groups(specs, dtype, block))
 
 
 def _set_openmp_env(args: CliArgs) -> None:
