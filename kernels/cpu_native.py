@@ -241,6 +241,11 @@ def _register_fakes(lib: str) -> None:
     def _lora_embedding_add(y, ids, lora_a, lora_b, row_slots, ranks):
         return None
 
+    @fake(f"{lib}::ssm_state_update")
+    def _ssm_state_update(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, dt_min,
+                          dt_max):
+        return x.new_empty(x.shape, dtype=torch.float32)
+
     @fake(f"{lib}::paged_decode_attention")
     def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale):
         return q.new_empty(q.shape)

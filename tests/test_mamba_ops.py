@@ -174,3 +174,32 @@ def test_conv1d_decode_matches_transformers_update():
     out = OPS.causal_conv1d(x, weight, bias, state, _batch([1, 1, 1], blocks, [True] * 3))
     torch.testing.assert_close(out, ref[:, :, 0], **TOL)
     torch.testing.assert_close(state[blocks], ref_state[:, :, 1:])
+
+
+# -- the CPU platform's C++ decode update ------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_ops():
+    from llmkit.config.schema import PlatformConfig
+    from llmkit.platforms.cpu import CpuPlatform
+
+    ops = CpuPlatform(PlatformConfig(name="cpu", native_kernels="on")).ops(torch.float32)
+    assert ops.name == "cpu"
+    return ops
+
+
+@pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.05, 0.5)])
+def test_cpu_decode_update_matches_the_reference(cpu_ops, dt_limit):
+    """The C++ kernel over a state tensor laid out as the runner's pool views it (blocks
+    strided through a larger page, contiguous within), rows in another order than blocks."""
+    inp, prm = _inputs(5, seed=7), _params(8)
+    page = torch.randn(6, H * P * N + 40)  # 40 floats of another layer's bytes per page
+    state = page[:, 8:8 + H * P * N].view(6, H, P, N)
+    ref_page = page.clone()
+    ref_state = ref_page[:, 8:8 + H * P * N].view(6, H, P, N)
+    blocks = torch.tensor([4, 0, 5, 2, 1])
+    args = (inp["x"], inp["dt"], prm["A"], inp["B"], inp["C"], prm["D"], prm["dt_bias"])
+    y = cpu_ops.ssm_state_update(*args, state, blocks, dt_limit)
+    y_ref = OPS.ssm_state_update(*args, ref_state, blocks, dt_limit)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(page, ref_page, atol=1e-5, rtol=1e-5)  # only the states moved
+    assert torch.equal(page[:, :8], ref_page[:, :8]) and torch.equal(page[3], ref_page[3])

@@ -8,6 +8,7 @@
 #include "decode_attention.h"
 #include "linear.h"
 #include "lora.h"
+#include "mamba.h"
 #include "norm.h"
 #include "quant_activation.h"
 #include "quant_linear.h"
@@ -33,6 +34,9 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
         "Tensor ranks, int[] out_offsets) -> ()");
   m.def("lora_embedding_add_(Tensor(a!) y, Tensor ids, Tensor lora_a, Tensor lora_b, "
         "Tensor row_slots, Tensor ranks) -> ()");
+  m.def("ssm_state_update(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, "
+        "Tensor dt_bias, Tensor(a!) ssm_state, Tensor state_indices, float dt_min, "
+        "float dt_max) -> Tensor");
   // Quantized weights (quant_*.h): repack GGUF blocks / int8 / fp8 rows into the packed x8
   // layout, read it back as floats, and multiply with it.
   m.def("quant_repack(Tensor raw, str format, int in_features) -> Tensor");
@@ -59,6 +63,7 @@ TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
   m.impl("lora_add_", &llmkit_cpu::lora_add_);
   m.impl("lora_embedding_add_", &llmkit_cpu::lora_embedding_add_);
+  m.impl("ssm_state_update", &llmkit_cpu::ssm_state_update);
   m.impl("quant_repack", &llmkit_cpu::quant::quant_repack);
   m.impl("quant_dequantize", &llmkit_cpu::quant::quant_dequantize);
   m.impl("quant_linear", &llmkit_cpu::quant::quant_linear);

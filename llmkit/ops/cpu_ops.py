@@ -52,6 +52,18 @@ class CpuNativeOps(ModelOps):
         return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, expert_map,
                                  self.moe_widen_bf16_above if self.widen_bf16 else -1)
 
+    def ssm_state_update(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                         B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                         dt_bias: torch.Tensor, ssm_state: torch.Tensor,
+                         state_indices: torch.Tensor,
+                         dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+        if ssm_state.dtype != torch.float32:  # the kernel keeps float32 states only
+            return super().ssm_state_update(x, dt, A, B, C, D, dt_bias, ssm_state,
+                                            state_indices, dt_limit)
+        f32 = [t.float().contiguous() for t in (x, dt, A, B, C, D, dt_bias)]
+        return self.kernels.ssm_state_update(*f32, ssm_state, state_indices.long(),
+                                             float(dt_limit[0]), float(dt_limit[1]))
+
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
