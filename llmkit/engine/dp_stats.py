@@ -3,7 +3,8 @@
 Counts and counters add up over the cores (running, waiting, preemptions, prefix-cache
 queries and hits, spec-decode and encoder-cache counters, per-adapter counts, KV connector
 counters); ``kv_usage`` is the fraction of *all* the cores' KV blocks in use (each core's
-usage weighted by its pool's size). A core that has not reported yet counts as idle.
+usage weighted by its pool's size), and so is each KV-cache group's ``kv_usage_by_group``.
+A core that has not reported yet counts as idle.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def combine_scheduler_stats(stats: Sequence[SchedulerStats | None],
     blocks = sum(num_blocks)
     total.kv_usage = (sum(s.kv_usage * n for s, n in present) / blocks if blocks else
                       max(s.kv_usage for s, _ in present))
+    if blocks:  # each group's share of all the cores' blocks
+        total.kv_usage_by_group = {
+            g: sum(s.kv_usage_by_group.get(g, 0.0) * n for s, n in present) / blocks
+            for g in total.kv_usage_by_group}
     return total
 
 

@@ -64,6 +64,8 @@ class EngineStepSummary(msgspec.Struct, tag="step"):
     num_held_blocks: int = 0  # held by requests (a shared block counts once) or pinned
     num_cached_blocks: int = 0  # holding a full block of a cached prefix, held or free
     kv_usage: float = 0.0
+    # per KV-cache group ("<index>:<spec>"): the fraction of the pool its requests hold
+    kv_usage_by_group: dict[str, float] = {}
     prefix_cache_queries: int = 0  # cumulative tokens looked up / served from the cache
     prefix_cache_hits: int = 0
     num_preemptions_total: int = 0
@@ -162,6 +164,7 @@ class StepSummaryPublisher:
         s.total_scheduled_tokens = self.total_tokens
         s.num_running, s.num_waiting = stats.num_running, stats.num_waiting
         s.kv_usage = float(stats.kv_usage)
+        s.kv_usage_by_group = {g: float(u) for g, u in stats.kv_usage_by_group.items()}
         s.prefix_cache_queries = stats.prefix_cache_queries
         s.prefix_cache_hits = stats.prefix_cache_hits
         s.num_preemptions_total = stats.num_preemptions_total

@@ -24,6 +24,11 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
   scheduler's running list / waiting queue (preempted ones wait).
 - ``llmkit:kv_cache_usage_perc`` (gauge, 0..1): fraction of KV blocks held by requests or
   pinned; freed blocks that still cache a prefix count as free.
+- ``llmkit:kv_cache_group_usage_perc{group}`` (gauge, 0..1): per KV-cache group (``group`` is
+  ``"<index>:<spec>"``, e.g. ``0:full``, ``1:sliding_window(4096)``, ``0:mla``), the fraction of
+  the pool's blocks its requests hold. A model with one group has one series equal to
+  ``kv_cache_usage_perc`` (less pinned blocks); a hybrid model one per group (a separate name:
+  the groups' series are no partition of the total, which counts a shared block once).
 - ``llmkit:prefix_cache_queries_total`` / ``llmkit:prefix_cache_hits_total`` (counters): tokens
   looked up in the prefix cache / tokens served from it (hit rate = hits / queries).
 - ``llmkit:num_preemptions_total`` (counter): preemptions since start-up.
@@ -119,6 +124,12 @@ class _EngineStatsCollector:
         yield gauge("llmkit:kv_cache_usage_perc",
                     "Fraction (0..1) of KV cache blocks held by requests or pinned.",
                     s.kv_usage if s else 0.0)
+        by_group = GaugeMetricFamily("llmkit:kv_cache_group_usage_perc",
+                                     "Fraction (0..1) of KV cache blocks held by requests, per "
+                                     "KV-cache group.", labels=["model_name", "group"])
+        for group, usage in sorted((s.kv_usage_by_group if s else {}).items()):
+            by_group.add_metric([m.model_name, group], usage)
+        yield by_group
         yield counter("llmkit:prefix_cache_queries",
                       "Tokens looked up in the prefix cache.", s.prefix_cache_queries if s else 0)
         yield counter("llmkit:prefix_cache_hits",

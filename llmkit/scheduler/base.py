@@ -157,6 +157,9 @@ class SchedulerStats:
     encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
     # KV connector counters (llmkit/kv_transfer), when one is configured.
     kv_connector: KVConnectorStats | None = None
+    # Per KV-cache group ("<index>:<spec>", e.g. "0:full"): the fraction of the pool its
+    # requests hold (one group: kv_usage; llmkit.scheduler.kv_group_usage).
+    kv_usage_by_group: dict[str, float] = field(default_factory=dict)
 
 
 class Scheduler(ABC):

@@ -28,6 +28,7 @@ from llmkit.scheduler.encoder_admission import EncoderAdmission
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.grammar_admission import GrammarAdmission
 from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
+from llmkit.scheduler.kv_group_usage import KVGroupUsage
 from llmkit.scheduler.lora_slots import LoRASlots
 from llmkit.scheduler.policies import WAITING_QUEUES
 from llmkit.scheduler.running_phase import schedule_running
@@ -68,6 +69,7 @@ class TokenBudgetScheduler(Scheduler):
         # preempted) until it has. Empty between steps of a synchronous engine.
         self.in_flight: set[str] = set()
         self.kv = kv_cache_manager
+        self._kv_group_usage = KVGroupUsage(kv_cache_manager)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.clock = clock
@@ -267,6 +269,7 @@ class TokenBudgetScheduler(Scheduler):
             num_running=len(self.running),
             num_waiting=len(self.waiting) + sum(h() for h in self.hooks.num_held),
             kv_usage=self.kv.usage,
+            kv_usage_by_group=self._kv_group_usage(),
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,

@@ -34,6 +34,9 @@
     $("held").textContent = fmt(s.num_held_blocks);
     $("held-sub").textContent = `of ${fmt(total)} blocks · ${fmt(s.num_free_blocks)} free`;
     $("held-bar").style.width = total ? `${(100 * s.num_held_blocks / total).toFixed(1)}%` : "0";
+    const groups = Object.entries(s.kv_usage_by_group || {});
+    $("held-groups").textContent = groups.length > 1
+      ? groups.map(([g, u]) => `${g} ${(100 * u).toFixed(1)}%`).join(" · ") : "";
     $("cached").textContent = fmt(s.num_cached_blocks);
     const q = s.prefix_cache_queries || 0;
     $("hit-rate").textContent = q ? `${(100 * s.prefix_cache_hits / q).toFixed(1)}%` : "–";

@@ -1,0 +1,83 @@
+"""Per KV-cache group usage: the scheduler's stats snapshot, ``/metrics``'s
+``llmkit:kv_cache_group_usage_perc{group}``, the engine page's summary and the data-parallel sum,
+on the real engine core (executor=sim: no weights) and on a stand-in manager with two groups."""
+from __future__ import annotations
+
+from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.engine.step_summary import StepSummaryPublisher
+from llmkit.entrypoints.metrics import ServerMetrics
+from llmkit.request import Request
+from llmkit.sampling.params import SamplingParams
+from llmkit.scheduler.base import SchedulerStats
+from llmkit.scheduler.kv_group_usage import MIN_INTERVAL_S, KVGroupUsage
+from llmkit.tools.sim.replay import build_sim_engine
+
+from helpers.sim_config import cfg_of
+
+
+def _gauge_lines(stats: SchedulerStats) -> dict[str, float]:
+    m = ServerMetrics("m")
+    m.on_scheduler_stats(stats)
+    out = {}
+    for line in m.render().decode().splitlines():
+        if line.startswith("llmkit:kv_cache_group_usage_perc{"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_one_group_model_reports_its_usage_per_group():
+    core, _, _ = build_sim_engine(cfg_of("kv_cache.num_blocks=40", "kv_cache.block_size=16"))
+    for i in range(3):
+        core.add_request(Request(f"r{i}", list(range(10, 110)),
+                                 SamplingParams(max_tokens=4, ignore_eos=True)))
+    core.step()
+    stats = core.stats()
+    used = core.kv_cache_manager.usage
+    assert used > 0
+    assert stats.kv_usage == used and stats.kv_usage_by_group == {"0:full": used}
+    assert _gauge_lines(stats) == {
+        'llmkit:kv_cache_group_usage_perc{group="0:full",model_name="m"}': used}
+    sent = []
+    summary = StepSummaryPublisher(core, sent.append, 100.0).summary(None)
+    assert summary.kv_usage_by_group == {"0:full": used}
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.stats().kv_usage_by_group == {"0:full": 0.0}
+
+
+class TwoGroups:
+    """A manager with a full-attention and a sliding-window group."""
+
+    num_groups = 2
+    usage = 0.5
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.value = {"0:full": 0.4, "1:sliding_window(8)": 0.1}
+
+    def kv_usage_by_group(self) -> dict[str, float]:
+        self.calls += 1
+        return dict(self.value)
+
+
+def test_several_groups_each_reported_and_recomputed_a_few_times_a_second():
+    kv, now = TwoGroups(), [0.0]
+    usage = KVGroupUsage(kv, clock=lambda: now[0])
+    assert usage() == {"0:full": 0.4, "1:sliding_window(8)": 0.1} and kv.calls == 1
+    kv.value = {"0:full": 0.2, "1:sliding_window(8)": 0.05}
+    now[0] += MIN_INTERVAL_S / 2
+    assert usage()["0:full"] == 0.4 and kv.calls == 1  # walked at most every MIN_INTERVAL_S
+    now[0] += MIN_INTERVAL_S
+    assert usage() == kv.value and kv.calls == 2
+    stats = SchedulerStats(2, 0, 0.5, 0, 0, 0, kv_usage_by_group=usage())
+    assert _gauge_lines(stats) == {
+        'llmkit:kv_cache_group_usage_perc{group="0:full",model_name="m"}': 0.2,
+        'llmkit:kv_cache_group_usage_perc{group="1:sliding_window(8)",model_name="m"}': 0.05}
+
+
+def test_data_parallel_cores_weigh_each_group_by_their_blocks():
+    a = SchedulerStats(1, 0, 0.5, 0, 0, 0, kv_usage_by_group={"0:full": 0.5, "1:mla": 0.25})
+    b = SchedulerStats(1, 0, 0.1, 0, 0, 0, kv_usage_by_group={"0:full": 0.1})
+    total = combine_scheduler_stats([a, b], [100, 300])
+    assert total.kv_usage_by_group == {"0:full": (50 + 30) / 400, "1:mla": 25 / 400}
