@@ -18,8 +18,8 @@ from llmkit.entrypoints.openai.tool_parsers import (TOOL_PARSERS, HermesToolPars
                                                     RequiredToolCallsParser,
                                                     check_tool_call_parser)
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
-from llmkit.entrypoints.openai.tools import (TOOL_PROMPT, template_messages,
-                                             template_supports_tools, tool_use)
+from llmkit.entrypoints.openai.chat_prompt import (TOOL_PROMPT, template_messages,
+                                                   template_supports_tools, tool_use)
 from llmkit.structured_output.xgrammar_backend import XgrammarBackend
 
 from helpers.tool_specs import SCHEMA_OF, TOOLS

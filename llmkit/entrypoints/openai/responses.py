@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from llmkit.engine.async_llm import EngineDeadError, RequestStream
+from llmkit.entrypoints.openai.chat_prompt import ToolUse
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.protocol import ChatCompletionRequest
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning
@@ -31,7 +32,6 @@ from llmkit.entrypoints.openai.serving import OpenAIServing, _chat_message
 from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, abort_all, collect,
                                                  merge, run_until_disconnect)
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
-from llmkit.entrypoints.openai.tools import ToolUse
 
 __all__ = ["OpenAIServingResponses", "add_responses_routes"]
 

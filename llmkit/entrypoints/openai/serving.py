@@ -2,7 +2,7 @@
 response bodies (JSON, or server-sent events when ``stream`` is true).
 
 Beside it: ``sampling`` (request fields and output constraint → ``SamplingParams``),
-``chat_prompt`` (messages and their images → the prompt), ``errors`` (OpenAI error bodies),
+``chat_prompt`` (messages, tools and images → the prompt), ``errors`` (OpenAI error bodies),
 ``logprobs`` (their two OpenAI shapes) and ``streaming`` (a request's engine streams as a group,
 server-sent events, client disconnects).
 
@@ -24,7 +24,8 @@ from fastapi.responses import Response
 from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, RequestStream
 from llmkit.entrypoints.openai.beam_search import beam_search_completion
-from llmkit.entrypoints.openai.chat_prompt import load_chat_images, render_chat_prompt
+from llmkit.entrypoints.openai.chat_prompt import (ToolUse, load_chat_images, render_chat_prompt,
+                                                   template_supports_tools, tool_use)
 from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -45,7 +46,6 @@ from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, abort_
                                                  collect, merge, run_until_disconnect, sse)
 from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_parser
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
-from llmkit.entrypoints.openai.tools import ToolUse, template_supports_tools, tool_use
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
