@@ -1,11 +1,12 @@
-"""The one input processor of ``LLM`` and ``AsyncLLM`` (``llmkit/engine/input_processor.py``):
-the same prompt and parameters are valid for both or for neither."""
+"""The one input processor of ``LLM`` and ``AsyncLLM`` (``InputProcessor`` in
+``llmkit/engine/frontend.py``): the same prompt and parameters are valid for both or for
+neither."""
 from __future__ import annotations
 
 import pytest
 
 from llmkit import LLM, SamplingParams
-from llmkit.engine.input_processor import InputProcessor
+from llmkit.engine.frontend import InputProcessor
 from llmkit.facts import ModelFacts
 
 VOCAB = 100

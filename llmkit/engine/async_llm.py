@@ -58,8 +58,7 @@ from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPCl
                                        start_engine_core)
 from llmkit.engine.dp_client import DPClient, start_engine_cores
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.frontend import Frontend, FrontendModel, Message
-from llmkit.engine.input_processor import PromptType
+from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_tracker import RequestStream, RequestTracker
 from llmkit.engine.stat_logger import StatLogger

@@ -13,8 +13,7 @@ from llmkit.engine.beam_search import (BeamSearchOutput, BeamSearchParams, first
                                        run_beam_search, start_beam_search)
 from llmkit.engine.client import SteppedEngineClient
 from llmkit.engine.core import EngineCore
-from llmkit.engine.frontend import Frontend, FrontendModel, Message
-from llmkit.engine.input_processor import PromptType
+from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import RequestOutputKind
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import EmbeddingRequestOutput, RequestOutput
