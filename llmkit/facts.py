@@ -17,6 +17,12 @@ class ModelFacts:
     # Every end-of-sequence id of the model: the first is ``eos_token_id``; the others (e.g. a
     # chat model's end-of-turn) act as stop tokens (vLLM's rule).
     eos_token_ids: tuple[int, ...] = ()
+    # A model whose layers keep other state than full attention: its KV-cache groups
+    # (``llmkit.kv_cache.groups.KVCacheGroup``, by its ``kv_cache_specs()``) and the block size
+    # its pool's layout needs (``kv_cache.block_size`` or raised). Empty / None: full
+    # attention in every layer.
+    kv_cache_groups: tuple = ()
+    kv_block_size: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -250,7 +250,7 @@ class EngineCore:
                       key=lambda r: (r.status != RequestStatus.RUNNING, r.arrival_index))
         return [RequestState(r.request_id, names.get(r.status, "finished"), r.num_prompt_tokens,
                              r.num_computed_tokens, r.num_output_tokens,
-                             len(kv.get_block_ids(r.request_id)), r.arrival_index)
+                             kv.num_blocks_held(r.request_id), r.arrival_index)
                 for r in reqs]
 
     def kv_state(self) -> KVState:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.components import validate_components
 from llmkit.executor import Executor, executor_class
+from llmkit.engine.kv_groups_check import check_kv_cache_groups
 from llmkit.kv_cache import KV_CACHE_MANAGERS, KVCacheManagerBase
+from llmkit.kv_cache.groups import blocks_per_request, is_single_group
+from llmkit.kv_cache.hybrid import HybridKVCacheManager
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_ids
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
@@ -64,8 +67,13 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
             executor = exec_cls(config, platform, **executor_kwargs)
     facts = executor.model_facts
     kv_cfg = config.kv_cache
-    block_size = kv_cfg.block_size
-    num_blocks = num_kv_blocks(config, executor, platform, facts.max_model_len, block_size)
+    # A model with other KV-cache specs than full attention: its groups, and the block size
+    # its pool's layout needs (the workers' plan).
+    groups = facts.kv_cache_groups
+    check_kv_cache_groups(config, groups)
+    block_size = facts.kv_block_size or kv_cfg.block_size
+    num_blocks = num_kv_blocks(config, executor, platform, facts.max_model_len, block_size,
+                               groups)
     # The connector's worker side first, since it may own the pool's memory.
     connector: KVConnectorBase | None = None
     conn_cls = kv_connector_class(config)
@@ -91,10 +99,17 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
                                                                         model_source)
     prefix_caching = kv_cfg.enable_prefix_caching and (pooling is None
                                                        or not pooling.needs_every_token)
-    kv = kv_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching,
-                max_model_len=facts.max_model_len, eviction_policy=kv_cfg.eviction_policy,
-                pinned_prefixes=pinned_prefix_ids(kv_cfg.pinned_prefixes,
-                                                  prefix_caching, load_tokenizer))
+    if groups and not is_single_group(groups):
+        kv = HybridKVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                                  max_model_len=facts.max_model_len, groups=groups,
+                                  eviction_policy=kv_cfg.eviction_policy)
+    else:
+        kv = kv_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                    max_model_len=facts.max_model_len, eviction_policy=kv_cfg.eviction_policy,
+                    pinned_prefixes=pinned_prefix_ids(kv_cfg.pinned_prefixes,
+                                                      prefix_caching, load_tokenizer))
+        if groups:
+            kv.group_label = groups[0].label
     # Grammars compile in its thread pool; its tokenizer loads with the first grammar.
     structured = StructuredOutputManager(
         config.structured_output, vocab_size=facts.vocab_size, tokenizer_loader=load_tokenizer,
@@ -164,15 +179,19 @@ def kv_layout(config: EngineConfig, executor: Executor, model_source=None) -> KV
 
 
 def num_kv_blocks(config: EngineConfig, executor: Executor, platform: Platform,
-                  max_model_len: int, block_size: int) -> int:
+                  max_model_len: int, block_size: int, groups: Sequence = ()) -> int:
     """``kv_cache.num_blocks``, else as many blocks as ``kv_cache.memory_gib`` holds, never
-    more than every sequence at full length needs (the rest would be idle memory)."""
+    more than every sequence at full length needs (the rest would be idle memory; with
+    several KV-cache groups, what one sequence holds over every group, plus the null
+    block)."""
     kv_cfg = config.kv_cache
     if kv_cfg.num_blocks is not None:
         return kv_cfg.num_blocks
     per_block = executor.kv_cache_bytes_per_block()
     budget = platform.kv_cache_budget_bytes(kv_cfg.memory_gib)
     blocks_per_seq = -(-max_model_len // block_size)
+    if groups and not is_single_group(groups):
+        blocks_per_seq = blocks_per_request(groups, max_model_len, block_size) + 1
     cap = blocks_per_seq * config.scheduler.max_num_seqs
     num = min(budget // per_block, cap)
     if num < blocks_per_seq:

@@ -73,6 +73,12 @@ class KVCacheManagerBase(ABC):
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    #: KV-cache groups (``llmkit.kv_cache.groups``), one block table each. A manager of
+    #: several (``HybridKVCacheManager``) hands out one list of blocks (and ids) per group
+    #: and has ``block_ids_update``; every other manager serves one.
+    num_groups: int = 1
+    #: The one group's spec in words (``groups.spec_label``), for per-group metrics.
+    group_label: str = "full"
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -145,6 +151,11 @@ class KVCacheManagerBase(ABC):
     def usage(self) -> float:
         """Fraction of blocks not available for allocation (held by requests, or pinned), in
         [0, 1]."""
+
+    def kv_usage_by_group(self) -> dict[str, float]:
+        """Per KV-cache group (``"<index>:<spec>"``, e.g. ``"0:full"``), the fraction of the
+        pool its requests hold."""
+        return {f"0:{self.group_label}": self.usage}
 
     @property
     @abstractmethod

@@ -54,6 +54,10 @@ class BlockPool:
         self.num_pinned_blocks = 0
         #: Cached blocks whose content was dropped to reuse them (cumulative).
         self.num_evictions = 0
+        #: The null block (``reserve_null_block``): never allocated, freed nor cached; None
+        #: for a one-group pool, which has none.
+        self.null_block: KVCacheBlock | None = None
+        self._num_reserved = 0
         #: Called with ``[(block_id, block_hash)]`` of the cached blocks about to be reused
         #: (a KV connector keeps their content in an offload tier); None = nobody listens.
         self.eviction_listener: Callable[[list[tuple[int, bytes]]], None] | None = None
@@ -66,7 +70,16 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks not available for allocation: held by requests or pinned."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / (self.num_blocks - self._num_reserved)
+
+    def reserve_null_block(self) -> KVCacheBlock:
+        """Take the first free block out of the pool for good: it stands in a block table for
+        the blocks a sliding window freed (vLLM's null block). Its memory is never written (no
+        slot maps into it), so whatever reads it there is masked."""
+        if self.null_block is None:
+            self.null_block = self.empty_block_queue.popleft()
+            self._num_reserved = 1
+        return self.null_block
 
     def iter_free_blocks(self) -> Iterator[KVCacheBlock]:
         """Free blocks in the order they would be reused: empty ones, then cached ones in the
@@ -178,7 +191,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash except the pinned ones. Refuses (False) while any block is
         held by a request."""
-        if self.num_free_blocks + self._num_pinned_idle() != self.num_blocks:
+        if (self.num_free_blocks + self._num_pinned_idle() + self._num_reserved
+                != self.num_blocks):
             return False
         evictor = self.evictor
         dropped = evictor.pop(evictor.num_free_blocks)

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
+
+if TYPE_CHECKING:
+    from llmkit.request import Request
 
 #: Length of a block hash in bytes (sha256 truncated to 128 bits).
 BLOCK_HASH_BYTES = 16
@@ -58,3 +61,29 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
     msgpack-encodable values (ints, strings, None, tuples of those).
     """
     return hash_block_tokens_encoded(parent_hash, token_ids, encode_extra_keys(extra_keys))
+
+
+def extend_block_hashes(request: Request, n: int, block_size: int) -> list[bytes]:
+    """Extend ``request.block_hashes`` to at least ``n`` entries (those blocks must be full)
+    and return it. Append-only and incremental: each block is hashed once in the request's
+    lifetime, preemptions included. A request with images keys each block by the images it
+    holds; others key every block by the request's extra keys (LoRA, salt).
+    (``KVCacheManager._ensure_block_hashes`` is this, inlined on the one-group hot path.)"""
+    hashes = request.block_hashes
+    i = len(hashes)
+    if i >= n:
+        return hashes
+    bs = block_size
+    ids = request.all_token_ids
+    per_block = bool(request.mm_features)
+    extra = b"" if per_block else encode_extra_keys(request.block_hash_extra_keys)
+    parent = hashes[-1] if i else None
+    append = hashes.append
+    start = i * bs
+    for _ in range(n - i):
+        if per_block:
+            extra = encode_extra_keys(request.block_extra_keys(start, start + bs))
+        parent = hash_block_tokens_encoded(parent, ids[start:start + bs], extra)
+        append(parent)
+        start += bs
+    return hashes

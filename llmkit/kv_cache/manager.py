@@ -18,6 +18,7 @@ from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
+from llmkit.kv_cache.integrity import check_pool
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_hashes
 
 if TYPE_CHECKING:  # the manager reads a Request's attributes; it needs no import at run time
@@ -418,69 +419,4 @@ class KVCacheManager(KVCacheManagerBase):
             if rid not in self.req_to_blocks:
                 fail(f"request {rid!r} has a cached-block count but no blocks")
 
-        for b in blocks:
-            if b.ref_cnt != refs.get(b.block_id, 0):
-                fail(f"block {b.block_id}: ref_cnt={b.ref_cnt} but "
-                     f"{refs.get(b.block_id, 0)} live requests hold it")
-
-        # Free lists: every block with ref_cnt 0 is in exactly one of them, or pinned and idle.
-        nb = len(blocks)
-        where: dict[int, str] = {}
-
-        def check_free(b: KVCacheBlock, name: str) -> None:
-            if not (0 <= b.block_id < nb) or blocks[b.block_id] is not b:
-                fail(f"{name}: {b!r} is not a block of this pool")
-            if b.block_id in where:
-                fail(f"{name}: block {b.block_id} appears twice (also in {where[b.block_id]})")
-            if b.ref_cnt != 0:
-                fail(f"{name}: block {b.block_id} has ref_cnt={b.ref_cnt}")
-            if b.block_id in refs:
-                fail(f"{name}: block {b.block_id} is held by a request")
-            if b.pinned:
-                fail(f"{name}: block {b.block_id} is pinned, so never free")
-            where[b.block_id] = name
-
-        empty_name = "free queue (empty blocks)"
-        pool.empty_block_queue.check_links(empty_name)
-        for b in pool.empty_block_queue:
-            check_free(b, empty_name)
-            if b.block_hash is not None:
-                fail(f"{empty_name}: block {b.block_id} holds cached content (hash set)")
-        evictor = pool.evictor
-        evict_name = f"free queue (cached blocks, {type(evictor).__name__})"
-        evictor.check()
-        n_evictable = 0
-        for b in evictor:
-            n_evictable += 1
-            if n_evictable > nb:
-                fail(f"{evict_name}: longer than the pool (cycle)")
-            check_free(b, evict_name)
-            if b.block_hash is None:
-                fail(f"{evict_name}: block {b.block_id} has no hash, so nothing to keep")
-        if n_evictable != evictor.num_free_blocks:
-            fail(f"{evict_name}: {n_evictable} blocks but num_free_blocks="
-                 f"{evictor.num_free_blocks}")
-        n_pinned = 0
-        for b in blocks:
-            n_pinned += b.pinned
-            if b.ref_cnt == 0 and b.block_id not in where and not b.pinned:
-                fail(f"block {b.block_id} has ref_cnt=0 but is in no free list")
-            if b.block_id not in where and (b.prev_free is not None or b.next_free is not None):
-                fail(f"block {b.block_id} is not free but still has free-list links")
-        if n_pinned != pool.num_pinned_blocks:
-            fail(f"{n_pinned} blocks are pinned but num_pinned_blocks={pool.num_pinned_blocks}")
-
-        table = pool.cached_block_hash_to_block
-        pinned_hashes = pool.pinned_hashes
-        for h, b in table.items():
-            if b.block_hash != h:
-                fail(f"hash table: {h.hex()} maps to block {b.block_id} whose hash is "
-                     f"{b.block_hash.hex() if b.block_hash else None}")
-            if (h in pinned_hashes) != b.pinned:
-                fail(f"block {b.block_id}: pinned={b.pinned} but its hash is "
-                     f"{'' if h in pinned_hashes else 'not '}a pinned prefix's")
-        for b in blocks:
-            if b.block_hash is not None and table.get(b.block_hash) is not b:
-                fail(f"block {b.block_id} has a hash but is not registered under it")
-            if b.pinned and b.block_hash is None:
-                fail(f"block {b.block_id} is pinned but holds no cached content")
+        check_pool(pool, refs)

@@ -238,7 +238,7 @@ class LlamaModel(nn.Module):
             layer = self.layers[self.start_layer + i]
             if hook is not None:  # a KV connector: layer i's loads land before it runs
                 hook.wait_for_layer_load(i)
-            x, residual = layer(x, residual, rope, kv_cache, attn_metadata)
+            x, residual = layer(x, residual, rope, kv_cache, attn_metadata.for_layer(i))
             if hook is not None:
                 hook.save_kv_layer(i, kv_cache)
         if not self.is_last_stage:

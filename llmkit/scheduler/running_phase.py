@@ -34,6 +34,7 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
     max_running = -(-len(running) // pp) if pp > 1 else len(running)
     c_ids, c_blocks = cached.req_ids, cached.new_block_ids
     c_computed, c_offsets = cached.num_computed_tokens, cached.block_ids_offset
+    grouped = getattr(kv, "num_groups", 1) > 1  # one list of block ids (and an offset) per KV-cache group
     num_running = 0
     i = 0
     while i < len(running) and budget > 0 and num_running < max_running:
@@ -71,9 +72,14 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
         for hook in scheduled_hooks:
             hook(req, n)
         c_ids.append(rid)
-        c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+        if grouped:
+            ids, offsets = kv.block_ids_update(rid, new_blocks)
+            c_blocks.append(ids)
+            c_offsets.append(offsets)
+        else:
+            c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            c_offsets.append(num_blocks_held(rid) - len(new_blocks))
         c_computed.append(computed)
-        c_offsets.append(num_blocks_held(rid) - len(new_blocks))
         if pp > 1:
             cached.new_token_ids.append(req.all_token_ids[computed:computed + n])
         req.num_computed_tokens = computed + n

@@ -92,7 +92,12 @@ class RowSamplingExtras:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    """``num_groups > 1`` (a model with several KV-cache groups): one block table per group,
+    ``block_tables[g]`` and ``group_num_blocks[g]``; group 0's are ``block_table`` and
+    ``num_blocks``, the one table of every other model."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 num_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str] = []
@@ -103,6 +108,12 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_groups = num_groups
+        self.block_tables = [self.block_table] + [
+            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+            for _ in range(num_groups - 1)]
+        self.group_num_blocks = [self.num_blocks] + [
+            np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_groups - 1)]
         # Sampling columns (one entry per row).
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -125,7 +136,7 @@ class InputBatch:
             self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
             self.frequency_penalty, self.repetition_penalty, self.min_tokens, self.num_logprobs,
             self.has_penalties, self.has_bias, self.has_allowed, self.has_bad_words,
-            self.has_seed, self.lora_id)
+            self.has_seed, self.lora_id, *self.group_num_blocks[1:])
         self.sampling_params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
         self.extras: list[RowSamplingExtras] = []
@@ -147,8 +158,11 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = data.num_prompt_tokens
         self.num_computed_tokens[row] = data.num_computed_tokens
-        self.num_blocks[row] = 0
-        self.append_block_ids(row, data.block_ids)
+        if self.num_groups == 1:
+            self.num_blocks[row] = 0
+            self.append_block_ids(row, data.block_ids)
+        else:
+            self.set_group_block_ids(row, data.block_ids, (0,) * self.num_groups)
         sp = data.sampling_params
         self.temperature[row] = sp.temperature
         self.top_k[row] = sp.top_k
@@ -177,6 +191,17 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
+    def set_group_block_ids(self, row: int, block_ids: tuple[list[int], ...],
+                            offsets: tuple[int, ...] | None) -> None:
+        """Per KV-cache group: keep the row's first ``offsets[g]`` blocks (all: None), then
+        append ``block_ids[g]``."""
+        for g, ids in enumerate(block_ids):
+            counts = self.group_num_blocks[g]
+            start = counts[row] if offsets is None else offsets[g]
+            if ids:
+                self.block_tables[g][row, start:start + len(ids)] = ids
+            counts[row] = start + len(ids)
+
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
@@ -197,6 +222,9 @@ class InputBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = self.num_blocks[src]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for g in range(1, self.num_groups):
+            nb = self.group_num_blocks[g][src]
+            self.block_tables[g][dst, :nb] = self.block_tables[g][src, :nb]
         for arr in self._columns:
             arr[dst] = arr[src]
         rid = self.req_ids[src]

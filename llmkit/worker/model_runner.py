@@ -30,6 +30,8 @@ from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
 from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
+from llmkit.worker.group_metadata import build_group_metadata, group_kv_metadata
+from llmkit.worker.kv_cache_setup import allocate_kv_caches, plan_kv_cache
 from llmkit.worker.mm_inputs import MultimodalInputs
 from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.pooling import PoolingRunner
@@ -86,8 +88,17 @@ class ModelRunner:
             raise ConfigError("kv_cache.cache_dtype", kv_quant_format_of(kv_cache_dtype).name,
                               f"auto, bfloat16 or float16 for this model (head_dim "
                               f"{model.head_dim} is not a multiple of 4)")
+        # A model whose layers keep other state than full attention (llmkit/kv_cache/groups.py):
+        # its pool's layout, which may raise the block size; None keeps the one-table path.
+        specs = model.kv_cache_specs() if hasattr(model, "kv_cache_specs") else None
+        self.kv_plan = plan_kv_cache(specs, block_size, kv_cache_dtype,
+                                     getattr(model, "dtype", None) or kv_cache_dtype,
+                                     attn_backend) if specs else None
+        if self.kv_plan is not None:
+            self.block_size = block_size = self.kv_plan.block_size
         max_blocks = -(-(max_model_len + num_lookahead_tokens) // block_size)
-        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks,
+                                self.kv_plan.num_groups if self.kv_plan is not None else 1)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # A request's RNG lives until it finishes, so preemption does not replay its draws.
@@ -130,6 +141,8 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one block over every layer, in the pool's dtype (or ``dtype``'s)."""
+        if self.kv_plan is not None:
+            return self.kv_plan.bytes_per_block
         dtype = dtype or self.kv_cache_dtype
         m = self.model
 
@@ -158,6 +171,9 @@ class ModelRunner:
                         block_size=self.block_size, fingerprint=fingerprint)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.kv_plan is not None:
+            self._initialize_planned_kv_cache(num_blocks)
+            return
         m = self.model
         shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
         self.num_kv_blocks = num_blocks
@@ -176,6 +192,25 @@ class ModelRunner:
                 _zeros(self._cache_shape(num_blocks, h, d), self.kv_cache_dtype, self.device)
                 for h, d in draft_layers])
         if self.make_step_graphs is not None:
+            graphs = self.make_step_graphs(self.model, self.kv_caches)
+            if graphs is not None:
+                self.step_graphs, self.pending_graphs = prepare_step_graphs(
+                    graphs, self.batch.block_table.shape[1],
+                    background=self.capture_in_background,
+                    compile_missing=self.compile_missing_graphs)
+
+    def _initialize_planned_kv_cache(self, num_blocks: int) -> None:
+        """The pool of a model with other KV-cache specs than full attention
+        (``kv_cache_setup``); step graphs only where one group's table serves every layer."""
+        plan = self.kv_plan
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(plan, num_blocks, self.attn_backend, self.device)
+        logger.info("KV cache groups: %s", plan.describe(num_blocks))
+        attn = next((c for c in self.kv_caches if isinstance(c, torch.Tensor)
+                     and c.dim() == 5), None)
+        if attn is not None:
+            self.attn_backend.warm_up(attn, self.model.num_heads, self.kv_cache_dtype)
+        if self.make_step_graphs is not None:  # (one group: the worker sets it no other way)
             graphs = self.make_step_graphs(self.model, self.kv_caches)
             if graphs is not None:
                 self.step_graphs, self.pending_graphs = prepare_step_graphs(
@@ -244,12 +279,16 @@ class ModelRunner:
                     sp.prompt_logprobs, new.num_prompt_tokens)
         c = so.scheduled_cached_reqs
         offsets = c.block_ids_offset or [None] * len(c.req_ids)
+        grouped = b.num_groups > 1
         for rid, block_ids, n_computed, offset in zip(c.req_ids, c.new_block_ids,
                                                       c.num_computed_tokens, offsets):
             row = b.req_id_to_row[rid]
-            if offset is not None:
-                b.num_blocks[row] = offset  # blocks past it were given back
-            b.append_block_ids(row, block_ids)
+            if grouped:
+                b.set_group_block_ids(row, block_ids, offset)
+            else:
+                if offset is not None:
+                    b.num_blocks[row] = offset  # blocks past it were given back
+                b.append_block_ids(row, block_ids)
             b.num_computed_tokens[row] = n_computed
         # Pipeline parallel: the step's tokens (a stage that does not sample learns the last
         # stage's samples here; the last stage has them already).
@@ -312,6 +351,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             block_size=self.block_size,
         )
+        if b.num_groups > 1:
+            group_kv_metadata(metadata, self.kv_plan, b, rows, req_idx, positions)
         rope_positions = None
         if self._mrope:
             rope_positions = torch.from_numpy(
@@ -511,7 +552,8 @@ class ModelRunner:
                 ids, rope, md.slot_mapping.to(self.device),
                 torch.from_numpy(self.batch.block_table[per_token]).to(self.device),
                 (positions + 1).to(torch.int32))
-        built = self.attn_backend.build_metadata(md)
+        built = self.attn_backend.build_metadata(md) if not md.group_metadata else \
+            build_group_metadata(self.attn_backend, md, self.kv_plan)
         if hooked:
             built.kv_layer_hook = self.kv_connector
         if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)

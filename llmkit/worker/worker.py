@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import replace
+
 import torch
 
 from llmkit.attention import attention_backend_class
@@ -125,6 +127,10 @@ class Worker:
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache.cache_dtype, dtype),
             device=platform.device,
         )
+        plan = self.runner.kv_plan
+        if plan is not None:  # the engine's KV cache manager serves the same groups
+            self._model_facts = replace(self._model_facts, kv_cache_groups=plan.groups,
+                                        kv_block_size=plan.block_size)
         pooling = resolve_pooling(config.model, source)
         if pooling is not None:  # model.runner=pooling (llmkit/worker/pooling.py)
             self.runner.pooler = PoolingRunner(pooling)
@@ -134,7 +140,13 @@ class Worker:
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
             target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
             block_size=self.runner.block_size, seed=config.seed))
-        if single and pooling is None:  # (pooling engines only prefill: eager steps)
+        if plan is not None and plan.num_groups > 1:
+            if config.compilation.mode == "graphs":
+                # Said once at start: the fast path is lost, not silently.
+                logger.warning("compilation.mode=graphs: step graphs take one block table and "
+                               "this model has %d KV-cache groups; every step runs eagerly",
+                               plan.num_groups)
+        elif single and pooling is None:  # (pooling engines only prefill: eager steps)
             self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
                 model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
             # Only a single rank builds graphs, so no rank can switch to them at another
