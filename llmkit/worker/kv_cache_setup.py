@@ -40,7 +40,7 @@ from llmkit.kv_cache.groups import KVCacheGroup, describe_groups, group_kv_cache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVCachePlan", "allocate_kv_caches", "plan_kv_cache"]
+__all__ = ["KVCachePlan", "allocate_kv_caches", "first_attention_cache", "plan_kv_cache"]
 
 
 def _elt(dtype: torch.dtype) -> int:
@@ -202,12 +202,18 @@ def allocate_kv_caches(plan: KVCachePlan, num_blocks: int, backend: AttentionBac
     """Each layer's cache object (``kv_caches[i]``) over ``plan.num_tensors`` shared raw
     tensors: the backend's tensor for attention layers, ``[N, block_size, latent_dim]`` for
     MLA, a tuple of ``[N, *shape]`` state tensors for recurrent layers."""
+    logger.info("KV cache groups: %s", plan.describe(num_blocks))
     raws = [_zeros_bytes(num_blocks * plan.page_bytes, device)
             for _ in range(plan.num_tensors)]
     caches: list = [None] * len(plan.layer_to_group)
     for layer, (g, j) in enumerate(zip(plan.layer_to_group, plan.layer_to_tensor)):
         caches[layer] = _view(plan, plan.groups[g].spec, raws[j], num_blocks, backend)
     return caches
+
+
+def first_attention_cache(caches: list) -> torch.Tensor | None:
+    """The first full or sliding attention layer's cache (what a backend warms up with)."""
+    return next((c for c in caches if isinstance(c, torch.Tensor) and c.dim() == 5), None)
 
 
 def _view(plan: KVCachePlan, spec: KVCacheSpec, raw: torch.Tensor, n: int,

@@ -31,7 +31,8 @@ from llmkit.spec_decode.base import Proposer, StepContext
 from llmkit.worker import kv_connector_step, prompt_logprobs
 from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.group_metadata import build_group_metadata, group_kv_metadata
-from llmkit.worker.kv_cache_setup import allocate_kv_caches, plan_kv_cache
+from llmkit.worker.kv_cache_setup import (allocate_kv_caches, first_attention_cache,
+                                          plan_kv_cache)
 from llmkit.worker.mm_inputs import MultimodalInputs
 from llmkit.worker.mrope_positions import MRoPEPositions
 from llmkit.worker.pooling import PoolingRunner
@@ -171,46 +172,31 @@ class ModelRunner:
                         block_size=self.block_size, fingerprint=fingerprint)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        if self.kv_plan is not None:
-            self._initialize_planned_kv_cache(num_blocks)
-            return
         m = self.model
-        shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
         self.num_kv_blocks = num_blocks
-        self._log_kv_cache(num_blocks)
-        conn = self.kv_connector
-        owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers, self.device) \
-            if conn is not None else None
-        self.kv_caches = owned if owned is not None else [
-            _zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
-        if conn is not None:
-            conn.register_kv_caches(self.kv_caches)
-        self.attn_backend.warm_up(self.kv_caches[0], m.num_heads, self.kv_cache_dtype)
+        if self.kv_plan is not None:  # other specs than full attention: kv_cache_setup
+            self.kv_caches = allocate_kv_caches(self.kv_plan, num_blocks, self.attn_backend,
+                                                self.device)
+            warm = first_attention_cache(self.kv_caches)
+        else:
+            shape = self._cache_shape(num_blocks, m.num_kv_heads, m.head_dim)
+            self._log_kv_cache(num_blocks)
+            conn = self.kv_connector
+            owned = conn.allocate_kv_caches(shape, self.kv_cache_dtype, m.num_layers,
+                                            self.device) if conn is not None else None
+            self.kv_caches = owned if owned is not None else [
+                _zeros(shape, self.kv_cache_dtype, self.device) for _ in range(m.num_layers)]
+            if conn is not None:
+                conn.register_kv_caches(self.kv_caches)
+            warm = self.kv_caches[0]
+        if warm is not None:
+            self.attn_backend.warm_up(warm, m.num_heads, self.kv_cache_dtype)
         draft_layers = self._proposer_kv_layers()
         if draft_layers:
             self.proposer.bind_kv_caches([
                 _zeros(self._cache_shape(num_blocks, h, d), self.kv_cache_dtype, self.device)
                 for h, d in draft_layers])
         if self.make_step_graphs is not None:
-            graphs = self.make_step_graphs(self.model, self.kv_caches)
-            if graphs is not None:
-                self.step_graphs, self.pending_graphs = prepare_step_graphs(
-                    graphs, self.batch.block_table.shape[1],
-                    background=self.capture_in_background,
-                    compile_missing=self.compile_missing_graphs)
-
-    def _initialize_planned_kv_cache(self, num_blocks: int) -> None:
-        """The pool of a model with other KV-cache specs than full attention
-        (``kv_cache_setup``); step graphs only where one group's table serves every layer."""
-        plan = self.kv_plan
-        self.num_kv_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(plan, num_blocks, self.attn_backend, self.device)
-        logger.info("KV cache groups: %s", plan.describe(num_blocks))
-        attn = next((c for c in self.kv_caches if isinstance(c, torch.Tensor)
-                     and c.dim() == 5), None)
-        if attn is not None:
-            self.attn_backend.warm_up(attn, self.model.num_heads, self.kv_cache_dtype)
-        if self.make_step_graphs is not None:  # (one group: the worker sets it no other way)
             graphs = self.make_step_graphs(self.model, self.kv_caches)
             if graphs is not None:
                 self.step_graphs, self.pending_graphs = prepare_step_graphs(
