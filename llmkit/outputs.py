@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+# The start of a ``stop_reason`` that says the SLO scheduler refused the request
+# (``scheduler.slo_admission=reject``): its finish_reason is "abort" and the rest of the text
+# says why (the predicted figure and the objective). The server answers such a request 429.
+SLO_REJECTED = "slo_rejected"
+
+
+def is_slo_rejection(finish_reason: str | None, stop_reason: int | str | None) -> bool:
+    """Whether an output with these reasons is the SLO scheduler's refusal."""
+    return finish_reason == "abort" and isinstance(stop_reason, str) \
+        and stop_reason.startswith(SLO_REJECTED)
+
 
 class LogprobsLists(msgspec.Struct, array_like=True):
     """Logprobs of consecutive positions, as plain lists (they cross process boundaries).

@@ -24,6 +24,9 @@ class RequestStatus(enum.IntEnum):
     # Disaggregated serving: its blocks are allocated and its KV is being loaded from another
     # engine (``llmkit/kv_transfer``); it is not scheduled until the blocks are local.
     WAITING_FOR_REMOTE_KVS = 9
+    # scheduler=slo with scheduler.slo_admission=reject: predicted to miss its SLO while it
+    # waited, it ends unserved; the reason is the output's ``stop_reason`` (HTTP 429).
+    FINISHED_REJECTED = 10
 
     @property
     def finished(self) -> bool:
@@ -41,14 +44,16 @@ _FINISH_REASONS = {
     # A refused request (prompt too long) reports "length" as vLLM does.
     RequestStatus.FINISHED_IGNORED: "length",
     RequestStatus.FINISHED_ERROR: "error",
+    # refused by the SLO scheduler's admission: "abort", as vLLM names a request it ended
+    RequestStatus.FINISHED_REJECTED: "abort",
 }
 
 _S = RequestStatus
 _FINISHED = {_S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED, _S.FINISHED_ABORTED, _S.FINISHED_IGNORED,
-             _S.FINISHED_ERROR}
+             _S.FINISHED_ERROR, _S.FINISHED_REJECTED}
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.WAITING_FOR_FSM, _S.WAITING_FOR_REMOTE_KVS, _S.RUNNING,
-                           _S.FINISHED_ABORTED, _S.FINISHED_IGNORED}),
+                           _S.FINISHED_ABORTED, _S.FINISHED_IGNORED, _S.FINISHED_REJECTED}),
     _S.WAITING_FOR_REMOTE_KVS: frozenset({_S.WAITING, _S.FINISHED_ABORTED}),
     _S.WAITING_FOR_FSM: frozenset({_S.WAITING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
     _S.RUNNING: frozenset({_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH_CAPPED,

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 # a tiny space on a modelled GPU: cheap, deterministic, no calibration, nothing to serve
 SMALL = ["llama-2-7b", "hardware=h100-sxm", "plan.verify_top=0", "plan.max_num_seqs=[2,16]",
          "plan.max_num_batched_tokens=[64,512]", "plan.speculative=[none]",
-         "bench.num_requests=24", "bench.rate=8", "bench.input_len=256", "bench.output_len=32",
+         "plan.scheduler=[token_budget]", "bench.num_requests=24", "bench.rate=8",
+         "bench.input_len=256", "bench.output_len=32",
          "slo.ttft_ms=200", "slo.tpot_ms=40"]
 
 
@@ -31,6 +32,7 @@ SMALL = ["llama-2-7b", "hardware=h100-sxm", "plan.verify_top=0", "plan.max_num_s
 
 def test_parallel_sizes_are_limited_to_the_cores():
     plan = PlanConfig(max_num_seqs=[8], max_num_batched_tokens=[256], speculative=["none"],
+                      scheduler=["token_budget"],
                       tensor_parallel_size=[1, 2, 4], data_parallel_size=[1, 2],
                       pipeline_parallel_size=[1, 2])
     space = build_space(plan, cores=2)
@@ -44,7 +46,7 @@ def test_parallel_sizes_are_limited_to_the_cores():
 
 
 def test_speculation_off_takes_one_k_and_none_under_pipeline_parallel():
-    plan = PlanConfig(max_num_seqs=[4], max_num_batched_tokens=[128],
+    plan = PlanConfig(max_num_seqs=[4], max_num_batched_tokens=[128], scheduler=["token_budget"],
                       speculative=["none", "ngram"], num_speculative_tokens=[2, 4],
                       pipeline_parallel_size=[1, 2])
     space = build_space(plan, cores=2)
@@ -151,6 +153,37 @@ def test_plan_short_workload_keys_and_recipe_output(tmp_path, capsys):
     assert not (tmp_path / "plan" / "recipe.yaml").exists()
     assert cli.main(["plan", *SMALL, "plan.rate=0"]) == 2
     assert "plan.rate" in capsys.readouterr().err
+
+
+def test_plan_searches_the_slo_scheduler_and_its_recipe_serves_to_the_slo(tmp_path, capsys):
+    """scheduler=slo is one more value of the space (the simulator runs the real scheduler with
+    its own cost model); a recipe choosing it carries the slo section it serves to."""
+    out = tmp_path / "plan"
+    assert cli.main(["plan", *SMALL, "plan.scheduler=[token_budget,slo]",
+                     "plan.max_num_seqs=[16]", f"plan.output_dir={out}"]) == 0
+    io = capsys.readouterr()
+    assert "plan: 4 candidates" in io.err
+    rows = json.loads((out / "plan.json").read_text())["candidates"]
+    slo_rows = [r for r in rows if r["scheduler"] == "slo"]
+    assert len(slo_rows) == 2 and not any(r["error"] for r in rows)
+    best_slo = min(slo_rows, key=lambda r: r["rank"])
+    from llmkit.tools.plan.recipe import recipe_text
+    cand = Candidate(16, best_slo["max_num_batched_tokens"], "slo")
+    text = recipe_text(cand, objectives={"ttft_ms": 200.0, "tpot_ms": 40.0, "e2el_ms": None})
+    recipe = tmp_path / "slo.yaml"
+    recipe.write_text(text)
+    assert cli.main(["config", f"recipe={recipe}"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["scheduler"]["name"] == "slo" and cfg["slo"]["tpot_ms"] == 40.0
+
+
+def test_plan_leaves_out_the_slo_scheduler_without_an_objective(tmp_path, capsys):
+    no_slo = [o for o in SMALL if not o.startswith("slo.")]
+    assert cli.main(["plan", *no_slo, "plan.scheduler=[token_budget,slo]",
+                     f"plan.output_dir={tmp_path}"]) == 0
+    err = capsys.readouterr().err
+    assert "plan: 4 candidates" in err
+    assert "left out 4: scheduler=slo without slo.ttft_ms / slo.tpot_ms" in err
 
 
 # --------------------------------------------------------------------------- verification

@@ -89,6 +89,26 @@ class SchedulerConfig(_Component):
     # of at most this many tokens in all (an image is never split across steps).
     encoder_cache_size: int = Field(default=8192, ge=1)
     max_num_encoder_input_tokens: int = Field(default=8192, ge=1)
+    # scheduler=slo only: what happens to a request that the cost model predicts cannot meet
+    # slo.* when it waits for admission: off = it waits its turn (ordered by TTFT slack),
+    # defer = it goes behind every request that still can (counted once), reject = it ends
+    # unserved (HTTP 429, finish_reason "abort" offline; counted).
+    slo_admission: Literal["off", "defer", "reject"] = "off"
+    # scheduler=slo only: the hardware profile its cost model predicts step times with: null =
+    # the profile `llmkit sim calibrate` cached for this machine (else the shipped, uncalibrated
+    # cpu-local one; start-up says which), a name in conf/tools/hardware/, or a YAML path.
+    cost_profile: str | None = None
+
+
+class SloConfig(_Strict):
+    """Service-level objectives (ms; null = no objective on that metric). ``bench serve`` and
+    ``llmkit sim`` count a request toward goodput only if it succeeded and meets every
+    objective that is set; ``scheduler=slo`` serves to them (TTFT and TPOT; E2EL bounds its
+    admission estimate)."""
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+    e2el_ms: float | None = Field(default=None, gt=0)
 
 
 class KVCacheConfig(_Component):
@@ -482,6 +502,9 @@ class EngineConfig(_Strict):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    # the service-level objectives: scheduler=slo serves to them, bench serve / sim count
+    # goodput by them
+    slo: SloConfig = Field(default_factory=SloConfig)
     seed: int = 0
     # The recipe that was applied, if any (informational).
     recipe: str | None = None
@@ -495,9 +518,28 @@ class EngineConfig(_Strict):
                 f"scheduler.max_num_batched_tokens ({s.max_num_batched_tokens}) must be >= "
                 f"model.max_model_len ({self.model.max_model_len}) when "
                 "scheduler.enable_chunked_prefill is false, or long prompts could never run")
+        _check_slo_scheduler(s, self.slo)
         spec = self.speculative
         if spec.runs_a_model and s.num_lookahead_tokens < spec.num_speculative_tokens:
             # A draft model writes its KV at up to K positions past the verified ones (vLLM
             # sets num_lookahead_slots the same way).
             s.num_lookahead_tokens = spec.num_speculative_tokens
         return self
+
+
+def _check_slo_scheduler(s: SchedulerConfig, slo: SloConfig) -> None:
+    """The SLO scheduler's keys do nothing under another scheduler, and it needs an objective
+    to serve to: either mistake fails at start-up naming the key (a ValueError here becomes a
+    ConfigError naming the first dotted key of its message)."""
+    if s.name != "slo":
+        if s.slo_admission != "off":
+            raise ValueError(f"scheduler.slo_admission={s.slo_admission} needs scheduler=slo; "
+                             f"with scheduler={s.name} only off is allowed")
+        if s.cost_profile is not None:
+            raise ValueError(f"scheduler.cost_profile needs scheduler=slo; with "
+                             f"scheduler={s.name} only null is allowed")
+        return
+    if slo.tpot_ms is None and slo.ttft_ms is None:
+        raise ValueError("slo.tpot_ms and slo.ttft_ms are both null; scheduler=slo needs one "
+                         "or both (milliseconds > 0): it sizes each step to slo.tpot_ms and "
+                         "orders waiting requests by slo.ttft_ms")

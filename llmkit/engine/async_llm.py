@@ -60,7 +60,7 @@ from llmkit.engine.dp_client import DPClient, start_engine_cores
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
-from llmkit.engine.request_tracker import RequestStream, RequestTracker
+from llmkit.engine.request_tracker import RequestStream, RequestTracker, SLORejectedError
 from llmkit.engine.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
 from llmkit.engine.step_feed import EngineStepFeed
@@ -70,7 +70,8 @@ from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStartupError",
-           "RequestOutputKind", "RequestStream", "StatLogger", "start_engine_core",
+           "RequestOutputKind", "RequestStream", "SLORejectedError", "StatLogger",
+           "start_engine_core",
            "start_engine_cores"]
 
 logger = logging.getLogger(__name__)

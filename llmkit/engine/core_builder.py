@@ -122,16 +122,19 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
     if pooling is not None and pooling.bidirectional:  # an encoder's prompt is one step's
         config = config.model_copy(update={"scheduler": config.scheduler.model_copy(
             update={"enable_chunked_prefill": False})})
-    scheduler = build_scheduler(config, executor, kv, structured, connector, clock)
+    scheduler = build_scheduler(config, executor, kv, structured, connector, clock,
+                                model_source)
     return CoreParts(platform, executor, num_blocks, connector, kv, structured, scheduler)
 
 
 def build_scheduler(config: EngineConfig, executor: Executor, kv: KVCacheManagerBase,
                     structured: StructuredOutputManager, connector: KVConnectorBase | None,
-                    clock: Callable[[], float]) -> Scheduler:
+                    clock: Callable[[], float], model_source: Any = None) -> Scheduler:
     """The configured scheduler, with the keyword arguments its features need."""
     sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
     kwargs: dict[str, Any] = {}
+    if getattr(sched_cls, "serves_slo", False):
+        kwargs.update(slo=config.slo, step_time=slo_step_time(config, executor, model_source))
     if config.speculative.name == "eagle":
         kwargs["drop_last_cached_block"] = True
     if config.lora.enabled:
@@ -147,6 +150,34 @@ def build_scheduler(config: EngineConfig, executor: Executor, kv: KVCacheManager
     return sched_cls(config.scheduler, kv, max_model_len=facts.max_model_len,
                      eos_token_id=facts.eos_token_id, clock=clock,
                      structured_output_manager=structured, **kwargs)
+
+
+def slo_step_time(config: EngineConfig, executor: Executor,
+                  model_source: Any = None) -> Callable[[Any], float]:
+    """Seconds one step of given work takes, for ``scheduler=slo``: the executor's own cost
+    model (the simulator's), else one built for this model, dtype and ``scheduler.cost_profile``
+    (start-up says which profile, and warns when it was not measured on this machine)."""
+    cost = executor.step_cost_model()
+    if cost is not None:
+        logger.info("scheduler=slo: predicting step times with the executor's cost model "
+                    "(hardware profile %s)", cost.hw.name)
+    else:
+        from llmkit.cost_model.engine_profile import engine_cost_model, resolve_cost_profile
+
+        profile, where, measured = resolve_cost_profile(config.scheduler.cost_profile)
+        if model_source is None:
+            from llmkit.models.loader import resolve_model_source
+            model_source = resolve_model_source(config.model)
+        par = config.parallel
+        cost = engine_cost_model(model_source.hf_config, profile, executor.backend_info.dtype,
+                                 name=config.model.name or "model",
+                                 tensor_parallel_size=par.tensor_parallel_size,
+                                 pipeline_parallel_size=par.pipeline_parallel_size)
+        (logger.info if measured else logger.warning)(
+            "scheduler=slo: predicting step times with %s (slo: ttft_ms=%s tpot_ms=%s "
+            "e2el_ms=%s)", where, config.slo.ttft_ms, config.slo.tpot_ms, config.slo.e2el_ms)
+    step = cost.step
+    return lambda work: step(work).total_s
 
 
 def check_lora_support(executor: Executor, sched_cls: type) -> None:

@@ -19,7 +19,7 @@ from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_proc import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
 from llmkit.engine.stat_logger import StatLogger
-from llmkit.outputs import EngineCoreOutput, RequestOutput
+from llmkit.outputs import EngineCoreOutput, RequestOutput, is_slo_rejection
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["RequestStream", "RequestTracker"]
@@ -34,12 +34,27 @@ class StreamOwner(Protocol):
     def abort_local(self, request_ids: list[str]) -> None: ...
 
 
+class SLORejectedError(ValueError):
+    """The SLO scheduler refused the request (``scheduler.slo_admission=reject``): it was
+    predicted to miss its SLO. The message says why; the server answers 429."""
+
+
+def _slo_rejection(ro: RequestOutput) -> SLORejectedError | None:
+    """A finished output whose every sample the SLO scheduler refused, as the error its stream
+    raises (None otherwise)."""
+    if ro.outputs and all(is_slo_rejection(c.finish_reason, c.stop_reason) and not c.token_ids
+                          for c in ro.outputs):
+        return SLORejectedError(str(ro.outputs[0].stop_reason))
+    return None
+
+
 class RequestStream:
     """The outputs of one request (all its ``n`` samples merged by the output processor:
     ``outputs[i].index`` is the sample), as an async iterator.
 
     Ends after the output with ``finished=True``; raises ``EngineDeadError`` if the engine
-    dies, ``ValueError`` if the engine refused the request. ``abort()`` (sync, idempotent)
+    dies, ``ValueError`` if the engine refused the request (``SLORejectedError`` when the SLO
+    scheduler did). ``abort()`` (sync, idempotent)
     stops the request; the stream then ends with an output whose finish_reason is ``"abort"``.
     """
 
@@ -179,6 +194,10 @@ class RequestTracker:
                                   finished_time=now,
                                   time_to_first_token=None if first is None
                                   else first - stream.arrival_time)
+                rejected = _slo_rejection(ro)
+                if rejected is not None:
+                    stream._put(rejected)
+                    continue
             stream._put(ro)
 
     def _finish(self, t: _Tracked, reason: str, now: float, queue_time: float | None) -> None:

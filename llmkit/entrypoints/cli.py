@@ -183,7 +183,7 @@ def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
 
 
 def _tool_sections_named(overrides: Sequence[str]) -> list[str]:
-    """The tools' sections (bench, slo, hardware, sim, plan, eval, proxy) that ``overrides`` set."""
+    """The tools' sections (bench, hardware, sim, plan, eval, proxy) that ``overrides`` set."""
     from llmkit.tools.schema import TOOL_SECTIONS
 
     named = {o.lstrip("+~").partition("=")[0].partition(".")[0].partition("@")[0]

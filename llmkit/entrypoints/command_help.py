@@ -70,7 +70,7 @@ COMMAND_HELP: dict[str, CommandHelp] = {
         ("llmkit config recipe=cpu-default scheduler.max_num_seqs=32",
          "llmkit config hardware=h100-sxm bench.rate=8"),
         extra_groups=TOOL_GROUPS,
-        notes="Tool sections it shows when set: bench, slo, hardware, sim, plan, eval, proxy "
+        notes="Tool sections it shows when set: bench, hardware, sim, plan, eval, proxy "
               "(`llmkit bench --help` etc. list their keys)."),
     "bench": CommandHelp(
         "llmkit bench serve|throughput|latency|plot [MODEL] [key=value ...] [-m]",

@@ -32,6 +32,11 @@ Engine state, from the engine core's stats snapshot after its latest step or abo
 - ``llmkit:prefix_cache_queries_total`` / ``llmkit:prefix_cache_hits_total`` (counters): tokens
   looked up in the prefix cache / tokens served from it (hit rate = hits / queries).
 - ``llmkit:num_preemptions_total`` (counter): preemptions since start-up.
+- ``llmkit:slo_rejected_requests_total`` / ``llmkit:slo_deferred_requests_total`` (counters):
+  requests that ``scheduler=slo`` with ``scheduler.slo_admission=reject`` ended unserved
+  (answered 429), and with ``defer`` moved behind the requests that can still meet their SLO
+  (each request counted once), because the cost model predicted they would miss ``slo.*``;
+  0 under other schedulers.
 - ``llmkit:encoder_cache_queries_total`` / ``llmkit:encoder_cache_hits_total`` (counters):
   images looked up in the encoder cache / found there (not encoded again);
   ``llmkit:encoder_runs_total`` (counter): images encoded; ``llmkit:encoder_cache_tokens``
@@ -136,6 +141,12 @@ class _EngineStatsCollector:
                       "Tokens served from the prefix cache.", s.prefix_cache_hits if s else 0)
         yield counter("llmkit:num_preemptions", "Preemptions since start-up.",
                       s.num_preemptions_total if s else 0)
+        yield counter("llmkit:slo_rejected_requests",
+                      "Requests the SLO scheduler refused (predicted to miss their SLO).",
+                      s.slo_rejected_total if s else 0)
+        yield counter("llmkit:slo_deferred_requests",
+                      "Requests the SLO scheduler deferred (predicted to miss their SLO).",
+                      s.slo_deferred_total if s else 0)
         enc = s.encoder_cache if s else None
         yield counter("llmkit:encoder_cache_queries", "Images looked up in the encoder cache.",
                       enc.queries if enc else 0)

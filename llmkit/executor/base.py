@@ -12,6 +12,7 @@ from llmkit.platforms.base import Platform
 from llmkit.scheduler.base import SchedulerOutput
 
 if TYPE_CHECKING:
+    from llmkit.cost_model.step_cost import CostModel
     from llmkit.kv_transfer.base import KVConnectorBase, KVLayout
 
 
@@ -47,6 +48,12 @@ class Executor(ABC):
         """How many steps may be in flight at once (vLLM's name): the pipeline's stages, so
         that each computes a batch while the others do; 1 = one step at a time."""
         return 1
+
+    def step_cost_model(self) -> CostModel | None:
+        """The cost model this executor's steps follow, if it has one (the simulator's:
+        ``scheduler=slo`` then predicts steps with the very model that prices them); None =
+        real kernels, and the engine builds one from ``scheduler.cost_profile``."""
+        return None
 
     #: Whether this executor serves LoRA adapters (``add_lora`` / ``remove_lora``); the
     #: engine refuses ``lora.enabled`` at start-up otherwise.

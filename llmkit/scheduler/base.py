@@ -163,6 +163,9 @@ class SchedulerStats:
     # Per KV-cache group ("<index>:<spec>", e.g. "0:full"): the fraction of the pool its
     # requests hold (one group: kv_usage; llmkit.scheduler.kv_group_usage).
     kv_usage_by_group: dict[str, float] = field(default_factory=dict)
+    # scheduler=slo: requests its admission rejected / deferred since start-up (each once)
+    slo_rejected_total: int = 0
+    slo_deferred_total: int = 0
 
 
 class Scheduler(ABC):

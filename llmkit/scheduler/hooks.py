@@ -71,6 +71,10 @@ class SchedulerFeature:
     def begin_step(self) -> None:
         """Before a step: reset the step's own state, release held requests that may run."""
 
+    def step_budget(self, budget: int) -> int:
+        """The step's token budget (of ``budget``, at first ``max_num_batched_tokens``)."""
+        return budget
+
     def limit_running(self, req: Request, n: int) -> int:
         """The tokens (of ``n``) a running request may compute this step."""
         return n

@@ -30,7 +30,7 @@ from llmkit.scheduler.grammar_admission import GrammarAdmission
 from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
 from llmkit.scheduler.kv_group_usage import KVGroupUsage
 from llmkit.scheduler.lora_slots import LoRASlots
-from llmkit.scheduler.policies import WAITING_QUEUES
+from llmkit.scheduler.policies import WAITING_QUEUES, WaitingQueue
 from llmkit.scheduler.running_phase import schedule_running
 from llmkit.scheduler.step_results import apply_step_results
 from llmkit.scheduler.stop_checks import stop_status
@@ -74,7 +74,7 @@ class TokenBudgetScheduler(Scheduler):
         self.eos_token_id = eos_token_id
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting = WAITING_QUEUES[config.policy]()
+        self.waiting = self.make_waiting_queue()
         self.running: list[Request] = []
         # Ended since the last schedule(): the runner must drop their state.
         self._finished_req_ids: set[str] = set()
@@ -97,6 +97,10 @@ class TokenBudgetScheduler(Scheduler):
             self.add_feature(EagleHitTrim(kv_cache_manager.block_size))
         if kv_connector is not None:
             self.add_feature(KVConnectorAdmission(kv_connector, kv_cache_manager, self.waiting))
+
+    def make_waiting_queue(self) -> WaitingQueue:
+        """The waiting queue (``scheduler.policy``'s order); a subclass may order its own."""
+        return WAITING_QUEUES[self.config.policy]()
 
     def add_feature(self, feature: SchedulerFeature) -> None:
         """Turn ``feature`` on (by its name; it replaces one of the same name)."""
@@ -163,13 +167,15 @@ class TokenBudgetScheduler(Scheduler):
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted_ids: set[str] = set()
-        budget = schedule_running(self, cfg.max_num_batched_tokens, num_scheduled, cached,
-                                  preempted_ids)
+        step_budget = cfg.max_num_batched_tokens
+        for limit in self.hooks.step_budget:
+            step_budget = limit(step_budget)
+        budget = schedule_running(self, step_budget, num_scheduled, cached, preempted_ids)
         if not preempted_ids:  # else blocks are scarce: admit nothing this step
             budget = admit_waiting(self, budget, num_scheduled, new_reqs)
         self.in_flight.update(num_scheduled)
 
-        total = cfg.max_num_batched_tokens - budget
+        total = step_budget - budget
         self._step_tokens = total
         self._step_preemptions = len(preempted_ids)
         out = SchedulerOutput(

@@ -1,5 +1,5 @@
 """The tools' config root: ``conf/tools/tools.yaml`` composes the engine's root
-(``conf/config.yaml``) and adds the tools' sections (``bench``, ``slo``, ``sim``, ``plan``,
+(``conf/config.yaml``) and adds the tools' sections (``bench``, ``sim``, ``plan``,
 ``eval``, ``proxy``) and groups (``hardware``: ``conf/tools/hardware/``). The engine's root names
 none of them; ``llmkit bench|sim|plan|eval|proxy`` and ``llmkit config`` compose this one.
 

@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 # the hardware group's schema sits below the cost model; the tools name it from here too
 from llmkit.config.hardware_schema import HardwareConfig, HardwareEfficiency  # noqa: F401
-from llmkit.config.schema import EngineConfig
+from llmkit.config.schema import EngineConfig, SloConfig  # noqa: F401 (slo.*: the engine's too)
 from llmkit.config.strict import _Strict
 
 class BenchConfig(_Strict):
@@ -117,15 +117,6 @@ class ProxyConfig(_Strict):
     request_timeout_s: float = Field(default=600.0, gt=0)
 
 
-class SloConfig(_Strict):
-    """Service-level objectives for goodput (ms; null = no objective on that metric). A
-    request counts toward goodput only if it succeeded and meets every objective that is set."""
-
-    ttft_ms: float | None = Field(default=None, gt=0)
-    tpot_ms: float | None = Field(default=None, gt=0)
-    e2el_ms: float | None = Field(default=None, gt=0)
-
-
 class SimConfig(_Strict):
     """``llmkit sim``: replay a ``bench`` workload on modelled hardware (``hardware=NAME``)."""
 
@@ -180,8 +171,9 @@ class PlanConfig(_Strict):
     max_num_batched_tokens: list[int] = Field(default_factory=lambda: [256, 512, 2048],
                                               min_length=1)
     # scheduler implementations (the group `scheduler`: conf/scheduler/) and their queue
-    # policies (scheduler.policy)
-    scheduler: list[str] = Field(default_factory=lambda: ["token_budget"], min_length=1)
+    # policies (scheduler.policy); slo serves to slo.* (left out when no slo.ttft_ms /
+    # slo.tpot_ms is set)
+    scheduler: list[str] = Field(default_factory=lambda: ["token_budget", "slo"], min_length=1)
     policy: list[Literal["fcfs", "priority"]] = Field(default_factory=lambda: ["fcfs"],
                                                       min_length=1)
     # speculative decoding (the group `speculative`; none = off) and its K for each method

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from llmkit.engine.async_llm import EngineDeadError, RequestStream
 from llmkit.entrypoints.openai.chat_prompt import ToolUse
-from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead, refused
 from llmkit.entrypoints.openai.protocol import ChatCompletionRequest
 from llmkit.entrypoints.openai.reasoning.request import RequestReasoning
 from llmkit.entrypoints.openai.responses_protocol import (IncompleteDetails, InputMessage,
@@ -284,7 +284,7 @@ class OpenAIServingResponses:
             yield events.error(engine_dead(e))
             return
         except ValueError as e:  # the engine refused the request
-            yield events.error(bad_request(str(e)))
+            yield events.error(refused(e))
             return
         for e in events.close():
             yield e

@@ -26,7 +26,7 @@ from llmkit.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from llmkit.entrypoints.openai.beam_search import beam_search_completion
 from llmkit.entrypoints.openai.chat_prompt import (ToolUse, load_chat_images, render_chat_prompt,
                                                    template_supports_tools, tool_use)
-from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead, refused
 from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse,
@@ -298,7 +298,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             yield sse(engine_dead(e).body())
         except ValueError as e:  # the engine refused the request
-            yield sse(bad_request(str(e)).body())
+            yield sse(refused(e).body())
         yield sse("[DONE]")
 
     # -- /v1/chat/completions ---------------------------------------------------------------
@@ -406,7 +406,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             yield sse(engine_dead(e).body())
         except ValueError as e:  # the engine refused the request
-            yield sse(bad_request(str(e)).body())
+            yield sse(refused(e).body())
         yield sse("[DONE]")
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> ChatPrompt:

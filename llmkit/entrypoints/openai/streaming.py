@@ -17,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from llmkit.engine.async_llm import EngineDeadError, EngineOverloadedError, RequestStream
-from llmkit.entrypoints.openai.errors import bad_request, engine_dead, overloaded, param_of
+from llmkit.entrypoints.openai.errors import (bad_request, engine_dead, overloaded, param_of,
+                                             refused)
 from llmkit.outputs import RequestOutput
 
 __all__ = ["EngineStreamingResponse", "abort_all", "admitting", "collect", "merge",
@@ -126,8 +127,8 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
         return list(await asyncio.gather(*(last(s) for s in streams)))
     except EngineDeadError as e:
         raise engine_dead(e) from None
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except ValueError as e:  # the engine refused it (429 when the SLO scheduler did)
+        raise refused(e) from None
     finally:
         abort_all(streams)
 

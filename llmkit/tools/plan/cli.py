@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from llmkit.config.errors import ConfigError
 from llmkit.tools.schema import TOOL_SECTIONS, PlanToolConfig
+
+if TYPE_CHECKING:
+    from llmkit.tools.plan.space import SearchSpace
 
 __all__ = ["PlanError", "run_plan_command"]
 
@@ -68,6 +71,22 @@ def apply_workload(cfg: PlanToolConfig, overrides: list[str]) -> PlanToolConfig:
                   if getattr(plan, k) is not None})
     update["bench"] = BenchConfig.model_validate(bench)
     return cfg.model_copy(update=update)
+
+
+def without_unserved_slo(space: SearchSpace, slo: Any) -> SearchSpace:
+    """``space`` less its ``scheduler=slo`` candidates when no objective is set for it to serve
+    to (counted among the left-out combinations, with the reason)."""
+    from llmkit.tools.plan.space import SearchSpace
+
+    if slo.ttft_ms is not None or slo.tpot_ms is not None:
+        return space
+    kept = [c for c in space.candidates if c.scheduler != "slo"]
+    dropped = len(space.candidates) - len(kept)
+    if not dropped or not kept:
+        return space
+    skipped = {**space.skipped, "scheduler=slo without slo.ttft_ms / slo.tpot_ms": dropped}
+    varied = [k for k in space.varied if len({getattr(c, k) for c in kept}) > 1]
+    return SearchSpace(kept, varied, skipped)
 
 
 def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides: list[str],
@@ -157,7 +176,7 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
     cfg = apply_workload(load_config(args, overrides, tool=PlanToolConfig), overrides)
     plan = cfg.plan
     cores = plan.cores or usable_cores()
-    space = build_space(plan, cores)
+    space = without_unserved_slo(build_space(plan, cores), cfg.slo)
     # engine keys of the command line: for every candidate, the calibration and the servers
     searched = {_key(o) for o in space.candidates[0].overrides()} | {
         "speculative.num_speculative_tokens"}
@@ -176,9 +195,13 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
         f"({cores} cores){skipped}")
     log(f"  workload: {_describe_workload(cfg.bench)}; SLO: {_describe_slo(cfg.slo)}")
 
+    # the SLO planned for (perhaps plan.trace's) is the engine's too: scheduler=slo serves to it
+    slo_overrides = [f"slo.{k}={'null' if v is None else v}"
+                     for k, v in cfg.slo.model_dump().items()]
+
     def compose(cand: Any) -> PlanToolConfig:
-        c = load_config(args, overrides + cand.overrides(), tool=PlanToolConfig)
-        return c.model_copy(update={"bench": cfg.bench, "slo": cfg.slo})
+        return load_config(args, overrides + cand.overrides() + slo_overrides,
+                           tool=PlanToolConfig).model_copy(update={"bench": cfg.bench})
 
     preds = run_search(space.candidates, compose, ctx, log)
     ranked = rank(preds)
@@ -189,7 +212,9 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
     out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(model=model_name, hardware=ctx.hardware.name,
                   workload=_describe_workload(cfg.bench), slo=_describe_slo(cfg.slo),
-                  extra_overrides=engine_overrides)
+                  objectives=cfg.slo.model_dump(),
+                  extra_overrides=[o for o in engine_overrides
+                                   if not _key(o).startswith("slo.")])
     measured: dict[int, dict[str, Any]] = {}
     verify_top = plan.verify_top
     if verify_top and cfg.sim.model is not None:

@@ -45,8 +45,10 @@ def agreement_line(predicted: float, measured: float) -> str:
             f"{verdict}")
 
 
-def recipe_text(cand: Candidate, *, header: Sequence[str] = ()) -> str:
-    """The recipe: group choices in ``defaults``, then the searched keys."""
+def recipe_text(cand: Candidate, *, header: Sequence[str] = (),
+                objectives: Mapping[str, Any] | None = None) -> str:
+    """The recipe: group choices in ``defaults``, then the searched keys (and, for
+    ``scheduler=slo``, the ``slo`` section it serves to: ``objectives``)."""
     lines = ["# @package _global_"]
     lines += [f"# {h}" if h else "#" for h in header]
     lines += ["defaults:", f"  - override /scheduler: {cand.scheduler}",
@@ -61,13 +63,16 @@ def recipe_text(cand: Candidate, *, header: Sequence[str] = ()) -> str:
               "parallel:", f"  tensor_parallel_size: {cand.tensor_parallel_size}",
               f"  pipeline_parallel_size: {cand.pipeline_parallel_size}",
               f"  data_parallel_size: {cand.data_parallel_size}"]
+    if cand.scheduler == "slo" and objectives:
+        lines += ["slo:"] + [f"  {k}: {'null' if v is None else v}"
+                             for k, v in objectives.items()]
     return "\n".join(lines) + "\n"
 
 
 def write_recipe(path: str | Path, cand: Candidate, *, model: str, hardware: str,
                  workload: str, slo: str, predicted: Mapping[str, Any],
-                 measured: Mapping[str, Any] | None = None, extra_overrides: Sequence[str] = ()
-                 ) -> Path:
+                 measured: Mapping[str, Any] | None = None, extra_overrides: Sequence[str] = (),
+                 objectives: Mapping[str, Any] | None = None) -> Path:
     """Write ``cand`` as a recipe at ``path`` with the figures as comments."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,5 +86,5 @@ def write_recipe(path: str | Path, cand: Candidate, *, model: str, hardware: str
                    agreement_line(predicted["goodput"], measured["goodput"])]
     else:
         header.append("measured: not verified (plan.verify_top=0, or a model shape)")
-    path.write_text(recipe_text(cand, header=header))
+    path.write_text(recipe_text(cand, header=header, objectives=objectives))
     return path

@@ -195,6 +195,10 @@ class SimExecutor(Executor):
     def num_devices(self) -> int:
         return self.cost_model.tp * self.cost_model.pp
 
+    def step_cost_model(self) -> CostModel:
+        """scheduler=slo predicts with the model that prices the simulated steps."""
+        return self.cost_model
+
     @property
     def max_concurrent_batches(self) -> int:
         return self.cost_model.pp
