@@ -36,6 +36,10 @@ For a run (``summarize``):
 - **goodput** = requests / s that completed *and* met every SLO that is set
   (TTFT ≤ ``slo.ttft_ms`` ∧ TPOT ≤ ``slo.tpot_ms`` ∧ E2E ≤ ``slo.e2el_ms``), over the same
   duration. With no SLO set, goodput equals request throughput.
+- **SLO attainment** (``slo_attainment``: per metric ``ttft``, ``tpot``, ``e2el`` and ``all``)
+  = the fraction of all requests sent (failed ones miss) that completed and met that
+  objective (``all``: every objective that is set; the same as ``slo_attainment_all``, which
+  goodput counts); ``None`` for a metric without an objective.
 - Percentiles interpolate linearly between order statistics (numpy's default), over completed
   requests only.
 """
@@ -45,7 +49,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["METRICS", "PERCENTILES", "RequestRecord", "Slo", "meets_slo", "percentile",
+__all__ = ["METRICS", "PERCENTILES", "RequestRecord", "Slo", "meets_objective", "meets_slo",
+           "percentile",
            "request_record", "stats", "summarize"]
 
 # The metrics the summary reports, each as {mean, p50, p90, p99}.
@@ -181,6 +186,17 @@ def meets_slo(rec: RequestRecord | Mapping[str, Any], slo: Slo) -> bool:
     return True
 
 
+def meets_objective(rec: RequestRecord, key: str, limit: float | None) -> bool:
+    """A completed request within one objective (``key``: ttft_ms, tpot_ms, e2el_ms; a
+    one-token request has no TPOT and meets it)."""
+    if not rec.ok:
+        return False
+    value = getattr(rec, key)
+    if limit is None or (value is None and key == "tpot_ms"):
+        return True
+    return value is not None and value <= limit
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0..100) with linear interpolation (numpy's default method);
     ``None`` for no values."""
@@ -234,6 +250,13 @@ def summarize(records: Sequence[RequestRecord | Mapping[str, Any]], slo: Any = N
         "slo_attainment": len(good) / len(recs) if recs else None,
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms},
     }
+    n = len(recs)
+    summary["slo_attainment_by_metric"] = {
+        key[:-3]: (sum(meets_objective(r, key, limit) for r in recs) / n if n else None)
+        if limit is not None else None
+        for key, limit in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms),
+                           ("e2el_ms", slo.e2el_ms))}
+    summary["slo_attainment_by_metric"]["all"] = summary["slo_attainment"]
     summary["ttft_ms"] = stats(r.ttft_ms for r in done)
     summary["tpot_ms"] = stats(r.tpot_ms for r in done)
     summary["itl_ms"] = stats(x for r in done for x in r.itl_ms)

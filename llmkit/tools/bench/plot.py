@@ -2,8 +2,9 @@
 
 Reads every ``*.json`` result in DIR. Each result's ``config.sweep`` names the values it was run
 with (``-m bench.rate=1,2,4``); the first swept key is the x axis, any other swept keys make one
-line per combination. Serve (and simulated) results show goodput and request throughput, p99
-TTFT and p99 TPOT (with their SLOs) and output throughput; throughput results show output
+line per combination. Serve (and simulated) results show goodput and request throughput, SLO
+attainment per objective (TTFT, TPOT, E2EL and all), p99 TTFT and p99 TPOT (with their SLOs)
+and output throughput; throughput results show output
 throughput (and the ratio to the baseline when there is one); latency results show the batch
 latency. Writes ``DIR/sweep.png`` (or ``out``) and returns the table it printed.
 """
@@ -77,6 +78,15 @@ def _series(docs: Sequence[Mapping[str, Any]], keys: list[str]
 Getter = Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
 
 
+def _attainment(key: str) -> Getter:
+    """Percent of requests meeting objective ``key`` (None where it has none, or a result
+    written before attainment was counted per metric)."""
+    def get(s: Mapping[str, Any], d: Mapping[str, Any]) -> float | None:
+        v = (s.get("slo_attainment_by_metric") or {}).get(key)
+        return None if v is None else 100.0 * v
+    return get
+
+
 def _panels(kind: str) -> list[tuple[str, str, list[tuple[str, Getter]]]]:
     """(panel title, unit, [(series name, getter(summary, doc))]) per panel."""
     if kind == "throughput":
@@ -97,6 +107,9 @@ def _panels(kind: str) -> list[tuple[str, str, list[tuple[str, Getter]]]]:
     return [("goodput and request throughput", "req/s",
              [("goodput", lambda s, d: s.get("goodput")),
               ("throughput", lambda s, d: s.get("request_throughput"))]),
+            ("SLO attainment (of requests sent)", "%",
+             [(name, _attainment(key)) for key, name in (
+                 ("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL"), ("all", "all"))]),
             ("p99 TTFT", "ms", [("p99 TTFT", lambda s, d: (s.get("ttft_ms") or {}).get("p99"))]),
             ("p99 TPOT", "ms", [("p99 TPOT", lambda s, d: (s.get("tpot_ms") or {}).get("p99"))]),
             ("output throughput", "tok/s",

@@ -250,6 +250,11 @@ def format_summary(summary: Mapping[str, Any], title: str = "Serving Benchmark R
     slo_text = ", ".join(f"{k[:-3]}<={v:g}ms" for k, v in slo.items()) or "none"
     row("Goodput (req/s):", summary.get("goodput"))
     lines.append(f"  SLOs: {slo_text}")
+    att = summary.get("slo_attainment_by_metric") or {}
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL"), ("all", "all")):
+        if key in att and (key == "all" and slo or att[key] is not None):
+            row(f"SLO attainment, {label} (%):", None if att[key] is None
+                else 100.0 * att[key])
     names = {"ttft_ms": "Time to First Token", "tpot_ms": "Time per Output Token (excl. 1st)",
              "itl_ms": "Inter-token Latency", "e2el_ms": "End-to-end Latency"}
     for m in METRICS:
