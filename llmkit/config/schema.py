@@ -64,6 +64,10 @@ class ModelConfig(_Strict):
     # embedding per prompt (prefill only; /v1/embeddings, LLM.embed); auto = pooling for
     # embedding architectures (``*Model``, e.g. Qwen3Model, BertModel), generate otherwise.
     runner: Literal["auto", "generate", "pooling"] = "auto"
+    # How a multi-head latent attention model (DeepSeek-V2/V3) keeps its KV: absorbed = one
+    # latent row per token per layer (kv_lora_rank + qk_rope_head_dim values), expanded = K
+    # and V per head (vLLM's VLLM_MLA_DISABLE; a comparison point, many times the bytes).
+    mla: Literal["absorbed", "expanded"] = "absorbed"
 
     @model_validator(mode="after")
     def _has_a_source(self) -> "ModelConfig":

@@ -45,6 +45,9 @@ class ModelContext:
     # model.quantization as resolved (none, gguf, int8, fp8): with gguf the loader hands a
     # GGUF's kept blocks to the linear methods, which must be quantized ones
     quantization: str = "none"
+    # model.mla: how multi-head latent attention models (DeepSeek) keep and read their KV:
+    # absorbed = one latent row per token, expanded = K and V per head (a comparison point)
+    mla: str = "absorbed"
 
 
 class CausalLM(nn.Module, ABC):

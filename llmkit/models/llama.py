@@ -55,9 +55,12 @@ def load_linear_weight(linears: Mapping[str, Linear], name: str, tensor: torch.T
     """Load checkpoint weight ``name`` into the ``Linear`` layer that holds it (its shard of a
     fused one); what it loaded, as in :func:`expected_linear_weights`, or None when no
     ``Linear`` holds it."""
-    prefix, _, attr = name.rpartition(".")
-    prefix, shard = fused_target(prefix)
+    module, _, attr = name.rpartition(".")
+    prefix, shard = fused_target(module)
     layer = linears.get(prefix)
+    if layer is None:  # a model that keeps this projection unfused (DeepSeek's q_proj)
+        prefix, shard = module, None
+        layer = linears.get(prefix)
     if layer is None:
         return None
     layer.load_weight(attr, tensor, shard)
@@ -264,7 +267,7 @@ class LlamaForCausalLM(CausalLM):
                 set(config.layer_types) != {"full_attention"}:
             raise ValueError(f"layer types {sorted(set(config.layer_types))} are not supported "
                              "(only full_attention)")
-        self.model = LlamaModel(config, prefix, ctx, self.make_mlp)
+        self.model = self.build_model(config, prefix, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not ctx.pp.is_last_rank:  # only the last pipeline stage computes logits
             self.lm_head = PPMissingLayer()
@@ -286,6 +289,11 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = _head_dim(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+
+    def build_model(self, config, prefix: str, ctx: ModelContext) -> nn.Module:
+        """The decoder stack (``self.model``); a family with other layers (DeepSeek's MLA)
+        builds its own and keeps this class's head, loading and facts."""
+        return LlamaModel(config, prefix, ctx, self.make_mlp)
 
     def make_mlp(self, config, prefix: str, ctx: ModelContext,
                  layer_index: int) -> nn.Module | None:

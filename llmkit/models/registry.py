@@ -16,6 +16,8 @@ for _arch in ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"):  # embe
 MODELS.register_lazy("BertModel", "llmkit.models.bert.BertModel")  # an encoder: pooling only
 for _arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
     MODELS.register_lazy(_arch, "llmkit.models.moe.MoeForCausalLM")
+for _arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+    MODELS.register_lazy(_arch, f"llmkit.models.deepseek.{_arch}")
 MODELS.register_lazy("LlavaForConditionalGeneration",
                      "llmkit.models.llava.LlavaForConditionalGeneration")
 for _arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):

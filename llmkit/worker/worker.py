@@ -108,7 +108,7 @@ class Worker:
         linear = tensor_parallel_factory(linear, tp)
         ctx = ModelContext(attn_backend=attn, dtype=dtype, ops=ops, linear_method=linear, tp=tp,
                            enable_expert_parallel=config.parallel.enable_expert_parallel,
-                           pp=pp, quantization=quantization)
+                           pp=pp, quantization=quantization, mla=config.model.mla)
         torch.manual_seed(config.seed)
         model = build_model(source, ctx, platform.device)
         check_encoder_budget(model, config)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.kv_spec import MLASpec
 from llmkit.attention.cpu_backend import CpuAttentionBackend
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.config.schema import ModelConfig, PlatformConfig
@@ -30,9 +31,15 @@ class PagedRun:
     def __init__(self, model, num_seqs: int, max_len: int) -> None:
         self.model = model
         per_seq = -(-max_len // BLOCK_SIZE)
-        shape = model.attn_backend.kv_cache_shape(num_seqs * per_seq, BLOCK_SIZE,
-                                                  model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+        num_blocks = num_seqs * per_seq
+
+        def cache(spec) -> torch.Tensor:  # an MLA layer keeps one latent row per token
+            if isinstance(spec, MLASpec):
+                return torch.zeros(num_blocks, BLOCK_SIZE, spec.latent_dim)
+            return torch.zeros(model.attn_backend.kv_cache_shape(
+                num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim))
+
+        self.kv_caches = [cache(spec) for spec in model.kv_cache_specs()]
         self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
                        for i in range(num_seqs)]
         self.computed = [0] * num_seqs

@@ -93,7 +93,13 @@ class FusedMoE(nn.Module):
         """``x [T, H]`` and the router's ``[T, E]`` logits -> this rank's part of the experts'
         output (the caller all-reduces)."""
         weights, ids = self.ops.moe_topk(router_logits, self.top_k, self.renormalize)
-        return self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids,
+        return self.routed(x, weights, ids)
+
+    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output for a choice made elsewhere (a model's own router, e.g.
+        DeepSeek's grouped ones): ``topk_weights`` float32 and ``topk_ids`` ``[T, k]``."""
+        return self.ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                   self.expert_map)
 
     def describe(self) -> str:
