@@ -300,3 +300,78 @@ def test_random_workload_across_groups(which, ops, caching):
     m.check_integrity()
     assert m.num_free_blocks == m.num_blocks - 1
     assert m.usage == 0.0
+
+
+# -- the pool's layout (worker/kv_cache_setup.py) --------------------------------------------
+def _pool(specs, block_size=4, num_blocks=6, dtype=None):
+    import torch
+
+    from llmkit.attention.torch_backend import TorchAttentionBackend
+    from llmkit.worker.kv_cache_setup import allocate_kv_caches, plan_kv_cache
+
+    dtype = dtype or torch.float32
+    backend = TorchAttentionBackend()
+    plan = plan_kv_cache(specs, block_size, dtype, dtype, backend)
+    return plan, allocate_kv_caches(plan, num_blocks, backend, torch.device("cpu"))
+
+
+def _block_bytes_of(cache, block: int) -> set[int]:
+    """The bytes of the raw storage that block ``block`` covers in one layer's view (K and V
+    rows of an attention cache, every state tensor of a recurrent one)."""
+    import torch
+
+    views = cache if isinstance(cache, tuple) else (cache[0], cache[1])
+    out: set[int] = set()
+    for v in views:
+        sub = v[block]
+        elt = sub.element_size()
+        idx = torch.tensor(sub.storage_offset())
+        for d, (n, st) in enumerate(zip(sub.shape, sub.stride())):
+            shape = [1] * sub.dim()
+            shape[d] = n
+            idx = idx + (torch.arange(n) * st).view(shape)
+        for start in (idx.flatten() * elt).tolist():
+            out.update(range(start, start + elt))
+    return out
+
+
+@pytest.mark.parametrize("specs", [
+    [FULL, sw(8), FULL, sw(8)],
+    [REC, FULL, REC, REC],
+    [RecurrentStateSpec(((40, 3), (4, 16, 16))), FullAttentionSpec(2, 16)],
+    [REC, REC],
+])
+def test_a_block_id_is_the_same_bytes_in_every_layer_viewing_a_tensor(specs):
+    """Layers sharing a raw tensor (layer j of every group) see block b in the same bytes:
+    whatever group holds b, no other block's memory is touched."""
+    plan, caches = _pool(specs)
+    assert plan.num_groups > 1 or specs == [REC, REC]
+    by_tensor: dict[int, list[int]] = {}
+    for layer, t in enumerate(plan.layer_to_tensor):
+        by_tensor.setdefault(t, []).append(layer)
+    for t, layers in by_tensor.items():
+        raws = {(c if isinstance(c, tuple) else (c,))[0].untyped_storage().data_ptr()
+                for c in (caches[i] for i in layers)}
+        assert len(raws) == 1, "layers of one tensor index must share its memory"
+        for b in range(6):
+            mine = [_block_bytes_of(caches[i], b) for i in layers]
+            others = set().union(*(_block_bytes_of(caches[i], o) for i in layers
+                                   for o in range(6) if o != b))
+            for m in mine:
+                assert not m & others, f"block {b} of tensor {t} overlaps another block"
+                assert len(m) <= plan.page_bytes
+
+
+def test_a_recurrent_state_raises_the_attention_block_size_to_hold_it():
+    big = RecurrentStateSpec(((40, 3), (4, 16, 16)))  # 1024 + 120 floats: 4576 bytes
+    plan, caches = _pool([big, FullAttentionSpec(2, 16)], block_size=4)
+    # attention: 2 heads x 16 x 4 bytes = 128 bytes per token per half; the SSM state (4096
+    # bytes) fills one half: 32 tokens, a multiple of 4
+    assert plan.block_size == 32 and plan.page_bytes == 2 * 128 * 32
+    conv, ssm = caches[0]
+    assert conv.shape == (6, 40, 3) and ssm.shape == (6, 4, 16, 16)
+    ssm[3].fill_(7.0)
+    conv[3].fill_(5.0)
+    k, v = caches[1][0], caches[1][1]
+    assert (k[3] == 7.0).all() and (k[2] == 0).all() and (k[4] == 0).all()
+    assert (v[3].flatten()[:120] == 5.0).all() and (v[2] == 0).all()
