@@ -247,5 +247,6 @@ def _register_fakes(lib: str) -> None:
         return x.new_empty(x.shape, dtype=torch.float32)
 
     @fake(f"{lib}::paged_decode_attention")
-    def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale):
+    def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale, sliding_window=0,
+                                soft_cap=0.0):
         return q.new_empty(q.shape)

@@ -8,6 +8,8 @@ once per query head: decode is bound by HBM bandwidth, and this is where the byt
 With ``num_splits > 1`` each split writes its normalised partial output and its log-sum-exp;
 ``_decode_reduce_kernel`` merges them (``out = sum_i exp(lse_i - lse) * o_i``).
 A quantized cache (``kv_quant``) is dequantized as it is loaded: codes times each row's scale.
+A sliding window ``W`` starts each sequence's KV range (and its splits) at ``seq_len - W``, so
+no block before the window is read; a soft cap ``c`` maps scores to ``c * tanh(s / c)``.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
 from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
-from llmkit.kernels.paged_kv import load_kv_tile
+from llmkit.kernels.paged_kv import load_kv_tile, soft_capped_log2
 
 LOG2E = 1.4426950408889634
 
@@ -27,7 +29,7 @@ LOG2E = 1.4426950408889634
 def _paged_decode_kernel(
     q_ptr, cache_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
     part_lse_ptr,
-    sm_scale_log2,
+    sm_scale_log2, sliding_window, soft_cap,
     stride_qs, stride_qh,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
     stride_bt,
@@ -36,17 +38,20 @@ def _paged_decode_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - sliding_window, 0)
     # Splits cover whole BLOCK_N tiles so that no tile straddles two of them.
-    per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (seq_len - first + NUM_SPLITS - 1) // NUM_SPLITS
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * split_len
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -74,7 +79,11 @@ def _paged_decode_kernel(
         v = v.to(q_ptr.dtype.element_ty)
         # Dots in the storage dtype (tensor cores for bf16/fp16), accumulated in float32.
         # scores [BLOCK_H, BLOCK_N], in the log2 domain
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if SOFT_CAP:
+            s = soft_capped_log2(s, sm_scale_log2, soft_cap)
+        else:
+            s = s * sm_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -139,12 +148,15 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, num_splits: int = 1,
-                           out: torch.Tensor | None = None, block_n: int | None = None
+                           out: torch.Tensor | None = None, block_n: int | None = None,
+                           sliding_window: int | None = None, soft_cap: float | None = None
                            ) -> torch.Tensor:
     """Attention of ``q [num_seqs, num_heads, head_dim]`` (one token per sequence, the last of
     its ``seq_lens[i]`` tokens) over ``kv_cache [2, num_blocks, block_size, num_kv_heads,
     head_dim]`` through ``block_table [num_seqs, max_blocks]``. ``num_splits > 1`` splits each
-    sequence's KV range (flash-decoding) and merges the splits with a second kernel."""
+    sequence's KV range (flash-decoding) and merges the splits with a second kernel.
+    ``sliding_window``: the last W positions only (no block before them is read);
+    ``soft_cap``: scores ``c * tanh(s / c)``."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert head_dim_of(kv_cache) == head_dim and num_heads % num_kv_heads == 0
@@ -172,7 +184,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     grid = (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, kv_cache, scales, block_table, seq_lens, out, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
@@ -181,6 +193,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
         DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
+        WINDOWED=sliding_window is not None, SOFT_CAP=soft_cap is not None,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -193,17 +206,23 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, *, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> torch.Tensor:
     """Torch reference of :func:`paged_decode_attention` (float32 math, one sequence at a
     time, K/V gathered through the block table)."""
     out = torch.empty_like(q)
     block_size = kv_cache.shape[2]
     group = q.shape[1] // kv_cache.shape[3]
     for i, n in enumerate(seq_lens.tolist()):
-        ids = block_table[i, :math.ceil(n / block_size)].long()
-        k = read_rows(kv_cache[0, ids].flatten(0, 1)[:n], torch.float32)
-        v = read_rows(kv_cache[1, ids].flatten(0, 1)[:n], torch.float32)
+        first = 0 if sliding_window is None else max(0, n - sliding_window)
+        b0 = first // block_size  # no block before the window is read
+        ids = block_table[i, b0:math.ceil(n / block_size)].long()
+        lo = first - b0 * block_size
+        k = read_rows(kv_cache[0, ids].flatten(0, 1)[lo:n - b0 * block_size], torch.float32)
+        v = read_rows(kv_cache[1, ids].flatten(0, 1)[lo:n - b0 * block_size], torch.float32)
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        if soft_cap is not None:
+            s = torch.tanh(s / soft_cap) * soft_cap
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out

@@ -29,3 +29,14 @@ def load_kv_tile(cache_ptr, scale_ptr, head_off, tok, n_ok, offs_d, d_ok, stride
         k = k.to(tl.float32) * k_scale[:, None]
         v = v.to(tl.float32) * v_scale[:, None]
     return k, v
+
+
+@device_function
+def soft_capped_log2(s, sm_scale_log2, soft_cap):
+    """Raw dot products ``s`` to soft-capped scores in the log2 domain:
+    ``c * tanh(s * scale / c) * log2(e)`` (Gemma 2; ``sm_scale_log2`` is ``scale * log2(e)``).
+    tanh from exp2 of a non-positive argument, which cannot overflow."""
+    x = s * (sm_scale_log2 / 1.4426950408889634) / soft_cap
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * (soft_cap * 1.4426950408889634)

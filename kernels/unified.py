@@ -8,7 +8,9 @@ to the new ones. The new tokens are cut into tiles of ``BLOCK_Q`` query tokens (
 map: tile -> (request, first query offset)); program ``(tile, kv_head)`` holds the ``BLOCK_Q x
 group`` query rows that share one KV head as a ``[BLOCK_M, HEAD_DIM]`` tile and streams that
 request's K/V through its block table with an online softmax (FlashAttention-2), stopping at the
-tile's causal bound. A quantized cache (``kv_quant``) is dequantized as it is loaded.
+tile's causal bound. A quantized cache (``kv_quant``) is dequantized as it is loaded. With a
+sliding window ``W`` a tile starts at its first query's window (``pos > q_pos - W``), so no
+block before it is read; a soft cap ``c`` maps scores to ``c * tanh(s / c)``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
 from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
-from llmkit.kernels.paged_kv import load_kv_tile
+from llmkit.kernels.paged_kv import load_kv_tile, soft_capped_log2
 
 LOG2E = 1.4426950408889634
 
@@ -29,7 +31,7 @@ LOG2E = 1.4426950408889634
 def _unified_attention_kernel(
     q_ptr, cache_ptr, scale_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     tile_seq_ptr, tile_qoff_ptr,
-    sm_scale_log2,
+    sm_scale_log2, sliding_window, soft_cap,
     stride_qt, stride_qh,
     stride_c_kv, stride_c_blk, stride_c_tok, stride_c_head,
     stride_bt,
@@ -37,7 +39,7 @@ def _unified_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, WINDOWED: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,8 +71,12 @@ def _unified_attention_kernel(
     head_off = kv_head * stride_c_head
     # The tile's last query token sees positions up to its own: nothing beyond is read.
     kv_end = tl.minimum(seq_len, ctx_len + q_off + BLOCK_Q)
+    # ... and its first query token's window nothing before.
+    kv_start = 0
+    if WINDOWED:
+        kv_start = tl.maximum(ctx_len + q_off - sliding_window + 1, 0)
 
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_ok = pos < kv_end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -79,8 +85,14 @@ def _unified_attention_kernel(
                             stride_c_kv, HEAD_DIM, QUANT)
         v = v.to(q_ptr.dtype.element_ty)
         # [BLOCK_M, BLOCK_N] scores in the log2 domain
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if SOFT_CAP:
+            s = soft_capped_log2(s, sm_scale_log2, soft_cap)
+        else:
+            s = s * sm_scale_log2
         causal = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            causal = causal & (pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -123,12 +135,15 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                       out: torch.Tensor | None = None, max_query_len: int | None = None,
                       tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                      block_n: int | None = None) -> torch.Tensor:
+                      block_n: int | None = None, sliding_window: int | None = None,
+                      soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of ``q [num_tokens, num_heads, head_dim]`` (requests' new tokens packed
     by ``query_start_loc [num_reqs + 1]``) over ``kv_cache [2, num_blocks, block_size,
     num_kv_heads, head_dim]``, which already holds them. ``tiles=(tile_seq, tile_qoff,
     block_q)`` reuses a tile map built once per step (see :func:`unified_attention_tiles`);
-    without it the map is built here from a host copy of ``query_start_loc``."""
+    without it the map is built here from a host copy of ``query_start_loc``.
+    ``sliding_window``: the query at position p sees keys ``p - W + 1 .. p`` only;
+    ``soft_cap``: scores ``c * tanh(s / c)``."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert head_dim_of(kv_cache) == head_dim and num_heads % num_kv_heads == 0
@@ -157,7 +172,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
     quant, scales = quant_args(kv_cache)
     _unified_attention_kernel[(num_tiles, num_kv_heads)](
         q, kv_cache, scales, out, block_table, seq_lens, query_start_loc, tile_seq, tile_qoff,
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
@@ -165,15 +180,19 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
         QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_m // block_q,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
+        WINDOWED=sliding_window is not None, SOFT_CAP=soft_cap is not None,
     )
     return out
 
 
 def unified_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                          block_table: torch.Tensor, scale: float, *,
+                          sliding_window: int | None = None,
+                          soft_cap: float | None = None) -> torch.Tensor:
     """Torch reference of :func:`unified_attention`: per request, float32 softmax attention of
-    its new tokens over its context with a causal mask offset by the cached prefix."""
+    its new tokens over its context with a causal mask offset by the cached prefix (and the
+    window's lower bound, with blocks before the first query's window never read)."""
     out = torch.zeros_like(q)
     block_size = kv_cache.shape[2]
     group = q.shape[1] // kv_cache.shape[3]
@@ -182,12 +201,20 @@ def unified_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
         a, b = qsl[i], qsl[i + 1]
         if b == a:
             continue
-        ids = block_table[i, :math.ceil(n / block_size)].long()
-        k = read_rows(kv_cache[0, ids].flatten(0, 1)[:n], torch.float32)
-        v = read_rows(kv_cache[1, ids].flatten(0, 1)[:n], torch.float32)
+        first = 0 if sliding_window is None else max(0, n - (b - a) - sliding_window + 1)
+        b0 = first // block_size
+        ids = block_table[i, b0:math.ceil(n / block_size)].long()
+        k = read_rows(kv_cache[0, ids].flatten(0, 1)[:n - b0 * block_size], torch.float32)
+        v = read_rows(kv_cache[1, ids].flatten(0, 1)[:n - b0 * block_size], torch.float32)
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
         s = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
+        if soft_cap is not None:
+            s = torch.tanh(s / soft_cap) * soft_cap
         q_pos = torch.arange(n - (b - a), n, device=s.device)
-        s = s.masked_fill(torch.arange(n, device=s.device)[None, :] > q_pos[:, None], float("-inf"))
+        k_pos = torch.arange(b0 * block_size, n, device=s.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        s = s.masked_fill(hidden, float("-inf"))
         out[a:b] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), v).to(q.dtype)
     return out

@@ -1,5 +1,8 @@
 // Decode attention over the paged KV cache: one query token per sequence reads its K/V rows in
-// place through the block table (no gathered copy of the context). One task per (sequence, KV
+// place through the block table (no gathered copy of the context). A sliding window (W > 0)
+// starts each row's context at len - W: the rows' pointers begin there, so no block before the
+// window is read (a freed window's table entries may hold anything). A soft cap c > 0 maps the
+// scaled scores to c * tanh(s / c) before the softmax (Gemma 2). One task per (sequence, KV
 // head), or per query head when those are too few to fill the threads: the block table is read
 // once into the head's row pointers, and a task's query heads share every K/V row they load. bf16 follows torch's bf16 flash SDPA step by step
 // (decode_head_sdpa_order); float32 is plain float32 math (scores, an exact max-subtracted
@@ -10,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -31,6 +35,12 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
   out[2] = lane_sum(a2);
   out[3] = lane_sum(a3);
 #endif
+}
+
+// Gemma 2's attention-logit soft-capping of n scaled scores (cap <= 0: none).
+inline void soft_cap_scores(float* p, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) p[i] = std::tanh(p[i] / cap) * cap;
 }
 
 // Vectors of one head's output accumulated in registers at a time (64 floats with AVX2).
@@ -67,7 +77,7 @@ inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t d
 // krows / vrows: the context's K and V rows of this head, in order.
 inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
                                    const bf16* const* vrows, int64_t len, float scale,
-                                   int64_t dim, float* p, float* acc, bf16* dst) {
+                                   int64_t dim, float* p, float* acc, bf16* dst, float cap) {
   float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
   std::fill(acc, acc + dim, 0.f);
   for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
@@ -76,6 +86,7 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
     if (dim % 64 == 0)
       for (; l + 8 <= nl; l += 8) scores8_torch_order(qf, krows + n0 + l, dim, scale, p + l);
     for (; l < nl; ++l) p[l] = dot_torch_order(qf, krows[n0 + l], dim, nullptr) * scale;
+    soft_cap_scores(p, nl, cap);
     const float new_max = std::max(*std::max_element(p, p + nl), run_max);
     Vec vsum(0.f);
     const int64_t whole = nl - nl % kLanes;
@@ -121,7 +132,8 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
 // group * len scores, acc group * dim outputs.
 inline void decode_group_float32(const float* qf, const float* const* krows,
                                  const float* const* vrows, int64_t len, int64_t group,
-                                 int64_t dim, float scale, float* p, float* acc, float* dst) {
+                                 int64_t dim, float scale, float* p, float* acc, float* dst,
+                                 float cap) {
   for (int64_t t0 = 0; t0 < len; t0 += 4) {
     // Four context rows at a time: four independent accumulation chains per head.
     const int64_t nt = std::min<int64_t>(4, len - t0);
@@ -143,6 +155,7 @@ inline void decode_group_float32(const float* qf, const float* const* krows,
       for (int64_t j = 0; j < nt; ++j) p[g * len + t0 + j] = dots[j] * scale;
     }
   }
+  soft_cap_scores(p, group * len, cap);
   for (int64_t g = 0; g < group; ++g) {
     float* s = p + g * len;
     const float m = *std::max_element(s, s + len);
@@ -189,7 +202,7 @@ inline void decode_group_float32(const float* qf, const float* const* krows,
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
-                       at::Tensor& out) {
+                       int64_t window, float cap, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
   const int64_t group = heads / kv_heads;
@@ -209,7 +222,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
     std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
-      const int64_t h0 = kvh * group + task % parts * per_part, len = lens[b];
+      const int64_t h0 = kvh * group + task % parts * per_part;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t len = lens[b] - first;  // the rows read: positions first .. lens[b] - 1
       const I* blocks = table + b * table_stride;
       for (int64_t g = 0; g < per_part; ++g) {
         const T* src = qp + b * qs0 + (h0 + g) * qs1;
@@ -218,8 +233,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
       krows.resize(len);
       vrows.resize(len);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t at = static_cast<int64_t>(blocks[t / block_size]) * block +
-                           (t % block_size) * row + kvh * dim;
+        const int64_t pos = first + t;
+        const int64_t at = static_cast<int64_t>(blocks[pos / block_size]) * block +
+                           (pos % block_size) * row + kvh * dim;
         krows[t] = kc + at;
         vrows[t] = vc + at;
       }
@@ -228,11 +244,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
         scores.resize(std::min(len, kSdpaKvBlock));
         for (int64_t g = 0; g < per_part; ++g)
           decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
-                                 dim, scores.data(), acc.data() + g * dim, dst + g * dim);
+                                 dim, scores.data(), acc.data() + g * dim, dst + g * dim, cap);
       } else {
         scores.resize(per_part * len);
         decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
-                             scores.data(), acc.data(), dst);
+                             scores.data(), acc.data(), dst, cap);
       }
     }
   });
@@ -246,7 +262,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
 template <typename T, typename I>
 void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                                  const I* table, int64_t table_stride, const int64_t* lens,
-                                 float scale, at::Tensor& out) {
+                                 float scale, int64_t window, float cap, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
   const int64_t width = kv_cache.size(4), es = kv_cache.element_size();
@@ -266,7 +282,9 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
     std::vector<const float*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
-      const int64_t h0 = kvh * group + task % parts * per_part, len = lens[b];
+      const int64_t h0 = kvh * group + task % parts * per_part;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t len = lens[b] - first;  // the rows read: positions first .. lens[b] - 1
       const I* blocks = table + b * table_stride;
       for (int64_t g = 0; g < per_part; ++g) {
         const T* src = qp + b * qs0 + (h0 + g) * qs1;
@@ -277,8 +295,9 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
       krows.resize(len);
       vrows.resize(len);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t at = static_cast<int64_t>(blocks[t / block_size]) * block +
-                           (t % block_size) * row + kvh * width * es;
+        const int64_t pos = first + t;
+        const int64_t at = static_cast<int64_t>(blocks[pos / block_size]) * block +
+                           (pos % block_size) * row + kvh * width * es;
         read_row(kc + at, dim, f, kf.data() + t * dim);
         read_row(vc + at, dim, f, vf.data() + t * dim);
         krows[t] = kf.data() + t * dim;
@@ -286,7 +305,7 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
       }
       scores.resize(per_part * len);
       decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
-                           scores.data(), acc.data(), o.data());
+                           scores.data(), acc.data(), o.data(), cap);
       T* dst = op + (b * heads + h0) * dim;
       for (int64_t i = 0; i < per_part * dim; ++i) dst[i] = static_cast<T>(o[i]);
     }
@@ -296,10 +315,13 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
 // q [batch, heads, head_dim] (contiguous head_dim), kv_cache [2, blocks, block_size, kv_heads,
 // head_dim] contiguous (of q's dtype, of another float dtype, or int8/uint8 rows of head_dim
 // codes + a float32 scale: kv_quant.h), block_table [batch, >= ceil(len / block_size)] int32/int64, seq_lens
-// [batch] (context length including the query token, whose K/V is already written).
+// [batch] (context length including the query token, whose K/V is already written);
+// sliding_window > 0: each row attends to its last sliding_window positions only; soft_cap > 0:
+// Gemma 2's tanh soft-capping of the scores.
 inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                          const at::Tensor& block_table,
-                                         const at::Tensor& seq_lens, double scale) {
+                                         const at::Tensor& seq_lens, double scale,
+                                         int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be "
               "[batch, heads, head_dim] with a contiguous head_dim");
   const bool as_is = kv_cache.scalar_type() == q.scalar_type();
@@ -329,21 +351,23 @@ inline at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
               "paged_decode_attention: block_table must be int32 or int64");
   const bool i32 = block_table.scalar_type() == at::kInt;
-  const float s = static_cast<float>(scale);
-  const int64_t ts = block_table.stride(0);
+  TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0,
+              "paged_decode_attention: sliding_window and soft_cap must be >= 0 (0: none)");
+  const float s = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  const int64_t ts = block_table.stride(0), w = sliding_window;
   LLMKIT_DISPATCH_FLOAT(q.scalar_type(), "paged_decode_attention", [&] {
     if (as_is && i32)
       paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(), ts, lp,
-                                  s, out);
+                                  s, w, cap, out);
     else if (as_is)
       paged_decode_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(), ts, lp,
-                                  s, out);
+                                  s, w, cap, out);
     else if (i32)
       paged_decode_converted_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int32_t>(),
-                                            ts, lp, s, out);
+                                            ts, lp, s, w, cap, out);
     else
       paged_decode_converted_impl<scalar_t>(q, kv_cache, block_table.const_data_ptr<int64_t>(),
-                                            ts, lp, s, out);
+                                            ts, lp, s, w, cap, out);
   });
   return out;
 }

@@ -29,7 +29,7 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
         "Tensor ranks, int[] out_offsets) -> ()");
   m.def("lora_embedding_add_(Tensor(a!) y, Tensor ids, Tensor lora_a, Tensor lora_b, "

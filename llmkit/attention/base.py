@@ -120,4 +120,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """Write this step's K/V, then attend. ``sliding_window=W``: the query at position p
+        sees keys ``p - W + 1 .. p`` only, and no block wholly before that is read (a
+        sliding-window group's block table may hold freed blocks' ids there);
+        ``logits_soft_cap=c``: scaled scores become ``c * tanh(s / c)`` before the softmax
+        (``llmkit.ops.masking``)."""

@@ -17,18 +17,18 @@ from __future__ import annotations
 import logging
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionMetadata
 from llmkit.config.cpu_dispatch import CpuDispatch
 from llmkit.attention.torch_backend import (DecodePlan, PrefillPlan, TorchAttentionBackend,
-                                            gathered_decode_attention)
+                                            gathered_decode_attention, plans_for_window)
 from llmkit.kernels.kv_quant import format_of, read_rows
 from llmkit.ops.base import ModelOps, paged_decode_attention_reference, write_kv
+from llmkit.ops.masking import attention
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillPlan] | None = None
     all_decode: bool = False  # every row decodes and rows are in query order
     has_skipped_slots: bool | None = None  # a -1 slot among the step's tokens (checked once)
+    windowed: dict = field(default_factory=dict)  # as TorchAttentionMetadata's
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -229,7 +230,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             has_skipped_slots=None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         if not isinstance(metadata, CpuAttentionMetadata):
             metadata = self.build_metadata(metadata)
         if metadata.slot_mapping.device != kv_cache.device:
@@ -241,29 +243,42 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             write_kv(k[:n], v[:n], kv_cache, metadata.slot_mapping[:n],
                      metadata.has_skipped_slots)
-        d = metadata.decode
-        # The C++ kernels read any cache format. Without them a quantized cache is read by the
-        # torch reference (gather, dequantize, SDPA) rather than the compiled kernel, which
-        # reads float rows only.
-        paged = (self.ops.paged_decode_attention if in_place else
-                 paged_decode_attention_reference if format_of(kv_cache) is not None
-                 else self._kernel)
+        window, cap = sliding_window, logits_soft_cap
+        # The C++ kernels read any cache format and take the window and the soft cap. Without
+        # them a quantized cache, a window or a soft cap is read by the torch reference
+        # (gather, dequantize, SDPA) rather than the compiled kernel, which has neither.
+        if in_place:
+            paged = self.ops.paged_decode_attention
+        elif format_of(kv_cache) is not None or window is not None or cap is not None:
+            paged = paged_decode_attention_reference
+        else:
+            paged = self._kernel
         if metadata.all_decode:
-            return paged(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
+            d = metadata.decode
+            if window is None and cap is None:
+                return paged(q[:n], kv_cache, d.block_table, d.seq_lens, scale)
+            return paged(q[:n], kv_cache, d.block_table, d.seq_lens, scale, window, cap)
+        d, prefills = plans_for_window(metadata, window)
         num_kv_heads = kv_cache.shape[-2]
         flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])  # rows: see kv_quant
         out = torch.empty_like(q)
         if isinstance(d, PagedDecodePlan):
-            out[d.token_rows] = paged(q[d.token_rows], kv_cache, d.block_table, d.seq_lens,
-                                      scale)
+            rows = q[d.token_rows]
+            out[d.token_rows] = (
+                paged(rows, kv_cache, d.block_table, d.seq_lens, scale)
+                if window is None and cap is None else
+                paged(rows, kv_cache, d.block_table, d.seq_lens, scale, window, cap))
         elif d is not None:
             # float32 math: the CPU SDPA kernel is ~3x slower in bf16 where bf16 is emulated,
             # and it accumulates in float32 either way
-            out[d.token_rows] = gathered_decode_attention(q.float(), flat, d, scale).to(q.dtype)
+            out[d.token_rows] = gathered_decode_attention(q.float(), flat, d, scale,
+                                                          cap).to(q.dtype)
         group = q.shape[1] // num_kv_heads
-        for p in metadata.prefills or ():
+        for p in prefills or ():
             qt = q[p.start:p.end].transpose(0, 1)  # [H, T, D]
-            if p.mask is None and kv_cache.dtype == k.dtype:  # a fresh prompt: its own K/V
+            # Keys that are exactly this step's new tokens (a fresh prompt, or a window of one
+            # token): their own K/V, not read back
+            if p.slots.shape[0] == p.end - p.start and kv_cache.dtype == k.dtype:
                 kc, vc = k[p.start:p.end], v[p.start:p.end]
             else:
                 # A cache that rounds (quantized, or a narrower float) is read back even by a
@@ -276,8 +291,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             # q's heads and add a batch dimension.
             kc = _expand_heads(kc.to(q.dtype), group).transpose(0, 1)
             vc = _expand_heads(vc.to(q.dtype), group).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qt[None], kc[None], vc[None], attn_mask=p.mask,
-                                               is_causal=p.mask is None, scale=scale)
+            o = attention(qt[None], kc[None], vc[None], attn_mask=p.mask,
+                          is_causal=p.mask is None, scale=scale, enable_gqa=False, soft_cap=cap)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out
 

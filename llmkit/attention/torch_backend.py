@@ -8,12 +8,12 @@ per layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
+from llmkit.ops.masking import attention, band_mask, window_start
 from llmkit.kernels.kv_quant import read_rows
 from llmkit.ops.base import write_kv
 
@@ -49,6 +49,49 @@ class PrefillPlan:
 class TorchAttentionMetadata(AttentionMetadata):
     decode: DecodePlan | None = None
     prefills: list[PrefillPlan] | None = None
+    # {sliding_window: (decode, prefills)}: the plans restricted to a window, made by the
+    # first layer with that window and shared by the others
+    windowed: dict = field(default_factory=dict)
+
+
+def windowed_decode_plan(d: DecodePlan, sliding_window: int) -> DecodePlan:
+    """``d`` restricted to each row's last ``sliding_window`` positions: the gather reads no
+    slot before a row's window (the padding repeats the row's last slot)."""
+    b = d.token_rows.shape[0]
+    lens = d.mask.view(b, -1).sum(-1)
+    start = (lens - sliding_window).clamp(min=0)
+    width = min(sliding_window, d.max_len)
+    j = torch.arange(width, device=lens.device)
+    pos = torch.minimum(start[:, None] + j[None, :], (lens - 1).clamp(min=0)[:, None])
+    slots = d.slots.view(b, -1).gather(1, pos)
+    mask = (j[None, :] < (lens - start)[:, None])[:, None, None, :]
+    return DecodePlan(d.token_rows, slots.reshape(-1), mask, width)
+
+
+def windowed_prefill_plan(p: PrefillPlan, sliding_window: int) -> PrefillPlan:
+    """``p`` reading only the keys its queries' windows reach, with the band mask."""
+    q_len, kv_len = p.end - p.start, p.slots.shape[0]
+    lo = window_start(kv_len, q_len, sliding_window)
+    dev = p.slots.device
+    mask = band_mask(torch.arange(kv_len - q_len, kv_len, device=dev),
+                     torch.arange(lo, kv_len, device=dev), sliding_window)
+    return PrefillPlan(p.start, p.end, p.slots[lo:], mask)
+
+
+def plans_for_window(m, sliding_window: int | None):
+    """``(decode, prefills)`` of ``m`` (a metadata with gathered plans and a ``windowed``
+    cache) for a layer with ``sliding_window``; the step's own plans when the window reaches
+    past every row's context."""
+    if sliding_window is None or 0 < m.max_seq_len <= sliding_window:
+        return m.decode, m.prefills
+    plans = m.windowed.get(sliding_window)
+    if plans is None:
+        d = m.decode
+        if isinstance(d, DecodePlan):
+            d = windowed_decode_plan(d, sliding_window)
+        plans = m.windowed[sliding_window] = (
+            d, [windowed_prefill_plan(p, sliding_window) for p in m.prefills or ()])
+    return plans
 
 
 def _context_slots(block_ids: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -57,7 +100,7 @@ def _context_slots(block_ids: torch.Tensor, length: int, block_size: int) -> tor
 
 
 def gathered_decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, d: DecodePlan,
-                              scale: float) -> torch.Tensor:
+                              scale: float, soft_cap: float | None = None) -> torch.Tensor:
     """Decode rows' attention over their context gathered from ``flat_cache [2, slots, Hkv, D]``
     into a padded ``[B, L]`` batch: ``[B, H, D]``."""
     b, num_kv_heads, head_dim = d.token_rows.shape[0], flat_cache.shape[-2], q.shape[-1]
@@ -65,10 +108,10 @@ def gathered_decode_attention(q: torch.Tensor, flat_cache: torch.Tensor, d: Deco
         b, d.max_len, num_kv_heads, head_dim)
     vals = read_rows(flat_cache[1].index_select(0, d.slots), q.dtype).view(
         b, d.max_len, num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(
+    o = attention(
         q[d.token_rows].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-        attn_mask=d.mask, scale=scale,
-        enable_gqa=q.shape[1] != num_kv_heads)
+        attn_mask=d.mask, is_causal=False, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads, soft_cap=soft_cap)
     return o.squeeze(2)
 
 
@@ -112,7 +155,8 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(**fields, decode=decode, prefills=prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         if not isinstance(metadata, TorchAttentionMetadata):
             metadata = self.build_metadata(metadata)
         if metadata.slot_mapping.device != kv_cache.device:
@@ -123,16 +167,15 @@ class TorchAttentionBackend(AttentionBackend):
         flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])  # rows: see kv_quant
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)
-        d = metadata.decode
+        d, prefills = plans_for_window(metadata, sliding_window)
         if d is not None:
-            out[d.token_rows] = gathered_decode_attention(q, flat, d, scale)
-        for p in metadata.prefills or ():
+            out[d.token_rows] = gathered_decode_attention(q, flat, d, scale, logits_soft_cap)
+        for p in prefills or ():
             kc = read_rows(flat[0].index_select(0, p.slots), q.dtype).transpose(0, 1)
             vc = read_rows(flat[1].index_select(0, p.slots), q.dtype).transpose(0, 1)
             qt = q[p.start:p.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qt, kc, vc, attn_mask=p.mask,
-                                               is_causal=p.mask is None, scale=scale,
-                                               enable_gqa=gqa)
+            o = attention(qt, kc, vc, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                          enable_gqa=gqa, soft_cap=logits_soft_cap)
             out[p.start:p.end] = o.transpose(0, 1)
         return out
 

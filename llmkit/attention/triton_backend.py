@@ -142,7 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         from llmkit.kernels.cache import reshape_and_cache
         from llmkit.kernels.decode_attention import paged_decode_attention
         from llmkit.kernels.unified import unified_attention
@@ -160,10 +161,12 @@ class TritonAttentionBackend(AttentionBackend):
             # One token per request, in request order: q rows are the requests.
             paged_decode_attention(
                 q[:n], kv_cache, dev["block_table"], dev["seq_lens"], scale,
-                num_splits=self._num_splits(meta, num_kv_heads, q.device), out=out[:n])
+                num_splits=self._num_splits(meta, num_kv_heads, q.device), out=out[:n],
+                sliding_window=sliding_window, soft_cap=logits_soft_cap)
         else:
             unified_attention(
                 q[:n], kv_cache, dev["query_start_loc"], dev["seq_lens"], dev["block_table"],
                 scale, out=out[:n],
-                tiles=self._tiles(meta, q.shape[1] // num_kv_heads, q.device))
+                tiles=self._tiles(meta, q.shape[1] // num_kv_heads, q.device),
+                sliding_window=sliding_window, soft_cap=logits_soft_cap)
         return out

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from llmkit.ops.mamba import (RecurrentBatch, causal_conv1d_reference, ssd_scan_reference,
                               ssm_state_update)
+from llmkit.ops.masking import attention
 from llmkit.ops.mla import mla_decode_attention_reference, write_latent_cache
 from llmkit.ops.moe import fused_moe_grouped, fused_topk
 from llmkit.kernels.kv_quant import read_rows, to_cache_rows
@@ -123,10 +124,14 @@ class ModelOps:
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> torch.Tensor:
         """One query token per row over its paged context: ``q [B, H, D]`` -> ``[B, H, D]``;
-        grouped-query heads share their K/V head; float32 math like SDPA's CPU kernel."""
-        return paged_decode_attention_reference(q, kv_cache, block_table, seq_lens, scale)
+        grouped-query heads share their K/V head; float32 math like SDPA's CPU kernel.
+        ``sliding_window``: each row sees its last W positions only, and reads no block before
+        them; ``soft_cap``: scores ``c * tanh(s / c)`` (``llmkit.ops.masking``)."""
+        return paged_decode_attention_reference(q, kv_cache, block_table, seq_lens, scale,
+                                                sliding_window, soft_cap)
 
     # -- multi-head latent attention (MLA; ``llmkit/ops/mla.py``) --------------------------
     def write_latent_cache(self, latent: torch.Tensor, latent_cache: torch.Tensor,
@@ -184,10 +189,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 def paged_decode_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
                                      block_table: torch.Tensor, seq_lens: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
+                                     scale: float, sliding_window: int | None = None,
+                                     soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention with K/V gathered through the block table (the reference: simple, and
     as fast as anything in torch ops for a few rows). ``block_table [B, nb]`` entries past a
-    row's length may be any valid block."""
+    row's length may be any valid block; with ``sliding_window`` entries before a row's window
+    may be anything (never read)."""
+    if sliding_window is not None or soft_cap is not None:
+        return _windowed_decode_reference(q, kv_cache, block_table, seq_lens, scale,
+                                          sliding_window, soft_cap)
     b, h, d = q.shape
     hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
     nb = block_table.shape[1]
@@ -197,4 +207,31 @@ def paged_decode_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
     o = F.scaled_dot_product_attention(
         q.float().unsqueeze(2), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=h != hkv)
+    return o.squeeze(2).to(q.dtype)
+
+
+def _windowed_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None,
+                               soft_cap: float | None) -> torch.Tensor:
+    """The reference with a window (each row gathers only its last W positions' slots) and/or
+    soft-capped scores, in float32."""
+    b, h, d = q.shape
+    hkv, bs = kv_cache.shape[3], kv_cache.shape[2]
+    lens = seq_lens.view(b).long()
+    width = block_table.shape[1] * bs
+    if sliding_window is not None:
+        width = min(width, sliding_window)
+    start = (lens - width).clamp(min=0)
+    j = torch.arange(width, device=q.device)
+    pos = torch.minimum(start[:, None] + j[None, :], (lens - 1).clamp(min=0)[:, None])
+    blocks = block_table.long().gather(1, pos // bs)
+    slots = (blocks * bs + pos % bs).reshape(-1)
+    flat = kv_cache.view(2, -1, hkv, kv_cache.shape[-1])
+    k = read_rows(flat[0].index_select(0, slots), torch.float32).view(b, width, hkv, d)
+    v = read_rows(flat[1].index_select(0, slots), torch.float32).view(b, width, hkv, d)
+    valid = j[None, :] < (lens - start)[:, None]
+    o = attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                  attn_mask=valid[:, None, None, :], is_causal=False, scale=scale,
+                  enable_gqa=h != hkv, soft_cap=soft_cap)
     return o.squeeze(2).to(q.dtype)

@@ -66,5 +66,7 @@ class CpuNativeOps(ModelOps):
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+                               scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale,
+                                                   sliding_window or 0, soft_cap or 0.0)

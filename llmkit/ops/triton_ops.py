@@ -36,8 +36,10 @@ class TritonOps(ModelOps):
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-        return kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale)
+                               scale: float, sliding_window: int | None = None,
+                               soft_cap: float | None = None) -> torch.Tensor:
+        return kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale,
+                                              sliding_window=sliding_window, soft_cap=soft_cap)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
