@@ -216,6 +216,24 @@ def test_logits_match_hf_through_prefill_and_decode(tmp_path, tiny_tokenizer, ca
         assert_close(torch.cat([s[i] for s in steps]), ref)
 
 
+def test_bfloat16_is_as_accurate_as_transformers(tmp_path, tiny_tokenizer):
+    """bf16 weights, activations and latent cache (the router in float32, as transformers
+    keeps it): the error against float32 is no larger than transformers' own bf16 error."""
+    from helpers.model_logits import PagedRun, hf_logits, load_llmkit, random_seqs
+
+    model_dir = _build("v3", tmp_path, tiny_tokenizer)
+    seqs = random_seqs(len(tiny_tokenizer), [12] * 4, seed=2)
+    model, _ = load_llmkit(model_dir, torch.bfloat16, kernels="native")
+    run = PagedRun(model, len(seqs), max(map(len, seqs)))
+    run.kv_caches = [kv.to(torch.bfloat16) for kv in run.kv_caches]
+    out = run.step(dict(enumerate(seqs)))
+    ref32 = hf_logits(model_dir, seqs)
+    ref16 = hf_logits(model_dir, seqs, dtype=torch.bfloat16)
+    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
 # -- the routers against transformers' own modules --------------------------------------------
 @pytest.mark.parametrize("method,n_group,renormalize", [
     ("greedy", 1, False), ("group_limited_greedy", 4, False), ("group_limited_greedy", 2, True)])
