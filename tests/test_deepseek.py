@@ -130,6 +130,14 @@ def _assert_all_blocks_free(llm: LLM) -> None:
     kv.check_integrity()
 
 
+def _assert_specs_are_the_layers(llm: LLM) -> None:
+    """The specs the engine (and llmkit config, from the config alone) allocates by are what
+    each layer computes with."""
+    model = llm.engine.executor.runner.model
+    assert model.kv_cache_specs() == [layer.self_attn.kv_cache_spec()
+                                      for layer in model.model.layers]
+
+
 def _kv_bytes_per_token(llm: LLM) -> int:
     runner = llm.engine.executor.runner
     return runner.kv_cache_bytes_per_block() // runner.block_size
@@ -148,6 +156,7 @@ def test_greedy_tokens_match_hf_and_the_cache_holds_one_latent_row(checkpoint, c
     cfg = llm.engine.executor.runner.model.config
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # 40 values per token per layer
     assert _kv_bytes_per_token(llm) == cfg.num_hidden_layers * latent * 4
+    _assert_specs_are_the_layers(llm)
     cache = llm.engine.executor.runner.kv_caches[0]
     assert cache.shape[1:] == (llm.engine.executor.runner.block_size, latent)
     _assert_all_blocks_free(llm)
@@ -190,6 +199,7 @@ def test_expanded_mla_gives_the_same_tokens_at_many_times_the_bytes(checkpoint):
     cfg = llm.engine.executor.runner.model.config
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     assert _kv_bytes_per_token(llm) == cfg.num_hidden_layers * 2 * 4 * qk * 4
+    _assert_specs_are_the_layers(llm)
     _assert_all_blocks_free(llm)
 
 

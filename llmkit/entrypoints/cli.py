@@ -268,7 +268,8 @@ def _kv_groups_comment(config) -> str:
         from llmkit.worker.model_setup import resolve_dtype, resolve_kv_cache_dtype
 
         hf = resolve_model_source(model).hf_config
-        specs = kv_cache_specs_from_hf_config(hf, config.parallel.tensor_parallel_size)
+        specs = kv_cache_specs_from_hf_config(hf, config.parallel.tensor_parallel_size,
+                                              model.mla)
         dtype = resolve_kv_cache_dtype(config.kv_cache.cache_dtype,
                                        resolve_dtype(model.dtype, resolve_platform(
                                            config.platform)))

@@ -219,10 +219,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         return DeepseekMoE(config, prefix, ctx) if is_moe_layer(config, layer_index) else None
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        m = self.model
-        if self.mla_mode == "absorbed":  # the one definition llmkit sim and config read too
-            return deepseek_kv_specs(self.config)[m.start_layer:m.end_layer]
-        return [m.layers[i].self_attn.kv_cache_spec() for i in range(m.start_layer, m.end_layer)]
+        m = self.model  # (the one definition llmkit config and sim read too)
+        specs = deepseek_kv_specs(self.config, self.ctx.tp.size, self.mla_mode)
+        return specs[m.start_layer:m.end_layer]
 
     def process_weights_after_loading(self) -> None:
         for module in self.modules():

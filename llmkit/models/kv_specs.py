@@ -118,10 +118,17 @@ def gemma_kv_specs(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
     return _from_layer_types(cfg, list(layer_types), _attention_spec(cfg, tp_size))
 
 
-def deepseek_kv_specs(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
-    """DeepSeek-V2 / V3: one latent row per token per layer, whole on every rank."""
+def deepseek_kv_specs(cfg: Any, tp_size: int = 1, mla: str = "absorbed") -> list[KVCacheSpec]:
+    """DeepSeek-V2 / V3: one latent row per token per layer, whole on every rank; with
+    ``model.mla=expanded``, K and V per head of this rank, V padded to K's width
+    (``llmkit/models/layers/mla.py``)."""
     cfg = _text_config(cfg)
-    spec = MLASpec(int(_get(cfg, "kv_lora_rank")), int(_get(cfg, "qk_rope_head_dim")))
+    rope = int(_get(cfg, "qk_rope_head_dim"))
+    if mla == "expanded":
+        width = max(int(_get(cfg, "qk_nope_head_dim")) + rope, int(_get(cfg, "v_head_dim")))
+        spec = FullAttentionSpec(int(_get(cfg, "num_attention_heads")) // tp_size, width)
+    else:
+        spec = MLASpec(int(_get(cfg, "kv_lora_rank")), rope)
     return [spec] * int(_get(cfg, "num_hidden_layers"))
 
 
@@ -165,10 +172,14 @@ _BY_MODEL_TYPE: dict[str, Callable[[Any, int], list[KVCacheSpec]]] = {
 }
 
 
-def kv_cache_specs_from_hf_config(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
+def kv_cache_specs_from_hf_config(cfg: Any, tp_size: int = 1,
+                                  mla: str = "absorbed") -> list[KVCacheSpec]:
     """Every layer's spec for ``cfg`` (a ``PretrainedConfig`` or a ``config.json`` dict), by
-    its ``model_type``; anything not listed is read as the Llama family."""
+    its ``model_type``; anything not listed is read as the Llama family. ``mla``:
+    ``model.mla`` (how an MLA model keeps its KV)."""
     fn = _BY_MODEL_TYPE.get(str(_get(cfg, "model_type", "")), llama_kv_specs)
+    if fn is deepseek_kv_specs:
+        return fn(cfg, tp_size, mla)
     return fn(cfg, tp_size)
 
 
