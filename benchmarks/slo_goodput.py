@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = serve(model, table[name] + args.serve_override, logs / f"{name}.log")
         try:
             for rate in rates:
-                point = f"{name}-rate={rate:g}"
+                point = f"{name}_rate{rate:g}"
                 doc = bench(model, url, rate, args, slo, out, point)
                 # the config and the rate as the result's sweep: bench plot draws one line each
                 doc["config"]["sweep"] = {"bench.rate": rate, "config": name}
