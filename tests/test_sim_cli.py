@@ -20,16 +20,18 @@ def test_hardware_group_and_sim_executor_compose():
 
 def test_llmkit_config_prints_the_engine_and_only_the_tool_sections_named(capsys):
     """The engine's config holds no tool's section: a plain ``llmkit config`` shows no
-    hardware profile (no a100-80gb block on a CPU); naming one shows it."""
+    hardware profile (no a100-80gb block on a CPU); naming one shows it. (``slo`` is the
+    engine's: scheduler=slo serves to it.)"""
     import yaml
 
     assert cli.main(["config"]) == 0
     doc = yaml.safe_load(capsys.readouterr().out)
-    assert "scheduler" in doc and not {"bench", "slo", "hardware", "sim"} & set(doc)
+    assert "scheduler" in doc and not {"bench", "hardware", "sim"} & set(doc)
+    assert doc["slo"] == {"ttft_ms": None, "tpot_ms": None, "e2el_ms": None}
     assert cli.main(["config", "hardware=h100-sxm", "sim.tensor_parallel_size=2"]) == 0
     doc = yaml.safe_load(capsys.readouterr().out)
     assert doc["hardware"]["name"] == "h100-sxm" and doc["sim"]["tensor_parallel_size"] == 2
-    assert "scheduler" in doc and not {"bench", "slo"} & set(doc)
+    assert "scheduler" in doc and "bench" not in doc
     # a tool's key is validated whichever command runs
     assert cli.main(["config", "bench.rate=abc"]) == 2
     assert capsys.readouterr().err.startswith("llmkit: error: bench.rate: got 'abc'")

@@ -15,8 +15,9 @@ from llmkit.scheduler import SCHEDULERS, TokenBudgetScheduler
 from llmkit.scheduler.slo import SloScheduler
 
 
-def step_time(work) -> float:
-    """10 ms per step + 1 ms per token computed (the scheduler's stand-in cost model)."""
+def step_time(work, stream_rate: float = 0.0) -> float:
+    """10 ms per step + 1 ms per token computed (the scheduler's stand-in cost model; the
+    front end's share is left out)."""
     return 0.010 + 0.001 * sum(q for q, _, _ in work)
 
 
@@ -187,3 +188,25 @@ def test_needs_an_objective_and_a_step_time():
 def test_rejected_status_is_an_abort():
     assert RequestStatus.FINISHED_REJECTED.finished
     assert RequestStatus.FINISHED_REJECTED.finish_reason == "abort"
+
+
+def test_step_time_is_asked_with_the_streamed_rate():
+    """Four requests decode, a step every 100 ms: the cost model is asked with ~40 tokens/s
+    streamed (the front end's share of the cores depends on it)."""
+    clock = Clock()
+    seen: list[float] = []
+
+    def priced(work, stream_rate=0.0):
+        seen.append(stream_rate)
+        return step_time(work)
+
+    config = SchedulerConfig(name="slo", max_num_batched_tokens=512)
+    kv = KVCacheManager(100, 16, enable_prefix_caching=False, max_model_len=4096)
+    sched = SloScheduler(config, kv, max_model_len=4096, slo=SloConfig(tpot_ms=50),
+                         step_time=priced, clock=clock)
+    for i in range(4):
+        sched.add_request(req(f"d{i}", 8, max_tokens=40))
+    for _ in range(30):
+        fake_run(sched, sched.schedule())
+        clock.t += 0.1
+    assert seen[-1] == pytest.approx(40.0, rel=0.05)

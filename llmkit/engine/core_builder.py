@@ -153,7 +153,7 @@ def build_scheduler(config: EngineConfig, executor: Executor, kv: KVCacheManager
 
 
 def slo_step_time(config: EngineConfig, executor: Executor,
-                  model_source: Any = None) -> Callable[[Any], float]:
+                  model_source: Any = None) -> Callable[[Any, float], float]:
     """Seconds one step of given work takes, for ``scheduler=slo``: the executor's own cost
     model (the simulator's), else one built for this model, dtype and ``scheduler.cost_profile``
     (start-up says which profile, and warns when it was not measured on this machine)."""
@@ -177,7 +177,7 @@ def slo_step_time(config: EngineConfig, executor: Executor,
             "scheduler=slo: predicting step times with %s (slo: ttft_ms=%s tpot_ms=%s "
             "e2el_ms=%s)", where, config.slo.ttft_ms, config.slo.tpot_ms, config.slo.e2el_ms)
     step = cost.step
-    return lambda work: step(work).total_s
+    return lambda work, stream_rate=0.0: step(work, stream_rate).total_s
 
 
 def check_lora_support(executor: Executor, sched_cls: type) -> None:

@@ -1,7 +1,9 @@
 """The SLO scheduler's decisions, as one feature of the token-budget scheduler (hooks.py).
 
 At the start of each step, with ``step_time`` (seconds a step of given work takes, from the
-cost model: ``(q, c, samples)`` per request, as ``llmkit.cost_model.SeqWork``):
+cost model: ``(q, c, samples)`` per request, as ``llmkit.cost_model.SeqWork``, and the tokens/s
+streamed to clients, estimated from the previous steps' sampled tokens over their times: a
+front end sharing the cores slows every step by its share):
 
 1. **The budget.** The running requests that decode (their next token is sampled this step)
    compute ``D`` tokens (1 each, plus their draft tokens). The prefill room ``P`` is the
@@ -41,8 +43,12 @@ if TYPE_CHECKING:
 __all__ = ["SloPolicy", "StepTime"]
 
 #: Seconds one step takes, from each scheduled request's (tokens computed, context after the
-#: step, whether it samples): ``CostModel.step(work).total_s`` or a test's stand-in.
-StepTime = Callable[[Sequence[tuple[int, int, bool]]], float]
+#: step, whether it samples) and the tokens/s being streamed to clients (a serving front end on
+#: the same cores slows steps by its share): ``CostModel.step(work, rate).total_s``.
+StepTime = Callable[[Sequence[tuple[int, int, bool]], float], float]
+
+# weight of the latest step in the streamed-rate estimate (an exponential moving average)
+_RATE_WEIGHT = 0.2
 
 
 def _ms(v: float | None) -> float | None:
@@ -69,10 +75,15 @@ class SloPolicy(SchedulerFeature):
         self.prefill_room = 0
         self.predicted_step_s = 0.0
         self._prefill_left = 0
+        # tokens/s sampled for clients (what the front end streams), estimated from the steps
+        self.stream_rate = 0.0
+        self._last_begin: float | None = None
+        self._last_decodes = 0
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
         decode_work, prefill_running = self._running_work()
+        self._observe_rate(len(decode_work))
         self._size_step(decode_work, prefill_running)
         self._arrange(prefill_running)
 
@@ -100,6 +111,19 @@ class SloPolicy(SchedulerFeature):
         return free_blocks
 
     # -- the budget --------------------------------------------------------------------------
+    def _observe_rate(self, decodes: int) -> None:
+        """Update the streamed-rate estimate: the previous step's sampled tokens over the time
+        since it began."""
+        now = self.sched.clock()
+        last = self._last_begin
+        if last is not None and now > last:
+            rate = self._last_decodes / (now - last)
+            self.stream_rate += _RATE_WEIGHT * (rate - self.stream_rate)
+        self._last_begin, self._last_decodes = now, decodes
+
+    def _price(self, work: list[tuple[int, int, bool]]) -> float:
+        return self.step_time(work, self.stream_rate)
+
     def _running_work(self) -> tuple[list[tuple[int, int, bool]], int]:
         """The decodes of the running requests as cost-model work, and the prompt tokens the
         running prefills still have to compute."""
@@ -121,7 +145,7 @@ class SloPolicy(SchedulerFeature):
         cap = self.sched.config.max_num_batched_tokens
         d = sum(q for q, _, _ in decode)
         room = max(0, cap - d)
-        price = self.step_time
+        price = self._price
         if self.tpot_s is None or not decode:
             p = room
         elif price(decode + [(room, room, False)]) <= self.tpot_s:
