@@ -94,6 +94,10 @@ TOOLS_REACH: dict[str, set[str]] = {
     "llmkit.tools.bench.serve": {"llmkit.models.loader"},
     # the simulated draft length follows the engine's adaptive policy
     "llmkit.tools.sim.speculation": {"llmkit.spec_decode.adaptive"},
+    # a model with several KV-cache groups: the simulated pool is laid out by the runner's own
+    # plan (groups, block size, bytes a block), so the real hybrid manager runs on it
+    "llmkit.tools.sim.executor": {"llmkit.worker.kv_cache_setup", "llmkit.kv_cache.groups",
+                                  "llmkit.attention.base"},
 }
 
 # The only modules outside llmkit/tools/ that import a tool: the command line runs them (and

@@ -140,22 +140,53 @@ def test_recurrent_state_is_flat_in_the_context(h200):
     assert two - one == pytest.approx(3 * 2 * state + 101 * attn + 64 * 2)
 
 
-def test_sim_engine_pool_follows_the_specs(tmp_path):
+def _sim_core(tmp_path, cfg: dict, *overrides: str):
     from llmkit.tools.sim.replay import build_sim_engine
 
-    paths = {}
-    for name, cfg in (("mla", DEEPSEEK), ("bamba", BAMBA)):
-        paths[name] = tmp_path / name / "config.json"
-        paths[name].parent.mkdir()
-        paths[name].write_text(json.dumps(dict(cfg, architectures=["X"])))
-    core, ex, _ = build_sim_engine(cfg_of(f"sim.model={paths['mla']}", "hardware=h200",
-                                          "scheduler.max_num_seqs=4"))
-    assert ex.kv_cache_bytes_per_block() == core.config.kv_cache.block_size * 160
-    core, ex, _ = build_sim_engine(cfg_of(f"sim.model={paths['bamba']}", "hardware=h200",
-                                          "scheduler.max_num_seqs=4"))
-    b = dtype_bytes(ex.cost_model.kv_dtype)
-    # 4 sequences x 3 Mamba layers x their float32 state, set aside before the blocks
-    assert ex.state_bytes() == 4 * 3 * (192 * 3 + 8 * 16 * 16) * 4
-    assert ex.cost_model.kv_bytes_per_token == 2 * 2 * 16 * b
-    assert ex.kv_cache_bytes_per_block() == core.config.kv_cache.block_size * \
-        ex.cost_model.kv_bytes_per_token
+    path = tmp_path / cfg["model_type"] / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(cfg, architectures=["X"])))
+    return build_sim_engine(cfg_of(f"sim.model={path}", "hardware=h200", *overrides))
+
+
+def _prefill_alone(core, prompt_len: int) -> str:
+    from llmkit.request import Request
+    from llmkit.sampling.params import SamplingParams
+
+    core.add_request(Request("a", list(range(10, 10 + prompt_len)),
+                             SamplingParams(max_tokens=8, ignore_eos=True)))
+    while core.scheduler.get_request("a").num_computed_tokens < prompt_len:
+        core.step()
+    return "a"
+
+
+def test_sim_engine_runs_the_engines_manager_on_the_runners_pool_layout(tmp_path):
+    from llmkit.kv_cache.hybrid import HybridKVCacheManager
+
+    # MLA alone: one group, the plain manager; a block is 16 latent rows of both layers
+    core, ex, _ = _sim_core(tmp_path, DEEPSEEK, "kv_cache.num_blocks=64")
+    assert not isinstance(core.kv_cache_manager, HybridKVCacheManager)
+    assert ex.kv_cache_bytes_per_block() == 16 * 160
+    # Bamba: 3 recurrent groups + 1 full; the float32 SSM state [8, 16, 16] (8192 B) fills the
+    # K half of a page, so attention blocks grow to 8192 / (2 heads x 16 x 2 B) = 128 tokens
+    core, ex, _ = _sim_core(tmp_path, BAMBA, "kv_cache.num_blocks=64")
+    kv = core.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager) and kv.num_groups == 4
+    assert ex.block_size == 128 and ex.kv_cache_bytes_per_block() == 2 * 64 * 128
+    rid = _prefill_alone(core, 200)
+    assert kv.num_blocks_held(rid) == 3 + 2  # a state block per Mamba layer, 201 tokens
+    # Gemma 2, window 8 of blocks of 4: the sliding group keeps ceil(7 / 4) + 1 = 2 blocks
+    core, ex, _ = _sim_core(tmp_path, GEMMA2, "kv_cache.num_blocks=200",
+                            "kv_cache.block_size=4")
+    kv = core.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager)
+    assert ex.kv_cache_bytes_per_block() == 2 * 4 * (2 * 2 * 16 * 2)  # 2 layers a group, bf16
+    rid = _prefill_alone(core, 100)
+    # the prefill step held the window's group for all 100 tokens; at the next step (101
+    # tokens: 26 blocks) the blocks wholly before position 100 - 8 + 1 go: (100 - 7) // 4 = 23
+    assert kv.num_blocks_held(rid) == 25 + 25  # 100 tokens in blocks of 4, both groups
+    core.step()
+    assert kv.num_blocks_held(rid) == 26 + 3
+    usage = core.stats().kv_usage_by_group
+    assert set(usage) == {"0:sliding_window(8)", "1:full"}
+    assert usage["0:sliding_window(8)"] < usage["1:full"]

@@ -26,7 +26,7 @@ token the cost model always used.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -35,11 +35,25 @@ from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
                                       RecurrentStateSpec, SlidingWindowSpec)
 from llmkit.models.kv_specs import kv_cache_groups, spec_label
 
-__all__ = ["KVFootprint", "KVGroup", "TORCH_DTYPES"]
+__all__ = ["KVFootprint", "KVGroup", "TORCH_DTYPES", "rank_specs"]
 
 # the simulator's dtype names -> the torch dtypes the specs price
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def rank_specs(specs: Sequence[KVCacheSpec], tp: int) -> list[KVCacheSpec]:
+    """What one of ``tp`` tensor-parallel ranks keeps of each layer's spec (the model's
+    ``kv_cache_specs()`` on that rank): KV heads split (replicated when fewer than the ranks),
+    the MLA latent whole; a recurrent state as given (its split is the model's)."""
+    if tp == 1:
+        return list(specs)
+    out: list[KVCacheSpec] = []
+    for s in specs:
+        if isinstance(s, FullAttentionSpec):
+            s = replace(s, num_kv_heads=max(1, -(-s.num_kv_heads // tp)))
+        out.append(s)
+    return out
 
 
 def _pairs(q: int, c: int, window: int | None) -> float:

@@ -27,10 +27,13 @@ moves the virtual clock to then. A lone batch leaves the other stages idle (the 
 scheduler's interleaved batches fill them.
 
 The KV pool follows from the hardware: ``memory × sim.gpu_memory_utilization − weights / p −
-activations − recurrent states`` per rank, in blocks (``num_kv_blocks()``). A block holds
-``block_size`` tokens of every layer whose state grows with the context (full attention, a
-window, MLA's latent: the model's KV-cache specs, ``llmkit.cost_model.kv_footprint``); a
-recurrent layer's fixed state is set aside for ``max_num_seqs`` requests. ``llmkit sim`` sets
+activations`` per rank, in blocks (``num_kv_blocks()``). A model whose layers keep other state
+than full attention (sliding windows, MLA's latent, recurrent states: its KV-cache specs,
+read from its config) gets the pool layout a real runner plans for it
+(``llmkit.worker.kv_cache_setup.plan_kv_cache``: its groups, block size and bytes per block),
+and the engine core runs the same KV cache manager on it as on a real engine (the hybrid one
+for several groups: windows free their blocks, a state holds one block per request), so the
+simulated capacity is the engine's. ``llmkit sim`` sets
 ``kv_cache.num_blocks`` to it unless the user set one; an ``EngineCore`` built with
 ``executor=sim`` by hand uses ``kv_cache.num_blocks`` / ``kv_cache.memory_gib`` as usual.
 """
@@ -179,6 +182,33 @@ class SimExecutor(Executor):
         self.speculation = (SimSpeculation(config.speculative, self.cost_model, self.hardware,
                                            self.dtype, config.seed)
                             if config.speculative.enabled else None)
+        # A model with other KV-cache specs than full attention: the runner's pool layout.
+        self.kv_plan = self._plan_kv_cache()
+        if self.kv_plan is not None:
+            self._facts = dataclasses.replace(self._facts,
+                                              kv_cache_groups=self.kv_plan.groups,
+                                              kv_block_size=self.kv_plan.block_size)
+
+    def _plan_kv_cache(self) -> Any:
+        """The pool layout a runner on one of the ranks would plan for this model's specs
+        (None for full attention in every layer: the one-table path)."""
+        from llmkit.attention.base import AttentionBackend
+        from llmkit.cost_model.kv_footprint import TORCH_DTYPES, rank_specs
+        from llmkit.worker.kv_cache_setup import plan_kv_cache
+
+        cm = self.cost_model
+        specs = rank_specs(self.model.shape.layer_kv_specs, cm.tp)
+        state_dtype = "bfloat16" if self.dtype in ("fp8", "int8") else self.dtype
+        try:
+            # every built-in backend's cache is (2, blocks, block_size, heads, head_dim)
+            return plan_kv_cache(specs, self.config.kv_cache.block_size,
+                                 TORCH_DTYPES[cm.kv_dtype], TORCH_DTYPES[state_dtype],
+                                 AttentionBackend)
+        except ValueError as e:
+            from llmkit.config.errors import ConfigError
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError("sim.model", self.model.name, "", message=str(e)) from None
 
     # -- Executor ---------------------------------------------------------------------------
     @property
@@ -203,11 +233,26 @@ class SimExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.cost_model.pp
 
+    @property
+    def block_size(self) -> int:
+        """Tokens a block holds (the pool layout may raise ``kv_cache.block_size``)."""
+        plan = self.kv_plan
+        return plan.block_size if plan is not None else self.config.kv_cache.block_size
+
     def kv_cache_bytes_per_block(self) -> int:
         """One block of every layer on every rank (KV heads replicate when fewer than TP ranks;
         under pipeline parallel each layer lives on one stage)."""
+        if self.kv_plan is not None:
+            return self.kv_plan.bytes_per_block * self.cost_model.tp
         return (self.config.kv_cache.block_size * self._kv_bytes_per_token
                 * self.cost_model.tp)
+
+    @property
+    def _block_bytes_per_device(self) -> float:
+        """What a block costs the fullest device."""
+        if self.kv_plan is not None:
+            return float(self.kv_plan.bytes_per_block)
+        return self.config.kv_cache.block_size * self._kv_bytes_per_device
 
     @property
     def _kv_bytes_per_token(self) -> int:
@@ -222,8 +267,7 @@ class SimExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        block = self.config.kv_cache.block_size
-        fits = int(self.kv_budget_bytes() // (block * self._kv_bytes_per_device))
+        fits = int(self.kv_budget_bytes() // self._block_bytes_per_device)
         if num_blocks > fits:
             logger.warning("kv_cache.num_blocks=%d is more than %s holds for this model (%d "
                            "blocks): the simulation assumes memory the device does not have",
@@ -349,30 +393,24 @@ class SimExecutor(Executor):
         rows = min(t, sched.max_num_seqs)
         return t * per_token * cm.b_act + rows * s.vocab_size * 4
 
-    def state_bytes(self) -> float:
-        """Per rank: the recurrent layers' fixed states of ``max_num_seqs`` requests (0 for a
-        model without any)."""
-        cm = self.cost_model
-        return (cm.kv.state_bytes_per_request * cm.max_stage_fraction
-                * self.config.scheduler.max_num_seqs)
-
     def kv_budget_bytes(self) -> float:
-        """Per rank: usable memory minus this rank's weights, activations and recurrent
-        states."""
+        """Per rank: usable memory minus this rank's weights and activations."""
         cm = self.cost_model
         usable = self.hardware.memory_bytes * self.settings.sim.gpu_memory_utilization
-        return usable - cm.weight_bytes_per_device - self.activation_bytes() - \
-            self.state_bytes()
+        return usable - cm.weight_bytes_per_device - self.activation_bytes()
 
     def num_kv_blocks(self) -> int:
         """KV blocks the device's memory holds after the weights (0 if the weights alone do
         not fit), capped as the engine core caps its own budget: never more than
         ``max_num_seqs`` sequences at ``max_model_len`` need (the rest would be idle)."""
-        block = self.config.kv_cache.block_size
-        per_block = block * self._kv_bytes_per_device
-        fits = max(0, int(self.kv_budget_bytes() // per_block))
-        cap = -(-self.model.max_model_len // block) * self.config.scheduler.max_num_seqs
-        return min(fits, cap)
+        block, plan = self.block_size, self.kv_plan
+        fits = max(0, int(self.kv_budget_bytes() // self._block_bytes_per_device))
+        per_seq = -(-self.model.max_model_len // block)
+        if plan is not None and plan.num_groups > 1:
+            from llmkit.kv_cache.groups import blocks_per_request
+            # what one sequence holds over every group, plus the hybrid manager's null block
+            per_seq = blocks_per_request(plan.groups, self.model.max_model_len, block) + 1
+        return min(fits, per_seq * self.config.scheduler.max_num_seqs)
 
 
 class _SimStepFuture(StepFuture):

@@ -261,9 +261,9 @@ def sim_block(core: Any, executor: Any, run: SimRun) -> dict[str, Any]:
         "max_model_len": core.model_facts.max_model_len,
         "cost_model": cm.describe(),
         "num_kv_blocks": core.num_blocks,
-        "kv_capacity_tokens": core.num_blocks * core.config.kv_cache.block_size,
+        "kv_capacity_tokens": core.num_blocks * executor.block_size,
         # per KV-cache group: its spec, layers, bytes per token and per block (one rank)
-        "kv_groups": cm.kv.describe(core.config.kv_cache.block_size),
+        "kv_groups": cm.kv.describe(executor.block_size),
         "steps": run.steps,
         "priced_steps": st.steps,
         "virtual_time_s": run.duration_s,
