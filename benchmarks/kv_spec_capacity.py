@@ -1,9 +1,12 @@
 """What a model's KV-cache specs do to capacity (issue 33): KV bytes per token, bytes one
 request holds, and the largest batch that fits a fixed pool, computed from the specs alone
 (``llmkit.models.kv_specs`` reads them from the config, ``llmkit.cost_model.kv_footprint``
-prices them; no weights).
+prices them; no weights), and with ``--engine`` confirmed from a real engine's allocation: a
+tiny random checkpoint of each model that llmkit runs, one request prefilled to the context
+and one decode step, the blocks the KV cache manager holds for it times the bytes of a block
+of the runner's pool.
 
-    python benchmarks/kv_spec_capacity.py [--pool-mib 64] [--block-size 16] [--dtype bfloat16]
+    python benchmarks/kv_spec_capacity.py [--engine] [--pool-mib 64] [--block-size 16]
 
 Comparisons:
 
@@ -31,7 +34,9 @@ BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attentio
 TINY = {
     "deepseek_v2": dict(BASE, model_type="deepseek_v2", num_hidden_layers=4,
                         num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None),
+                        qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
+                        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1),
     "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=12,
                         num_key_value_heads=2, head_dim=16, sliding_window=512,
                         sliding_window_pattern=6),
@@ -144,17 +149,87 @@ def config_only(pool: int, block: int, dtype: str) -> None:
               f"step {c.total_s * 1e3:7.2f} ms ({c.bound}-bound)")
 
 
+def engine_check(block_size: int, pool: int, dtype: str) -> None:
+    """Blocks a real engine holds for one request, against the specs' arithmetic."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from helpers.tiny_models import build_tokenizer
+
+    from llmkit import LLM
+    from llmkit.models.registry import MODELS
+    from llmkit.request import Request
+    from llmkit.sampling.params import SamplingParams
+
+    tok = build_tokenizer()
+    runs = [("deepseek_v2", "DeepseekV2ForCausalLM", 1024), ("gemma3_text",
+             "Gemma3ForCausalLM", 8192), ("bamba", "BambaForCausalLM", 1024),
+            ("bamba", "BambaForCausalLM", 8192)]
+    print(f"\nreal engine (tiny random checkpoints, {dtype}, kv_cache.block_size {block_size}; "
+          f"pool {pool / 2**20:.0f} MiB): blocks held by one request after its prefill and "
+          "one decode step")
+    print(f"  {'model':12s} {'context':>7s} {'block':>5s} {'B/block':>8s} {'blocks':>6s} "
+          f"{'engine B/req':>12s} {'specs B/req':>12s} {'engine max batch':>16s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        built: dict[str, Path] = {}
+        for model_type, arch, ctx in runs:
+            if arch not in MODELS:
+                print(f"  {model_type:12s} {ctx:7d}  (no {arch} in llmkit yet)")
+                continue
+            if model_type not in built:
+                kw = {k: v for k, v in TINY[model_type].items() if k != "model_type"}
+                cfg = transformers.AutoConfig.for_model(
+                    model_type, **dict(kw, vocab_size=len(tok),
+                                       bos_token_id=tok.bos_token_id,
+                                       eos_token_id=tok.eos_token_id,
+                                       pad_token_id=tok.pad_token_id))
+                cfg.architectures = [arch]
+                torch.manual_seed(0)
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+                built[model_type] = Path(tmp) / model_type
+                model.save_pretrained(built[model_type])
+                tok.save_pretrained(built[model_type])
+            llm = LLM(str(built[model_type]), dtype=dtype,
+                      kv_cache={"num_blocks": 4 + 2 * -(-(ctx + 1) // block_size) * 8,
+                                "block_size": block_size},
+                      scheduler={"max_num_batched_tokens": ctx + 16, "max_num_seqs": 4})
+            core = llm.engine
+            core.add_request(Request("a", [7 + i % 500 for i in range(ctx)],
+                                     SamplingParams(max_tokens=4, ignore_eos=True)))
+            while core.scheduler.get_request("a").num_computed_tokens <= ctx:
+                core.step()  # the prefill, then one decode step
+            held = core.kv_cache_manager.num_blocks_held("a")
+            per_block = core.executor.kv_cache_bytes_per_block()
+            bs = core.kv_cache_manager.block_size
+            engine_bytes = held * per_block
+            specs = shape(TINY[model_type], model_type).kv_footprint(dtype)
+            # the hybrid manager keeps one null block out of the pool
+            null = 1 if core.kv_cache_manager.__class__.__name__.startswith("Hybrid") else 0
+            fits = (pool // per_block - null) // held
+            print(f"  {model_type:12s} {ctx:7d} {bs:5d} {per_block:8d} {held:6d} "
+                  f"{engine_bytes:12d} {specs.held_bytes(ctx + 1, bs):12.0f} {fits:16d}")
+            while core.has_unfinished_requests():
+                core.step()
+            core.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pool-mib", type=float, default=64.0,
                     help="the fixed pool the tiny models' batches must fit (MiB)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--engine", action="store_true",
+                    help="also count the blocks a real engine holds (tiny random checkpoints)")
     args = ap.parse_args()
     pool = int(args.pool_mib * 2**20)
     print(f"KV dtype {args.dtype}, block_size {args.block_size}; held = whole blocks per "
           "group (a window's group keeps ceil((W-1)/B)+1 blocks, a state one block)")
     config_only(pool, args.block_size, args.dtype)
+    if args.engine:
+        engine_check(args.block_size, pool, args.dtype)
 
 
 if __name__ == "__main__":
