@@ -81,3 +81,31 @@ def test_data_parallel_cores_weigh_each_group_by_their_blocks():
     b = SchedulerStats(1, 0, 0.1, 0, 0, 0, kv_usage_by_group={"0:full": 0.1})
     total = combine_scheduler_stats([a, b], [100, 300])
     assert total.kv_usage_by_group == {"0:full": (50 + 30) / 400, "1:mla": 25 / 400}
+
+
+def test_hybrid_model_reports_one_series_per_group(tmp_path):
+    """Bamba (3 Mamba-2 layers, 1 attention layer) on the real hybrid manager (executor=sim):
+    four groups, each its share of the pool."""
+    import json
+
+    cfg = dict(model_type="bamba", architectures=["BambaForCausalLM"], vocab_size=1000,
+               hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=4, attn_layer_indices=[1],
+               mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+               max_position_embeddings=4096)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    core, ex, _ = build_sim_engine(cfg_of(f"sim.model={tmp_path / 'config.json'}",
+                                          "hardware=h200", "kv_cache.num_blocks=41"))
+    core.add_request(Request("a", list(range(10, 310)),
+                             SamplingParams(max_tokens=4, ignore_eos=True)))
+    core.step()
+    stats = core.stats()
+    # 300 tokens in blocks of the raised size, one state block per Mamba layer; of 40 blocks
+    # (the hybrid manager keeps one null block)
+    attn_blocks = -(-300 // ex.block_size)
+    assert stats.kv_usage_by_group == {"0:recurrent": 1 / 40, "1:recurrent": 1 / 40,
+                                       "2:recurrent": 1 / 40, "3:full": attn_blocks / 40}
+    lines = _gauge_lines(stats)
+    assert len(lines) == 4
+    assert lines['llmkit:kv_cache_group_usage_perc{group="3:full",model_name="m"}'] == \
+        attn_blocks / 40
