@@ -73,14 +73,95 @@ def test_grouped_tables_match_hf_under_preemption_chunking_and_prefix_hits(
     assert set(kv.kv_usage_by_group()) == {"0:full", "1:sliding_window(1000000)"}
 
 
+def test_ngram_drafts_over_grouped_tables_match_hf(model_and_reference, monkeypatch):
+    """Draft tokens' slots are reserved in every group and given back in every group when
+    rejected (shrink_slots), so verifying drafts leaves the greedy tokens unchanged."""
+    d, prompts, refs = model_and_reference
+    monkeypatch.setattr(LlamaForCausalLM, "kv_cache_specs", interleaved_specs)
+    llm = LLM(str(d), dtype="float32", kv_cache={"block_size": 4},
+              speculative={"name": "ngram", "num_speculative_tokens": 3,
+                           "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    # prompts that repeat themselves, so that n-gram lookups propose (and some are rejected)
+    looped = [p[:6] * 4 for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    outs = llm.generate(looped, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    with torch.inference_mode():
+        for p, out in zip(looped, outs):
+            ids = torch.tensor([p])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=MAX_TOKENS,
+                              pad_token_id=hf.generation_config.eos_token_id)
+            assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
+    spec = llm.engine.stats().spec_decode
+    assert spec.num_draft_tokens > spec.num_accepted_tokens > 0
+    kv = llm.engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks - 1
+
+
 @pytest.mark.parametrize("overrides, key", [
-    ({"speculative": {"name": "ngram", "num_speculative_tokens": 2}}, "speculative.name"),
+    ({"speculative": {"name": "draft_model", "model": "{model}",
+                      "num_speculative_tokens": 2}}, "speculative.name"),
     ({"kv_cache": {"pinned_prefixes": [[1, 2, 3, 4]]}}, "kv_cache.pinned_prefixes"),
 ])
 def test_what_does_not_carry_every_group_is_refused_by_name(model_and_reference, monkeypatch,
                                                             overrides, key):
     d, _, _ = model_and_reference
     monkeypatch.setattr(LlamaForCausalLM, "kv_cache_specs", interleaved_specs)
+    if "speculative" in overrides:  # the model drafts for itself
+        overrides = {"speculative": {**overrides["speculative"], "model": str(d)}}
     with pytest.raises(ConfigError) as err:
         LLM(str(d), dtype="float32", **overrides)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize("settings, key", [
+    ({"parallel": {"pipeline_parallel_size": 2}}, "parallel.pipeline_parallel_size"),
+    ({"kv_transfer": {"name": "shared_memory"}}, "kv_transfer"),
+    ({"kv_offload": {"host_gib": 1.0}}, "kv_offload.host_gib"),
+    ({"speculative": {"name": "ngram", "num_speculative_tokens": 2}}, "speculative.name"),
+])
+def test_start_up_checks_name_the_key(settings, key):
+    """(Checked on the groups the workers report: a spawned worker would not see a
+    monkeypatched model.) ngram drafts are refused only beside a recurrent state."""
+    from llmkit.attention.kv_spec import RecurrentStateSpec
+    from llmkit.config.schema import EngineConfig
+    from llmkit.engine.kv_groups_check import check_kv_cache_groups
+    from llmkit.kv_cache.groups import group_kv_cache_specs
+
+    config = EngineConfig.model_validate({"model": {"path": "/nowhere"}, **settings})
+    full = FullAttentionSpec(2, 16)
+    recurrent = group_kv_cache_specs([RecurrentStateSpec(((4, 4),)), full])
+    with pytest.raises(ConfigError) as err:
+        check_kv_cache_groups(config, recurrent)
+    assert err.value.key == key
+    check_kv_cache_groups(config, group_kv_cache_specs([full] * 2))  # one group: anything
+    if key == "speculative.name":
+        check_kv_cache_groups(config, group_kv_cache_specs([full, SlidingWindowSpec(
+            2, 16, sliding_window=8)]))
+
+
+def test_grouped_block_ids_travel_to_worker_processes():
+    """The step codec (msgspec) carries per-group block ids and offsets (tuples arrive as
+    lists), and the persistent batch takes either."""
+    from llmkit.executor.step_codec import StepDecoder, StepEncoder
+    from llmkit.scheduler.base import CachedRequestData, NewRequestData, SchedulerOutput
+    from llmkit.worker.input_batch import InputBatch
+
+    so = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", [1, 2, 3, 4, 5], 5, SamplingParams(),
+                                           ([3, 4], [0, 7]), 0)],
+        scheduled_cached_reqs=CachedRequestData(["a"], [([9], [])], [5], [(1, 2)]),
+        num_scheduled_tokens={"a": 5}, total_num_scheduled_tokens=5,
+        finished_req_ids=set(), preempted_req_ids=set())
+    back = StepDecoder().decode(StepEncoder().encode(so))
+    assert back.scheduled_new_reqs[0].block_ids == [[3, 4], [0, 7]]
+    assert back.scheduled_cached_reqs.block_ids_offset == [[1, 2]]
+    batch = InputBatch(2, 16, 8, num_groups=2)
+    row = batch.add_request(back.scheduled_new_reqs[0], None)
+    c = back.scheduled_cached_reqs
+    batch.set_group_block_ids(row, c.new_block_ids[0], c.block_ids_offset[0])
+    assert batch.block_tables[0][row, :2].tolist() == [3, 9]
+    assert batch.block_tables[1][row, :2].tolist() == [0, 7]
+    assert [batch.group_num_blocks[g][row] for g in range(2)] == [2, 2]

@@ -31,12 +31,17 @@ def check_kv_cache_groups(config: EngineConfig, groups: Sequence[KVCacheGroup]) 
                               f"the offload tiers keep one block table's KV; {what} have "
                               "several. Turn kv_offload off"))
     spec = config.speculative
-    if spec.enabled:
-        why = ("a recurrent state cannot take back rejected draft tokens"
-               if any(isinstance(g.spec, RecurrentStateSpec) for g in groups)
-               else "draft tokens' slots are not kept per group yet")
-        raise ConfigError("speculative.name", spec.name, "none", message=(
-            f"speculative decoding with {what}: {why}. Use speculative.name=none"))
+    if spec.enabled and any(isinstance(g.spec, RecurrentStateSpec) for g in groups):
+        raise ConfigError("speculative.name", spec.target or spec.name, "none", message=(
+            f"speculative decoding with {what}: a recurrent state cannot take back rejected "
+            "draft tokens. Use speculative.name=none"))
+    if spec.runs_a_model:
+        # its layers keep full-attention KV in the target's first block table, whose blocks
+        # another group's rules (a window) may give back
+        raise ConfigError("speculative.name", spec.target or spec.name, "none or ngram",
+                          message=f"a draft model or EAGLE head keeps its KV in one block "
+                          f"table; {what} have several. Use speculative.name=ngram (or "
+                          "none)")
     pp = config.parallel.pipeline_parallel_size
     if pp > 1:
         raise ConfigError("parallel.pipeline_parallel_size", pp, "1", message=(

@@ -27,9 +27,10 @@ class NewRequestData:
     token_ids: list[int]  # prompt + output so far (a resumed request recomputes all of it)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    # Its block table row; one row per KV-cache group (a tuple of lists) for a model with
-    # several groups (``KVCacheManagerBase.num_groups``).
-    block_ids: list[int] | tuple[list[int], ...]
+    # Its block table row (``list[int]``); one row per KV-cache group (a sequence of lists)
+    # for a model with several groups (``KVCacheManagerBase.num_groups``). Typed loosely: the
+    # step codec (msgspec) takes no union of two list types.
+    block_ids: list
     num_computed_tokens: int
     # The runner masks EOS (with stop_token_ids) until ``min_tokens`` outputs exist.
     eos_token_id: int | None = None
@@ -45,12 +46,12 @@ class CachedRequestData:
     """Diffs for requests the runner already holds, in parallel lists."""
 
     req_ids: list[str] = field(default_factory=list)
-    # With several KV-cache groups each entry (and each offset) is a tuple, one per group.
-    new_block_ids: list[list[int] | tuple[list[int], ...]] = field(default_factory=list)
+    # With several KV-cache groups each entry (and each offset) is a sequence, one per group.
+    new_block_ids: list[list] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     # Where ``new_block_ids`` start in the request's block list: the blocks the runner holds
     # past it were given back (slots of rejected draft tokens).
-    block_ids_offset: list[int | tuple[int, ...]] = field(default_factory=list)
+    block_ids_offset: list = field(default_factory=list)
     # Pipeline parallel only (else empty): each request's tokens this step computes, from
     # ``num_computed_tokens`` on. Ranks before the last stage never sample, so this is how they
     # learn the tokens the last stage sampled (vLLM's ``new_token_ids``).
