@@ -244,6 +244,17 @@ def test_bfloat16_is_as_accurate_as_transformers(tmp_path, tiny_tokenizer):
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
+def test_kv_offload_is_refused_by_name(checkpoint):
+    """The offload tiers (and KV connectors) copy K/V layers: an MLA latent cache is refused
+    at start-up, naming the key, rather than failing in the first step."""
+    from llmkit.config.errors import ConfigError
+
+    model_dir, _, _ = checkpoint("v2_lite")
+    with pytest.raises(ConfigError, match="kv_offload.host_gib"):
+        LLM(str(model_dir), dtype="float32", platform=ONE_THREAD,
+            kv_offload={"host_gib": 0.01})
+
+
 # -- the routers against transformers' own modules --------------------------------------------
 @pytest.mark.parametrize("method,n_group,renormalize", [
     ("greedy", 1, False), ("group_limited_greedy", 4, False), ("group_limited_greedy", 2, True)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from llmkit.attention.kv_spec import RecurrentStateSpec
+from llmkit.attention.kv_spec import MLASpec, RecurrentStateSpec
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.kv_cache.groups import KVCacheGroup, describe_groups, is_single_group
@@ -17,6 +17,8 @@ __all__ = ["check_kv_cache_groups"]
 def check_kv_cache_groups(config: EngineConfig, groups: Sequence[KVCacheGroup]) -> None:
     """Refuse the settings that cannot serve ``groups`` (nothing for one group of full
     attention or MLA, which keeps the one-table path)."""
+    if len(groups) == 1 and isinstance(groups[0].spec, MLASpec):
+        _refuse_kv_movers_for_mla(config)
     if not groups or is_single_group(groups):
         return
     what = f"this model's KV-cache groups ({describe_groups(groups)})"
@@ -56,3 +58,18 @@ def check_kv_cache_groups(config: EngineConfig, groups: Sequence[KVCacheGroup]) 
         raise ConfigError("kv_cache.pinned_prefixes", f"{len(kv.pinned_prefixes)} prefixes",
                           "[]", message=f"pinned prefixes are kept in one group; {what} have "
                           "several. Leave kv_cache.pinned_prefixes empty")
+
+
+def _refuse_kv_movers_for_mla(config: EngineConfig) -> None:
+    """The KV connectors and offload tiers copy K/V layers laid out ``(2, blocks, ...)``; an MLA
+    model's latent cache (``[blocks, block_size, latent_dim]``) is not handed to them."""
+    kt, ko = config.kv_transfer, config.kv_offload
+    what = "an MLA model's latent KV cache (DeepSeek)"
+    if kt.target is not None or kt.name != "none":
+        raise ConfigError("kv_transfer", kt.target or kt.name, "none", message=(
+            f"a KV connector moves K/V layers, not {what} yet. Use kv_transfer=none"))
+    if ko.enabled:
+        raise ConfigError("kv_offload.host_gib" if ko.host_gib else "kv_offload.disk_path",
+                          ko.host_gib or ko.disk_path, "", message=(
+                              f"the offload tiers keep K/V layers, not {what} yet. Turn "
+                              "kv_offload off"))
