@@ -81,15 +81,27 @@ def zero_fresh_states(state: torch.Tensor, batch: RecurrentBatch) -> None:
 
 
 # -- causal depthwise conv1d ---------------------------------------------------------------
+def _depthwise(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               length: int) -> torch.Tensor:
+    """``window [..., C, K - 1 + length]`` -> ``[..., C, length]``: output t is
+    ``sum_k weight[:, k] * window[..., t + k] (+ bias)``, as K shifted multiply-adds in float32
+    (what ``F.conv1d`` computes; its oneDNN call costs more than the math at these sizes)."""
+    window = window.float()
+    w = weight.float()
+    out = window[..., :length] * w[:, :1]
+    for k in range(1, w.shape[1]):
+        out = out + window[..., k:k + length] * w[:, k:k + 1]
+    return out if bias is None else out + bias.float()[:, None]
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_state: torch.Tensor, state_indices: torch.Tensor,
                          activation: str | None = "silu") -> torch.Tensor:
     """One token per row: ``x [R, C]`` -> ``[R, C]``; row r's window is its ``d_conv - 1``
     previous inputs (``conv_state[state_indices[r]]``, shifted by one in place) and itself."""
-    c = x.shape[1]
     window = torch.cat([conv_state[state_indices], x.unsqueeze(-1).to(conv_state.dtype)], -1)
     conv_state[state_indices] = window[:, :, 1:]
-    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=c)[:, :, 0]
+    out = _depthwise(window, weight, bias, 1)[:, :, 0]
     return _activate(out, activation).to(x.dtype)
 
 
@@ -100,8 +112,7 @@ def causal_conv1d_chunk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     k1 = state.shape[-1]
     full = torch.cat([state, x.t().to(state.dtype)], -1)  # [C, k1 + L]
     state.copy_(full[:, full.shape[1] - k1:])
-    out = F.conv1d(full.to(weight.dtype).unsqueeze(0), weight.unsqueeze(1), bias,
-                   groups=x.shape[1])[0]
+    out = _depthwise(full, weight, bias, x.shape[0])
     return _activate(out, activation).t().to(x.dtype)
 
 
