@@ -17,10 +17,12 @@ from helpers.model_logits import assert_close, hf_logits, load_llmkit, random_se
 BLOCK_SIZE = 4
 ATTN_LAYERS = [1, 4]
 # Non-default values the test must exercise: two B/C groups, an SSD chunk shorter than the
-# prompts (the scan crosses chunk boundaries inside a prompt), a bias on the conv.
+# prompts (the scan crosses chunk boundaries inside a prompt), a bias on the conv. A state
+# small beside a token's K/V (d_state 8, 4 KV heads) keeps the pool's blocks at 16 tokens
+# (the runner raises the block size until an attention page holds a state).
 BAMBA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-             attn_layer_indices=ATTN_LAYERS, num_attention_heads=4, num_key_value_heads=2,
-             mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=16,
+             attn_layer_indices=ATTN_LAYERS, num_attention_heads=4, num_key_value_heads=4,
+             mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8,
              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_conv_bias=True,
              max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # The SSM's own parameters keep transformers' init (A = -1..-n_heads, dt_bias 1, D 1): scaled
@@ -142,9 +144,9 @@ def test_checkpoint_is_a_hybrid_with_peaked_logits(case):
     assert [i for i, s in enumerate(specs) if isinstance(s, FullAttentionSpec)] == ATTN_LAYERS
     state = specs[0]
     assert isinstance(state, RecurrentStateSpec)
-    # conv: intermediate 128 + 2 groups x 2 x d_state 16 channels, d_conv - 1 = 3 inputs;
-    # SSM: 8 heads x head_dim 16 x d_state 16
-    assert state.shapes == ((192, 3), (8, 16, 16))
+    # conv: intermediate 128 + 2 groups x 2 x d_state 8 channels, d_conv - 1 = 3 inputs;
+    # SSM: 8 heads x head_dim 16 x d_state 8
+    assert state.shapes == ((160, 3), (8, 16, 8))
     assert state.bytes_per_token(torch.float32) == 0 and state.dtype == torch.float32
     top2 = torch.cat(case.ref).topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).median() > 0.05
@@ -204,3 +206,122 @@ def test_registered_and_refuses_tensor_parallel(bamba_dir):
     ctx = ModelContext(TorchAttentionBackend(), tp=TensorParallelGroup(rank=0, size=2))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         cls(source.hf_config, ctx)
+
+
+# -- end to end through LLM.generate -----------------------------------------------------------
+MAX_TOKENS = 20
+ENGINE_PROMPT_LENS = (3, 17, 5, 40, 9, 30)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own generate (its cache: the chunked scan over the prompt, then the
+    one-token recurrent update per token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def engine_case(bamba_dir, tiny_tokenizer):
+    prompts = random_seqs(len(tiny_tokenizer), ENGINE_PROMPT_LENS, seed=1)
+    return SimpleNamespace(prompts=prompts, refs=hf_greedy(bamba_dir, prompts, MAX_TOKENS))
+
+
+def _generate(llm, prompts):
+    from llmkit import SamplingParams
+
+    return [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+
+
+def _all_blocks_back(llm) -> None:
+    kv = llm.engine.kv_cache_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks - 1  # all but the null block
+
+
+def test_greedy_matches_hf_under_chunked_prefill_and_preemption(bamba_dir, engine_case):
+    """16 tokens a step: prompts cross steps, so the scan and conv continue from the stored
+    state; 11 blocks of 16 tokens for 12 requests of up to 60 tokens (a state block each):
+    preempted requests recompute from a zero state. Each prompt twice (a repeat would be a
+    prefix hit with prefix caching). The C++ kernels (the decode update's among them); the
+    torch ops' path is the logits tests' above."""
+    from llmkit import LLM
+
+    llm = LLM(str(bamba_dir), dtype="float32", platform={"native_kernels": "on"},
+              kv_cache={"num_blocks": 12}, scheduler={"max_num_batched_tokens": 16})
+    assert llm.engine.executor.runner.kv_plan.block_size == 16
+    prompts = engine_case.prompts + engine_case.prompts
+    assert _generate(llm, prompts) == engine_case.refs + engine_case.refs
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.prefix_cache_hits == 0  # off for this model
+    _all_blocks_back(llm)
+
+
+def test_prefix_caching_is_off_and_said_at_start_up(bamba_dir, engine_case, caplog):
+    from llmkit import LLM
+
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(bamba_dir), dtype="float32", kv_cache={"enable_prefix_caching": True})
+    assert any("enable_prefix_caching" in r.getMessage() and "off" in r.getMessage()
+               for r in caplog.records)
+    kv = llm.engine.kv_cache_manager
+    assert not kv.enable_prefix_caching
+    p = engine_case.prompts[3]  # 40 tokens (2 full blocks), asked twice one after the other
+    assert _generate(llm, [p]) == [engine_case.refs[3]]
+    assert _generate(llm, [p]) == [engine_case.refs[3]]
+    assert llm.engine.stats().prefix_cache_hits == 0
+    _all_blocks_back(llm)
+
+
+def test_recurrent_state_does_not_grow_with_context(bamba_dir):
+    """A request's KV bytes at 64 and at 512 tokens: the Mamba layers' group holds one block
+    either way; only the attention layers' group grows."""
+    from llmkit import LLM
+    from llmkit.request import Request
+    from llmkit.sampling.params import SamplingParams
+
+    llm = LLM(str(bamba_dir), dtype="float32", kv_cache={"num_blocks": 64})
+    kv = llm.engine.kv_cache_manager
+    plan = llm.engine.executor.runner.kv_plan
+    recurrent = [g for g in range(plan.num_groups) if plan.is_recurrent(g)]
+    attention = [g for g in range(plan.num_groups) if not plan.is_recurrent(g)]
+    assert recurrent and attention
+    req = Request("r", list(range(5, 69)), SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(req, 64) is not None
+    held_64 = [len(ids) for ids in kv.get_block_ids("r")]
+    req.num_computed_tokens = 64
+    assert kv.allocate_slots(req, 512 - 64) is not None
+    held_512 = [len(ids) for ids in kv.get_block_ids("r")]
+    for g in recurrent:
+        assert held_64[g] == held_512[g] == 1
+    for g in attention:
+        assert held_512[g] == 512 // plan.block_size > held_64[g] == -(-64 // plan.block_size)
+    bytes_64, bytes_512 = (sum(h) * plan.bytes_per_block for h in (held_64, held_512))
+    recurrent_bytes = sum(held_64[g] for g in recurrent) * plan.bytes_per_block
+    assert bytes_512 - bytes_64 == sum(held_512[g] - held_64[g] for g in attention) * \
+        plan.bytes_per_block
+    assert recurrent_bytes == len(recurrent) * plan.bytes_per_block
+    kv.free(req)
+    _all_blocks_back(llm)
+
+
+def test_speculative_decoding_is_refused_naming_the_key(bamba_dir):
+    from llmkit import LLM
+    from llmkit.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        LLM(str(bamba_dir), dtype="float32",
+            speculative={"name": "ngram", "num_speculative_tokens": 2})
+    assert err.value.key == "speculative.name"
+    assert "recurrent" in str(err.value)
