@@ -100,7 +100,9 @@ def print_rows(title: str, rows: list[dict], pool: int) -> None:
 def config_only(pool: int, block: int, dtype: str) -> None:
     ds = shape(TINY["deepseek_v2"], "tiny DeepSeek-V2")
     rows = [row("tiny DeepSeek-V2, MLA latent", ds, 1024, pool, block, dtype),
-            row("same, MLA expanded to per-head K/V", expanded(ds), 1024, pool, block, dtype)]
+            row("same, MLA expanded to per-head K/V", expanded(ds), 1024, pool, block, dtype),
+            row("same, model.mla=expanded (V padded)", ds.with_mla("expanded"), 1024, pool,
+                block, dtype)]
     print_rows("MLA vs expanded (tiny: 4 heads, qk 16+8, v 16, kv_lora_rank 32)", rows, pool)
     tiny_ratio = rows[1]["bytes_per_token"] / rows[0]["bytes_per_token"]
     print(f"  ratio {tiny_ratio:.2f}x bytes/token: 4 x (24 + 16) = 160 vs 32 + 8 = 40 values "
@@ -108,7 +110,9 @@ def config_only(pool: int, block: int, dtype: str) -> None:
     big = shape(FULL["DeepSeek-V2"], "DeepSeek-V2")
     big_pool = 40 * 2**30
     rows = [row("DeepSeek-V2, MLA latent", big, 4096, big_pool, block, dtype),
-            row("same, expanded to per-head K/V", expanded(big), 4096, big_pool, block, dtype)]
+            row("same, expanded to per-head K/V", expanded(big), 4096, big_pool, block, dtype),
+            row("same, model.mla=expanded (V padded)", big.with_mla("expanded"), 4096,
+                big_pool, block, dtype)]
     print_rows("DeepSeek-V2's own shapes (60 layers)", rows, big_pool)
     print(f"  ratio {rows[1]['bytes_per_token'] / rows[0]['bytes_per_token']:.1f}x: "
           f"128 x (192 + 128) = 40,960 vs 512 + 64 = 576 values per token per layer")
@@ -164,19 +168,21 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
     from llmkit.sampling.params import SamplingParams
 
     tok = build_tokenizer()
-    runs = [("deepseek_v2", "DeepseekV2ForCausalLM", 1024), ("gemma3_text",
+    runs = [("deepseek_v2", "DeepseekV2ForCausalLM", 1024),
+            ("deepseek_v2/expanded", "DeepseekV2ForCausalLM", 1024), ("gemma3_text",
              "Gemma3ForCausalLM", 8192), ("bamba", "BambaForCausalLM", 1024),
             ("bamba", "BambaForCausalLM", 8192)]
     print(f"\nreal engine (tiny random checkpoints, {dtype}, kv_cache.block_size {block_size}; "
           f"pool {pool / 2**20:.0f} MiB): blocks held by one request after its prefill and "
           "one decode step")
-    print(f"  {'model':12s} {'context':>7s} {'block':>5s} {'B/block':>8s} {'blocks':>6s} "
+    print(f"  {'model':20s} {'context':>7s} {'block':>5s} {'B/block':>8s} {'blocks':>6s} "
           f"{'engine B/req':>12s} {'specs B/req':>12s} {'engine max batch':>16s}")
     with tempfile.TemporaryDirectory() as tmp:
         built: dict[str, Path] = {}
-        for model_type, arch, ctx in runs:
+        for label, arch, ctx in runs:
+            model_type, _, mla = label.partition("/")
             if arch not in MODELS:
-                print(f"  {model_type:12s} {ctx:7d}  (no {arch} in llmkit yet)")
+                print(f"  {label:20s} {ctx:7d}  (no {arch} in llmkit yet)")
                 continue
             if model_type not in built:
                 kw = {k: v for k, v in TINY[model_type].items() if k != "model_type"}
@@ -192,6 +198,7 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
                 model.save_pretrained(built[model_type])
                 tok.save_pretrained(built[model_type])
             llm = LLM(str(built[model_type]), dtype=dtype,
+                      overrides=[f"model.mla={mla or 'absorbed'}"],
                       kv_cache={"num_blocks": 4 + 2 * -(-(ctx + 1) // block_size) * 8,
                                 "block_size": block_size},
                       scheduler={"max_num_batched_tokens": ctx + 16, "max_num_seqs": 4})
@@ -204,11 +211,11 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
             per_block = core.executor.kv_cache_bytes_per_block()
             bs = core.kv_cache_manager.block_size
             engine_bytes = held * per_block
-            specs = shape(TINY[model_type], model_type).kv_footprint(dtype)
+            specs = shape(TINY[model_type], model_type).with_mla(mla).kv_footprint(dtype)
             # the hybrid manager keeps one null block out of the pool
             null = 1 if core.kv_cache_manager.__class__.__name__.startswith("Hybrid") else 0
             fits = (pool // per_block - null) // held
-            print(f"  {model_type:12s} {ctx:7d} {bs:5d} {per_block:8d} {held:6d} "
+            print(f"  {label:20s} {ctx:7d} {bs:5d} {per_block:8d} {held:6d} "
                   f"{engine_bytes:12d} {specs.held_bytes(ctx + 1, bs):12.0f} {fits:16d}")
             while core.has_unfinished_requests():
                 core.step()

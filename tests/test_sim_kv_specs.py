@@ -190,3 +190,14 @@ def test_sim_engine_runs_the_engines_manager_on_the_runners_pool_layout(tmp_path
     usage = core.stats().kv_usage_by_group
     assert set(usage) == {"0:sliding_window(8)", "1:full"}
     assert usage["0:sliding_window(8)"] < usage["1:full"]
+
+
+def test_sim_prices_model_mla_expanded_as_the_engine_keeps_it(tmp_path):
+    from llmkit.models.kv_specs import kv_cache_specs_from_hf_config
+
+    core, ex, _ = _sim_core(tmp_path, DEEPSEEK, "kv_cache.num_blocks=64", "model.mla=expanded")
+    # K and V per head, V padded to K's width (16 + 8): 2 layers x 2 x 4 heads x 24 x 2 B
+    assert ex.cost_model.kv_bytes_per_token == 2 * 2 * 4 * 24 * 2
+    assert list(ex.model.shape.layer_kv_specs) == kv_cache_specs_from_hf_config(
+        DEEPSEEK, mla="expanded")
+    assert ex.kv_cache_bytes_per_block() == 16 * 2 * 2 * 4 * 24 * 2

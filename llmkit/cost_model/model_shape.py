@@ -24,7 +24,7 @@ up-projection and ``n_h·d_v·h`` for o.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -244,6 +244,16 @@ class ModelShape:
         """One spec per layer (full attention when the config gave none)."""
         return self.kv_specs or (FullAttentionSpec(self.num_kv_heads, self.head_dim),) * \
             self.num_layers
+
+    def with_mla(self, mode: str) -> "ModelShape":
+        """This shape as ``model.mla=mode`` runs it: ``expanded`` keeps K and V per head (V
+        padded to K's width, as ``llmkit.models.kv_specs.deepseek_kv_specs`` says) instead of
+        the latent; a model without MLA, or ``absorbed``, is unchanged."""
+        if mode != "expanded" or not self.kv_lora_rank:
+            return self
+        width = max(self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim)
+        return replace(self, kv_specs=(FullAttentionSpec(self.num_heads, width),)
+                       * self.num_layers)
 
     def kv_footprint(self, dtype: str, tp: int = 1) -> KVFootprint:
         """The KV state by group on one rank (``llmkit.cost_model.kv_footprint``)."""

@@ -148,7 +148,10 @@ class SimExecutor(Executor):
         self.settings = settings
         self.model = model or resolve_sim_model(settings)
         self.hardware = hardware or resolve_hardware(settings)
-        shape = self.model.shape
+        # model.mla=expanded keeps K and V per head, not the latent
+        shape = self.model.shape.with_mla(config.model.mla)
+        if shape is not self.model.shape:
+            self.model = dataclasses.replace(self.model, shape=shape)
         self.dtype = resolve_sim_dtype(settings, shape, self.hardware)
         tp = _tensor_parallel_size(config, settings)
         pp = _pipeline_parallel_size(config, shape.num_layers)
