@@ -192,6 +192,27 @@ def test_single_sequence_decode_matches_hf(case, kernels):
         assert_close(run.step({1: seq[t:t + 1]})[1], case.ref[1][t:t + 1])
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_bfloat16_is_as_accurate_as_transformers(bamba_dir, tiny_tokenizer, kernels):
+    """bf16 weights, activations and K/V (the CPU default), the state float32: prompts then
+    one-token decodes, off float32 by no more than transformers' own bf16 is."""
+    seqs = random_seqs(len(tiny_tokenizer), [16] * 4, seed=2)
+    model, _ = load_llmkit(bamba_dir, torch.bfloat16, kernels=kernels)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    run = GroupedRun(model, len(seqs), 16)
+    run.kv_caches = [kv if isinstance(kv, tuple) else kv.to(torch.bfloat16)
+                     for kv in run.kv_caches]
+    out = run.step({i: s[:12] for i, s in enumerate(seqs)})
+    for t in range(12, 16):
+        for i, row in run.step({i: s[t:t + 1] for i, s in enumerate(seqs)}).items():
+            out[i] = torch.cat([out[i], row])
+    ref32 = hf_logits(bamba_dir, seqs)
+    ref16 = hf_logits(bamba_dir, seqs, dtype=torch.bfloat16)
+    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
 def test_registered_and_refuses_tensor_parallel(bamba_dir):
     from llmkit.distributed.group import TensorParallelGroup
     from llmkit.attention.torch_backend import TorchAttentionBackend

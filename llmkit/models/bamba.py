@@ -33,8 +33,10 @@ from llmkit.ops.mamba import RecurrentBatch
 
 
 def _rotary_dim(config) -> int:
-    factor = float(rope_parameters(config).get("partial_rotary_factor", 1.0))
-    return int(_head_dim(config) * factor)
+    # transformers 5 keeps the factor in rope_parameters, 4.x as a config attribute
+    factor = rope_parameters(config).get("partial_rotary_factor") or \
+        getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(_head_dim(config) * float(factor))
 
 
 class PartialRotaryAttention(LlamaAttention):
