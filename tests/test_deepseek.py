@@ -244,6 +244,25 @@ def test_bfloat16_is_as_accurate_as_transformers(tmp_path, tiny_tokenizer):
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
+@pytest.mark.slow  # two worker processes
+def test_tensor_and_expert_parallel_match_hf(checkpoint, monkeypatch):
+    """TP=2 with expert parallel (2 worker processes): each rank holds half the heads (its
+    q_b / kv_b / o_proj shards, the whole latent) and half the routed experts; the shared
+    experts' and routed experts' partial sums meet in one all-reduce."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model_dir, prompts, expected = checkpoint("v3")
+    llm = LLM(str(model_dir), dtype="float32",
+              parallel={"tensor_parallel_size": 2, "enable_expert_parallel": True})
+    try:
+        methods = llm.engine.backend_info.linear_methods
+        assert any(m.startswith("fused-moe-expert-parallel[0/2]") for m in methods), methods
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.engine.shutdown()
+
+
 def test_kv_offload_is_refused_by_name(checkpoint):
     """The offload tiers (and KV connectors) copy K/V layers: an MLA latent cache is refused
     at start-up, naming the key, rather than failing in the first step."""

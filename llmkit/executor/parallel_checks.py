@@ -59,7 +59,7 @@ def check_expert_parallel(config: EngineConfig, hf_config) -> None:
     if config.parallel.enable_expert_parallel and moe_shape(hf_config) is None:
         raise ConfigError("parallel.enable_expert_parallel", True,
                           f"false for model_type {hf_config.model_type!r} (a dense model has no "
-                          "experts to split; MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE)")
+                          "experts to split; MoE models: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3)")
 
 
 def check_parallel_config(config: EngineConfig, hf_config, platform: Platform) -> None:

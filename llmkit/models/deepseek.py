@@ -35,17 +35,15 @@ from llmkit.models.layers.pipeline import PPMissingLayer, make_layers
 from llmkit.models.kv_specs import deepseek_kv_specs
 from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq
 from llmkit.models.llama import LlamaMLP, MlpFactory
-from llmkit.models.moe import MoeForCausalLM
+from llmkit.models.moe import MoeForCausalLM, moe_shape
 from llmkit.ops.base import RotaryTables
 from llmkit.ops.moe_routing import softmax_group_topk, sigmoid_noaux_topk
 
 
 def is_moe_layer(config, i: int) -> bool:
-    """DeepSeek's rule: a MoE block from layer ``first_k_dense_replace`` on, every
-    ``moe_layer_freq``-th layer."""
-    first = getattr(config, "first_k_dense_replace", 0) or 0
-    freq = getattr(config, "moe_layer_freq", 1) or 1
-    return bool(config.n_routed_experts) and i >= first and i % freq == 0
+    """DeepSeek's rule (``moe_shape``): a MoE block from layer ``first_k_dense_replace`` on,
+    every ``moe_layer_freq``-th layer."""
+    return i in moe_shape(config).sparse_layers
 
 
 def interleaved_rope(config) -> bool:

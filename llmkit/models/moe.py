@@ -1,6 +1,6 @@
 """The sparse MoE family: Mixtral, Qwen2-MoE (a shared expert behind a sigmoid gate; dense
 layers by ``decoder_sparse_step`` / ``mlp_only_layers``) and Qwen3-MoE (per-head q/k norms,
-``norm_topk_prob``).
+``norm_topk_prob``); ``moe_shape`` also describes DeepSeek's experts (``deepseek.py``).
 
 Llama's attention and decoder layer (``llama.py``) with a sparse MoE block as the MLP: a
 router (``gate``), the routed experts (``FusedMoE``: the checkpoint's per-expert matrices
@@ -55,6 +55,16 @@ def moe_shape(config) -> MoeShape | None:
         return MoeShape(config.num_experts, config.num_experts_per_tok,
                         config.moe_intermediate_size, shared, bool(config.norm_topk_prob),
                         sparse)
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):
+        # MoE from first_k_dense_replace on, every moe_layer_freq-th layer; the shared
+        # experts are one MLP of n_shared_experts x moe_intermediate_size (deepseek.py)
+        first = getattr(config, "first_k_dense_replace", 0) or 0
+        freq = getattr(config, "moe_layer_freq", 1) or 1
+        experts = config.n_routed_experts or 0
+        sparse = frozenset(i for i in layers if experts and i >= first and i % freq == 0)
+        shared = config.moe_intermediate_size * (getattr(config, "n_shared_experts", 0) or 0)
+        return MoeShape(experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                        shared, bool(getattr(config, "norm_topk_prob", False)), sparse)
     return None
 
 
