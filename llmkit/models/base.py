@@ -79,6 +79,10 @@ class CausalLM(nn.Module, ABC):
     #: Whether the model builds only its pipeline stage's layers (``parallel.
     #: pipeline_parallel_size > 1``; the others are ``PPMissingLayer``).
     supports_pp: bool = False
+    #: Whether the model's sliding-window layers attend within their window (they declare
+    #: ``SlidingWindowSpec``s): the loader then keeps ``max_position_embeddings`` as the
+    #: length limit instead of capping it at the config's ``sliding_window``.
+    applies_sliding_window: bool = False
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()

@@ -18,6 +18,8 @@ for _arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
     MODELS.register_lazy(_arch, "llmkit.models.moe.MoeForCausalLM")
 for _arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
     MODELS.register_lazy(_arch, f"llmkit.models.deepseek.{_arch}")
+MODELS.register_lazy("Gemma2ForCausalLM", "llmkit.models.gemma2.Gemma2ForCausalLM")
+MODELS.register_lazy("Gemma3ForCausalLM", "llmkit.models.gemma3.Gemma3ForCausalLM")
 MODELS.register_lazy("LlavaForConditionalGeneration",
                      "llmkit.models.llava.LlavaForConditionalGeneration")
 for _arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):

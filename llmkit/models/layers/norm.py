@@ -27,3 +27,24 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores ``w`` and the scale is ``1 + w``, applied in
+    float32 before the cast back (Hugging Face's ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``; Llama's
+    casts first, then scales)."""
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight.float() + 1.0
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        if x.dtype == torch.float32:
+            out = self.ops.rms_norm(x, self._scale(), self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = (h * self._scale()).to(x.dtype)
+        return out if residual is None else (out, residual)

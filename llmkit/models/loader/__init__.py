@@ -188,12 +188,22 @@ def _eos_token_ids(source: ModelSource, extra: list[int]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def _applies_sliding_window(hf_config) -> bool:
+    from llmkit.models.registry import UnsupportedModelError, get_model_class
+
+    try:
+        return get_model_class(hf_config).applies_sliding_window
+    except UnsupportedModelError:
+        return False
+
+
 def _max_model_len(hf_config, requested: int | None) -> int:
-    """``max_position_embeddings``, or the sliding window when it is smaller, capping
-    ``model.max_model_len``."""
+    """``max_position_embeddings``, or the sliding window when it is smaller and the model
+    does not apply it itself, capping ``model.max_model_len``."""
+    applies_window = _applies_sliding_window(hf_config)
     hf_config = text_config(hf_config)
     limit = getattr(hf_config, "max_position_embeddings", None)
-    window = getattr(hf_config, "sliding_window", None)
+    window = None if applies_window else getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and (limit is None
                                                                       or window < limit):
         # Attention backends attend to the whole context; beyond the window the model would
