@@ -167,7 +167,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
-    # vLLM's beam search (``n`` is the beam width; entrypoints/openai/beam_search.py)
+    # vLLM's beam search (``n`` is the beam width; entrypoints/openai/completions.py)
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, allow_inf_nan=False)
 

@@ -9,7 +9,6 @@ conversation kept in memory (``responses_store.py``); ``GET /v1/responses/{id}``
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator
 

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.async_llm import AsyncLLM
 from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from llmkit.entrypoints.openai import completions
 from llmkit.entrypoints.openai.embeddings import add_embeddings_routes
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
 from llmkit.entrypoints.openai.engine_view import add_engine_view_routes
@@ -291,7 +292,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *, metrics: ServerMetrics 
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request):
-        return await serving.create_completion(request, raw_request)
+        return await completions.create_completion(serving, request, raw_request)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):

@@ -1,14 +1,19 @@
-"""The OpenAI endpoints' logic: request → ``SamplingParams`` → ``AsyncLLM`` streams → OpenAI
+"""``OpenAIServing``: what the OpenAI endpoints share, and ``/v1/chat/completions``,
+``/tokenize``, ``/detokenize``. A request → ``SamplingParams`` → ``AsyncLLM`` streams → OpenAI
 response bodies (JSON, or server-sent events when ``stream`` is true).
 
-Beside it: ``sampling`` (request fields and output constraint → ``SamplingParams``),
-``chat_prompt`` (messages, tools and images → the prompt), ``errors`` (OpenAI error bodies),
-``logprobs`` (their two OpenAI shapes) and ``streaming`` (a request's engine streams as a group,
-server-sent events, client disconnects).
+Shared: the model a request names (``serving_models``), the engine's state, its sampling
+fields and output constraint (``sampling``), its length against ``max_model_len``, its engine
+requests admitted all or none, and a chat request's prompt (``chat_prompt``: messages, tools
+and images). The endpoints that build on it: ``/v1/completions`` (``completions``, sampled or
+beam search), ``/v1/responses`` (``responses``), ``/v1/embeddings`` (``embeddings``). Beside
+them: ``errors`` (OpenAI error bodies), ``logprobs`` (their two OpenAI shapes) and
+``streaming`` (a request's engine streams as a group, server-sent events, client
+disconnects).
 
-``n > 1`` and a list of prompts both fan out into engine requests (``AsyncLLM`` handles ``n``:
-``n`` engine requests with seeds ``seed + i``); choice ``index`` = ``prompt_index * n + i``.
-Usage counts the prompt tokens once per prompt and every generated token of every choice.
+``n > 1`` fans out into engine requests (``AsyncLLM`` handles ``n``: ``n`` engine requests
+with seeds ``seed + i``), each one a choice with its ``index``. Usage counts the prompt tokens
+once and every generated token of every choice.
 """
 from __future__ import annotations
 
@@ -23,18 +28,15 @@ from fastapi.responses import Response
 
 from llmkit.config.schema import LoRAConfig
 from llmkit.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind, RequestStream
-from llmkit.entrypoints.openai.beam_search import beam_search_completion
 from llmkit.entrypoints.openai.chat_prompt import (ToolUse, load_chat_images, render_chat_prompt,
                                                    template_supports_tools, tool_use)
-from llmkit.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead, refused
-from llmkit.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from llmkit.entrypoints.openai.errors import bad_request, engine_dead, refused
+from llmkit.entrypoints.openai.logprobs import chat_logprobs
 from llmkit.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse,
                                                 ChatResponseMessage, ChatStreamChoice,
-                                                CompletionChoice, CompletionRequest,
-                                                CompletionResponse, DeltaMessage,
-                                                DetokenizeRequest, DetokenizeResponse,
-                                                FunctionCall, ModelCard, ModelList,
+                                                DeltaMessage, DetokenizeRequest,
+                                                DetokenizeResponse, FunctionCall, ModelList,
                                                 PromptTokensDetails, SamplingFields,
                                                 TokenizeRequest, TokenizeResponse, ToolCall,
                                                 Usage)
@@ -47,7 +49,6 @@ from llmkit.entrypoints.openai.streaming import (EngineStreamingResponse, abort_
 from llmkit.entrypoints.openai.tool_parsers import TOOL_PARSERS, default_tool_parser
 from llmkit.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer, new_tool_call_id
 from llmkit.lora.request import LoRARequest
-from llmkit.outputs import RequestOutput
 from llmkit.sampling.params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -192,115 +193,6 @@ class OpenAIServing:
     def list_models(self) -> ModelList:
         return self.models.list_models()
 
-    # -- /v1/completions --------------------------------------------------------------------
-    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]],
-                                                                    list[str | None]]:
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            items: list[str | list[int]] = [prompt]
-        elif isinstance(prompt[0], int):
-            items = [prompt]  # type: ignore[list-item]
-        else:
-            items = list(prompt)  # type: ignore[arg-type]
-        ids_list, texts = [], []
-        for item in items:
-            if isinstance(item, str):
-                ids = self.encode(item, "prompt")
-                if not ids:
-                    raise bad_request("the prompt is empty (no tokens)", "prompt")
-                ids_list.append(ids)
-                texts.append(item)
-            else:
-                self._check_ids(item, "prompt")
-                ids_list.append(list(item))
-                texts.append(None)
-        return ids_list, texts
-
-    async def create_completion(self, req: CompletionRequest, raw_request: Request):
-        self._warn_extra(req)
-        lora = self.check_model(req.model)
-        self.check_engine()
-        if req.echo:
-            raise bad_request("`echo` is not supported by this server", "echo")
-        if req.suffix is not None:
-            raise bad_request("`suffix` is not supported by this server", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of must equal n (best_of > n is not supported)", "best_of")
-        prompts, texts = self._completion_prompts(req)
-        for ids in prompts:
-            self._check_length(len(ids), req.max_tokens, "prompt")
-        if req.use_beam_search:
-            return await beam_search_completion(self.engine, req, raw_request, prompts,
-                                                self.response_model(lora), lora)
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                      structured_outputs=self.structured_outputs(req),
-                                      num_prompts=len(prompts))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        streams = await self._start(request_id, prompts, texts, params, req.n, req.priority,
-                                    req.stream, req.cache_salt, lora)
-        model = self.response_model(lora)
-        if req.stream:
-            return EngineStreamingResponse(
-                self._completion_events(req, request_id, created, streams, prompts, model),
-                on_close=lambda: abort_all(streams))
-        results = await run_until_disconnect(raw_request, collect(streams),
-                                             lambda: abort_all(streams))
-        if isinstance(results, Response):
-            return results
-        choices = []
-        usage = Usage()
-        for p, ro in enumerate(results):
-            usage.prompt_tokens += len(ro.prompt_token_ids)
-            _add_cached(usage, ro)
-            for c in ro.outputs:
-                usage.completion_tokens += len(c.token_ids)
-                choices.append(CompletionChoice(
-                    index=p * req.n + c.index, text=c.text,
-                    logprobs=completion_logprobs(self.tokenizer, c, req.logprobs),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, created=created, model=model,
-                                  choices=choices, usage=usage,
-                                  kv_transfer_params=results[0].kv_transfer_params)
-
-    async def _completion_events(self, req: CompletionRequest, request_id: str, created: int,
-                                 streams: list[RequestStream], prompts: list[list[int]],
-                                 model: str) -> AsyncIterator[str]:
-        usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
-        offsets: dict[int, int] = {}
-        base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": model}
-        cached: dict[int, int] = {}
-        try:
-            async for p, ro in merge(streams):
-                cached[p] = ro.num_cached_tokens
-                for c in ro.outputs:
-                    index = p * req.n + c.index
-                    usage.completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and c.logprobs is None:
-                        continue
-                    lp = completion_logprobs(self.tokenizer, c, req.logprobs,
-                                             offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(c.text)
-                    choice = {"index": index, "text": c.text,
-                              "logprobs": lp.model_dump() if lp else None,
-                              "finish_reason": c.finish_reason}
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield sse({**base, "choices": [choice],
-                               **_usage_so_far(usage, req.continuous_usage)})
-            if req.include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                _set_cached(usage, sum(cached.values()))
-                yield sse({**base, "choices": [], "usage": usage.model_dump(exclude_none=True)})
-        except EngineDeadError as e:
-            yield sse(engine_dead(e).body())
-        except ValueError as e:  # the engine refused the request
-            yield sse(refused(e).body())
-        yield sse("[DONE]")
-
     # -- /v1/chat/completions ---------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request):
         self._warn_extra(req)
@@ -335,7 +227,7 @@ class OpenAIServing:
             return results
         ro = results[0]
         usage = Usage(prompt_tokens=len(ro.prompt_token_ids))
-        _add_cached(usage, ro)
+        set_cached_tokens(usage, ro.num_cached_tokens)
         choices = []
         for c in ro.outputs:
             usage.completion_tokens += len(c.token_ids)
@@ -397,10 +289,10 @@ class OpenAIServing:
                         choice["stop_reason"] = c.stop_reason
                     yield sse({**base, "object": "chat.completion.chunk",
                                 "choices": [choice],
-                                **_usage_so_far(usage, req.continuous_usage)})
+                                **usage_so_far(usage, req.continuous_usage)})
             if req.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                _set_cached(usage, cached)
+                set_cached_tokens(usage, cached)
                 yield sse({**base, "object": "chat.completion.chunk", "choices": [],
                             "usage": usage.model_dump(exclude_none=True)})
         except EngineDeadError as e:
@@ -490,7 +382,7 @@ def _chat_message(text: str, finish_reason: str | None, use: ToolUse,
 
 # --------------------------------------------------------------------------- usage
 
-def _usage_so_far(usage: Usage, continuous: bool) -> dict[str, Any]:
+def usage_so_far(usage: Usage, continuous: bool) -> dict[str, Any]:
     """``{"usage": ...}`` for a chunk of a ``continuous_usage_stats`` stream, else nothing."""
     if not continuous:
         return {}
@@ -499,10 +391,6 @@ def _usage_so_far(usage: Usage, continuous: bool) -> dict[str, Any]:
                       "total_tokens": usage.prompt_tokens + usage.completion_tokens}}
 
 
-def _add_cached(usage: Usage, ro: RequestOutput) -> None:
-    _set_cached(usage, (usage.prompt_tokens_details.cached_tokens
-                        if usage.prompt_tokens_details else 0) + ro.num_cached_tokens)
-
-
-def _set_cached(usage: Usage, cached: int) -> None:
+def set_cached_tokens(usage: Usage, cached: int) -> None:
+    """Usage's ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
     usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
