@@ -165,3 +165,34 @@ def test_grouped_block_ids_travel_to_worker_processes():
     assert batch.block_tables[0][row, :2].tolist() == [3, 9]
     assert batch.block_tables[1][row, :2].tolist() == [0, 7]
     assert [batch.group_num_blocks[g][row] for g in range(2)] == [2, 2]
+
+
+def test_recurrent_states_share_the_pool_with_attention_end_to_end(tmp_path, tiny_tokenizer):
+    """Bamba (Mamba-2 states beside attention layers) through the engine: the states sit in
+    the K/V halves of the attention pages (the block size raised to hold them), one block per
+    request; greedy tokens equal Hugging Face's under chunked prefill and preemption (no
+    prefix caching for this model)."""
+    from test_recurrent_hybrid import build_bamba_dir
+
+    d = build_bamba_dir(tmp_path / "bamba", tiny_tokenizer)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 600) for _ in range(k)] for k in (3, 17, 5, 40, 9, 64)]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=20, pad_token_id=hf.generation_config.eos_token_id)
+            refs.append(out[0, len(p):].tolist())
+    llm = LLM(str(d), dtype="float32", kv_cache={"num_blocks": 7},
+              scheduler={"max_num_batched_tokens": 16})
+    kv = llm.engine.kv_cache_manager
+    assert not kv.enable_prefix_caching and kv.block_size > 16  # raised to hold a state
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20),
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == refs[i], f"request {i} differs from HF"
+    assert llm.engine.stats().num_preemptions_total > 0
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks - 1

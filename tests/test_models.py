@@ -186,10 +186,16 @@ def test_model_source_facts(tiny_model_dir, tiny_tokenizer):
         resolve_model_source(ModelConfig(path=str(model_dir / "nope")))
 
 
-def test_sliding_window_caps_max_model_len_and_dynamic_rope_is_refused(tiny_model_dir):
-    source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("mistral",
-                                                                      sliding_window=64))))
-    assert source.max_model_len == 64
+def test_sliding_window_caps_max_model_len_and_dynamic_rope_is_refused(tiny_model_dir,
+                                                                      monkeypatch):
+    # Mistral's layers keep their window (KV-cache specs, tests/test_sliding_window.py): its
+    # length is max_position_embeddings; an implementation attending to the whole context
+    # is capped at the window.
+    path = str(tiny_model_dir("mistral", sliding_window=64))
+    assert resolve_model_source(ModelConfig(path=path)).max_model_len == 512
+    from llmkit.models.llama import LlamaForCausalLM
+    monkeypatch.setattr(LlamaForCausalLM, "applies_sliding_window", False)
+    assert resolve_model_source(ModelConfig(path=path)).max_model_len == 64
     source = resolve_model_source(ModelConfig(path=str(tiny_model_dir("llama", rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))))
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported; supported: "

@@ -77,6 +77,9 @@ class KVCacheManagerBase(ABC):
     #: several (``HybridKVCacheManager``) hands out one list of blocks (and ids) per group
     #: and has ``block_ids_update``; every other manager serves one.
     num_groups: int = 1
+    #: Whether block ids travel per group (tuples of lists): the hybrid manager's protocol,
+    #: also with one group (a model whose every layer slides).
+    grouped_block_ids: bool = False
     #: The one group's spec in words (``groups.spec_label``), for per-group metrics.
     group_label: str = "full"
 

@@ -37,7 +37,10 @@ GroupedBlocks = tuple[list[KVCacheBlock], ...]
 
 class HybridKVCacheManager(KVCacheManagerBase):
     """Paged KV cache for a model whose layers keep different state (several KV-cache
-    groups). Block 0 of the pool is the null block (never allocated)."""
+    groups, or one that the plain manager does not serve: a window's). Block 0 of the pool is
+    the null block (never allocated)."""
+
+    grouped_block_ids = True
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, *, groups: Sequence[KVCacheGroup],

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.attention.kv_spec import KVCacheSpec, SlidingWindowSpec
 from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.models.base import CausalLM, ModelContext
+from llmkit.models.kv_specs import llama_kv_specs
 from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear
@@ -101,6 +103,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        # A sliding-window layer's window (Mistral, Qwen2's upper layers): set by
+        # LlamaForCausalLM from the layer's KV-cache spec; None = full attention.
+        self.sliding_window: int | None = None
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias or config.model_type in QKV_BIAS_MODEL_TYPES or \
             bool(getattr(config, "qkv_bias", False))  # qwen2_moe
@@ -132,7 +137,11 @@ class LlamaAttention(nn.Module):
             q = self.ops.rotary(self.q_norm(qkv[:, :self.q_size].view(n, h, d)), rope)
             k = self.ops.rotary(self.k_norm(qkv[:, self.q_size:qk_size].view(n, hkv, d)), rope)
         v = qkv[:, qk_size:].view(n, hkv, d)
-        o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        if self.sliding_window is None:
+            o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        else:
+            o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale,
+                                          sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -259,15 +268,28 @@ class LlamaForCausalLM(CausalLM):
     packed_modules_mapping = {fused: [part for f, part, _ in STACKED_PARAMS if f == fused]
                               for fused, _, _ in STACKED_PARAMS}
     supports_kv_layer_hook = True
+    # Layers with a window (Mistral, Qwen2's upper layers) attend within it and declare it
+    # (kv_cache_specs), so the loader leaves max_model_len uncapped.
+    applies_sliding_window = True
 
     def __init__(self, hf_config, ctx: ModelContext, prefix: str = "model") -> None:
         super().__init__(hf_config, ctx)
         config = hf_config
         if len(getattr(config, "layer_types", None) or ()) and \
-                set(config.layer_types) != {"full_attention"}:
+                not set(config.layer_types) <= {"full_attention", "sliding_attention"}:
             raise ValueError(f"layer types {sorted(set(config.layer_types))} are not supported "
-                             "(only full_attention)")
+                             "(only full_attention and sliding_attention)")
         self.model = self.build_model(config, prefix, ctx)
+        # Layers with a sliding window (the config's sliding_window, for the layers its
+        # layer_types / Qwen2's max_window_layers slide): each attends within it and keeps
+        # the window's KV only (its KV-cache spec), so long contexts need no cap.
+        self._kv_specs: list[KVCacheSpec] | None = None
+        if getattr(config, "sliding_window", None):
+            start, end = self.model.start_layer, self.model.end_layer
+            self._kv_specs = llama_kv_specs(config, ctx.tp.size)[start:end]
+            for i, spec in enumerate(self._kv_specs):
+                if isinstance(spec, SlidingWindowSpec):
+                    self.model.layers[start + i].self_attn.sliding_window = spec.sliding_window
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not ctx.pp.is_last_rank:  # only the last pipeline stage computes logits
             self.lm_head = PPMissingLayer()
@@ -289,6 +311,12 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = _head_dim(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Full attention per layer, or the config's sliding windows where layers slide."""
+        if self._kv_specs is not None:
+            return list(self._kv_specs)
+        return super().kv_cache_specs()
 
     def build_model(self, config, prefix: str, ctx: ModelContext) -> nn.Module:
         """The decoder stack (``self.model``); a family with other layers (DeepSeek's MLA)

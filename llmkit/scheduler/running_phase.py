@@ -34,7 +34,8 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
     max_running = -(-len(running) // pp) if pp > 1 else len(running)
     c_ids, c_blocks = cached.req_ids, cached.new_block_ids
     c_computed, c_offsets = cached.num_computed_tokens, cached.block_ids_offset
-    grouped = getattr(kv, "num_groups", 1) > 1  # one list of block ids (and an offset) per KV-cache group
+    # the hybrid manager's ids: one list (and one offset) per KV-cache group
+    grouped = getattr(kv, "grouped_block_ids", False)
     num_running = 0
     i = 0
     while i < len(running) and budget > 0 and num_running < max_running:

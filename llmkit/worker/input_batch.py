@@ -94,10 +94,11 @@ class RowSamplingExtras:
 class InputBatch:
     """``num_groups > 1`` (a model with several KV-cache groups): one block table per group,
     ``block_tables[g]`` and ``group_num_blocks[g]``; group 0's are ``block_table`` and
-    ``num_blocks``, the one table of every other model."""
+    ``num_blocks``, the one table of every other model. ``grouped``: block ids arrive as one
+    list per group (default: with several groups)."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, grouped: bool | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str] = []
@@ -109,6 +110,8 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_groups = num_groups
+        # block ids arrive per group (the hybrid manager's protocol, also for one group)
+        self.grouped = num_groups > 1 if grouped is None else grouped
         self.block_tables = [self.block_table] + [
             np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
             for _ in range(num_groups - 1)]
@@ -158,7 +161,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = data.num_prompt_tokens
         self.num_computed_tokens[row] = data.num_computed_tokens
-        if self.num_groups == 1:
+        if not self.grouped:
             self.num_blocks[row] = 0
             self.append_block_ids(row, data.block_ids)
         else:

@@ -36,7 +36,8 @@ from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
 from llmkit.config.errors import ConfigError
 from llmkit.kernels.kv_quant import cache_row_width
 from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
-from llmkit.kv_cache.groups import KVCacheGroup, describe_groups, group_kv_cache_specs
+from llmkit.kv_cache.groups import (KVCacheGroup, describe_groups, group_kv_cache_specs,
+                                    is_single_group)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,12 @@ class KVCachePlan:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def single_table(self) -> bool:
+        """Whether the plain one-table manager serves it (one group of MLA): block ids then
+        travel as one list, not one per group."""
+        return is_single_group(self.groups)
 
     def is_recurrent(self, group: int) -> bool:
         return isinstance(self.groups[group].spec, RecurrentStateSpec)

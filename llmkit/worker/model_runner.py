@@ -98,8 +98,10 @@ class ModelRunner:
         if self.kv_plan is not None:
             self.block_size = block_size = self.kv_plan.block_size
         max_blocks = -(-(max_model_len + num_lookahead_tokens) // block_size)
+        plan = self.kv_plan
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks,
-                                self.kv_plan.num_groups if self.kv_plan is not None else 1)
+                                plan.num_groups if plan is not None else 1,
+                                grouped=plan is not None and not plan.single_table)
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # A request's RNG lives until it finishes, so preemption does not replay its draws.
@@ -265,7 +267,7 @@ class ModelRunner:
                     sp.prompt_logprobs, new.num_prompt_tokens)
         c = so.scheduled_cached_reqs
         offsets = c.block_ids_offset or [None] * len(c.req_ids)
-        grouped = b.num_groups > 1
+        grouped = b.grouped
         for rid, block_ids, n_computed, offset in zip(c.req_ids, c.new_block_ids,
                                                       c.num_computed_tokens, offsets):
             row = b.req_id_to_row[rid]

@@ -27,6 +27,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.distributed.group import TensorParallelGroup
 from llmkit.distributed.pipeline import IntermediateTensors, PendingSend, PipelineParallelGroup
 from llmkit.facts import BackendInfo, ModelFacts
+from llmkit.kv_cache.groups import describe_groups
 from llmkit.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVLayout
 from llmkit.linear.parallel import tensor_parallel_factory
 from llmkit.lora.base import LoRARequest
@@ -140,12 +141,12 @@ class Worker:
         self.runner.proposer = build_proposer(config.speculative, ProposerEnv(
             target=model, ctx=ctx, device=platform.device, max_model_len=source.max_model_len,
             block_size=self.runner.block_size, seed=config.seed))
-        if plan is not None and plan.num_groups > 1:
+        if plan is not None and not plan.single_table:
             if config.compilation.mode == "graphs":
                 # Said once at start: the fast path is lost, not silently.
-                logger.warning("compilation.mode=graphs: step graphs take one block table and "
-                               "this model has %d KV-cache groups; every step runs eagerly",
-                               plan.num_groups)
+                logger.warning("compilation.mode=graphs: step graphs take one full-attention "
+                               "block table and this model keeps %s; every step runs eagerly",
+                               describe_groups(plan.groups))
         elif single and pooling is None:  # (pooling engines only prefill: eager steps)
             self.runner.make_step_graphs = lambda model, kv_caches: platform.step_graphs(
                 model, kv_caches, config.compilation, config.scheduler.max_num_seqs)
