@@ -174,7 +174,9 @@ def test_recurrent_states_share_the_pool_with_attention_end_to_end(tmp_path, tin
     prefix caching for this model)."""
     from test_recurrent_hybrid import build_bamba_dir
 
-    d = build_bamba_dir(tmp_path / "bamba", tiny_tokenizer)
+    # a state (d_state 16) larger than a 16-token attention page (2 KV heads)
+    d = build_bamba_dir(tmp_path / "bamba", tiny_tokenizer, mamba_d_state=16,
+                        num_key_value_heads=2)
     rng = random.Random(2)
     prompts = [[rng.randrange(5, 600) for _ in range(k)] for k in (3, 17, 5, 40, 9, 64)]
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -188,7 +190,7 @@ def test_recurrent_states_share_the_pool_with_attention_end_to_end(tmp_path, tin
     llm = LLM(str(d), dtype="float32", kv_cache={"num_blocks": 7},
               scheduler={"max_num_batched_tokens": 16})
     kv = llm.engine.kv_cache_manager
-    assert not kv.enable_prefix_caching and kv.block_size > 16  # raised to hold a state
+    assert not kv.enable_prefix_caching and kv.block_size == 64  # raised to hold a state
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20),
                         use_tqdm=False)
     for i, out in enumerate(outs):
