@@ -16,6 +16,9 @@ fused_add_rms_norm           norm                    fused_add_rms_norm_ref
 rotary_embedding             rotary                  rotary_embedding_ref
 silu_and_mul                 activation              silu_and_mul_ref
 fused_moe                    moe                     llmkit.ops.moe.fused_moe_reference
+write_latent_cache           mla_attention           write_latent_cache_ref
+mla_decode_attention         mla_attention           mla_decode_attention_ref
+  (+ split-KV reduce)
 ===========================  ======================  ================================
 
 A quantized KV cache (``kv_quant``: int8 / e4m3 rows with their float32 scale) is written by
@@ -45,6 +48,8 @@ _EXPORTS = {
     "rotary_embedding": "rotary", "rotary_embedding_ref": "rotary",
     "silu_and_mul": "activation", "silu_and_mul_ref": "activation",
     "fused_moe": "moe", "moe_align_block_size": "moe",
+    "write_latent_cache": "mla_attention", "write_latent_cache_ref": "mla_attention",
+    "mla_decode_attention": "mla_attention", "mla_decode_attention_ref": "mla_attention",
 }
 
 #: Kernel names (as counted by ``launch_counts``) by the public function that launches them.
@@ -57,6 +62,8 @@ KERNELS = {
     "rotary_embedding": ("_rotary_kernel",),
     "silu_and_mul": ("_silu_and_mul_kernel",),
     "fused_moe": ("_fused_moe_kernel", "_silu_and_mul_kernel"),
+    "write_latent_cache": ("_write_latent_kernel",),
+    "mla_decode_attention": ("_mla_decode_kernel", "_decode_reduce_kernel"),
 }
 
 

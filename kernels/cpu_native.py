@@ -5,7 +5,8 @@ Eager torch spends most of a small model's decode step outside its matmuls: a Ll
 decode batches' attention gathers the context into a padded copy first. These kernels fuse each
 of those pieces into one call: ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``,
 ``rotary_embedding_`` (in place), ``reshape_and_cache``, ``paged_decode_attention`` (reads
-K/V through the block table in place), a small-batch ``linear`` (up to a few rows:
+K/V through the block table in place), ``write_latent_cache`` and ``mla_decode_attention``
+(multi-head latent attention's decode rows: one latent row read serves every head), a small-batch ``linear`` (up to a few rows:
 decoding's GEMVs) and ``lora_add_`` (each row's own LoRA adapter delta, every row and shard of a
 layer in one call: multi-LoRA decoding). Each op also has a fake (meta) implementation, so that step graphs
 (``torch.compile``) trace through them as opaque calls.
@@ -250,3 +251,11 @@ def _register_fakes(lib: str) -> None:
     def _paged_decode_attention(q, kv_cache, block_table, seq_lens, scale, sliding_window=0,
                                 soft_cap=0.0):
         return q.new_empty(q.shape)
+
+    @fake(f"{lib}::write_latent_cache")
+    def _write_latent_cache(latent, latent_cache, slot_mapping):
+        return None
+
+    @fake(f"{lib}::mla_decode_attention")
+    def _mla_decode_attention(q_latent, q_pe, latent_cache, block_table, seq_lens, scale):
+        return q_latent.new_empty(q_latent.shape)

@@ -82,3 +82,29 @@ def test_quantized_cache_attention_compiles_for_sm90(tmp_path, monkeypatch, stor
         ("_unified_attention_kernel", 1 if storage == torch.int8 else 2)]
     for launch in launches:
         assert compile_launch(launch, arch=90).metadata.shared <= H100_SHARED_MEMORY
+
+
+def test_mla_kernels_compile_for_sm90(tmp_path, monkeypatch):
+    """MLA's latent write and absorbed decode (``kernels/mla_attention.py``) at DeepSeek-V2-Lite
+    shapes (16 heads, kv_lora_rank 512, rope 64), bf16, with and without split-KV: the
+    ``[BLOCK_N, 512]`` latent tile and the ``[16, 512]`` float32 accumulator must fit."""
+    from llmkit.kernels import mla_decode_attention, write_latent_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    heads, rank, rope, bs = 16, 512, 64, 16
+    cache = torch.empty(64, bs, rank + rope, dtype=torch.bfloat16)
+    bt = torch.zeros(4, 16, dtype=torch.int32)
+    seq_lens = torch.tensor([200, 1, 77, 256], dtype=torch.int32)
+    with record_launches(execute=False) as launches:
+        write_latent_cache(torch.empty(71, rank + rope, dtype=torch.bfloat16), cache,
+                           torch.zeros(71, dtype=torch.int64))
+        q_latent = torch.empty(4, heads, rank, dtype=torch.bfloat16)
+        q_pe = torch.empty(4, heads, rope, dtype=torch.bfloat16)
+        mla_decode_attention(q_latent, q_pe, cache, bt, seq_lens, 0.07, num_splits=1)
+        mla_decode_attention(q_latent, q_pe, cache, bt, seq_lens, 0.07, num_splits=4)
+    assert [launch.kernel.name for launch in launches] == [
+        "_write_latent_kernel", "_mla_decode_kernel", "_mla_decode_kernel",
+        "_decode_reduce_kernel"]
+    for launch in launches:
+        assert compile_launch(launch, arch=90).metadata.shared <= H100_SHARED_MEMORY

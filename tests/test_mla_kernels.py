@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from llmkit.attention.base import AttentionMetadata
+from llmkit.config.cpu_isa import supported_tiers
 from llmkit.config.errors import ConfigError
+from llmkit.kernels.cpu_native import load_cpu_kernels
 from llmkit.ops.base import ModelOps
 
 H, RANK, ROPE = 4, 32, 16
@@ -145,3 +147,160 @@ def test_quantized_latent_cache_refused():
         ModelOps().write_latent_cache(torch.randn(1, DIM), torch.zeros(1, 4, DIM,
                                                                        dtype=torch.int8),
                                       torch.tensor([0]))
+
+
+# -- the C++ CPU kernel (kernels/cpu/mla_attention.h), every instruction-set tier ----------
+DECODE_LENS = [1, 5, 16, 33, 70, 97]  # one row, whole blocks, past one and several 32-row tiles
+
+
+@pytest.fixture(scope="module", params=supported_tiers())
+def cpu_kernels(request):
+    return load_cpu_kernels(request.param)
+
+
+def decode_step(block_size, dtype, seed, lens=DECODE_LENS):
+    return make_step([1] * len(lens), lens, block_size, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,table_dtype", [(4, torch.int32), (16, torch.int64)])
+def test_cpu_kernel_matches_reference(cpu_kernels, dtype, block_size, table_dtype):
+    q_latent, q_pe, cache, md, _ = decode_step(block_size, dtype, seed=block_size)
+    want = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    out = cpu_kernels.mla_decode_attention(q_latent, q_pe, cache, md.block_table.to(table_dtype),
+                                           md.seq_lens, SCALE)
+    assert out.dtype == dtype and out.shape == want.shape
+    if dtype == torch.float32:
+        # float32 sums in another order (tiles of 32 rows, an online softmax): rounding only
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    else:
+        # the same float32 math on the same bf16 inputs; the outputs' rounding to bf16 may land
+        # one step apart
+        torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+        assert (out == want).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_row_gives_its_bits_in_any_batch(cpu_kernels, dtype):
+    """A sequence alone splits its heads over the threads; in a batch of 32 it is one task.
+    Each head's arithmetic is the same either way, so the same bits."""
+    lens = [(7 * i) % 90 + 1 for i in range(32)]
+    q_latent, q_pe, cache, md, _ = decode_step(16, dtype, seed=11, lens=lens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # a lone sequence's 4 heads: one per thread
+    try:
+        batched = cpu_kernels.mla_decode_attention(q_latent, q_pe, cache, md.block_table,
+                                                   md.seq_lens, SCALE)
+        for b in (0, 5, 31):
+            alone = cpu_kernels.mla_decode_attention(
+                q_latent[b:b + 1], q_pe[b:b + 1], cache, md.block_table[b:b + 1],
+                md.seq_lens[b:b + 1], SCALE)
+            assert torch.equal(alone, batched[b:b + 1]), b
+        pair = cpu_kernels.mla_decode_attention(q_latent[3:5], q_pe[3:5], cache,
+                                                md.block_table[3:5], md.seq_lens[3:5], SCALE)
+        assert torch.equal(pair, batched[3:5])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_kernel_refuses_a_length_past_its_block_table(cpu_kernels):
+    q_latent, q_pe, cache, md, _ = decode_step(4, torch.float32, seed=1, lens=[9])
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_kernels.mla_decode_attention(q_latent, q_pe, cache, md.block_table[:, :2],
+                                         md.seq_lens, SCALE)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_cpu_write_latent_cache_matches_reference(cpu_kernels, slot_dtype):
+    latent = torch.randn(6, DIM, dtype=torch.bfloat16)
+    slots = torch.tensor([3, -1, 17, 0, -1, 9], dtype=slot_dtype)
+    got, want = torch.zeros(5, 4, DIM, dtype=torch.bfloat16), torch.zeros(5, 4, DIM,
+                                                                             dtype=torch.bfloat16)
+    cpu_kernels.write_latent_cache(latent, got, slots)
+    ModelOps().write_latent_cache(latent, want, slots.long())
+    assert torch.equal(got, want)
+
+
+def test_cpu_ops_run_decode_steps_in_the_kernel_and_chunks_in_the_reference(cpu_kernels):
+    from llmkit.ops.cpu_ops import CpuNativeOps
+
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(cpu_kernels, name)
+
+    ops = CpuNativeOps(Counting())
+    q_latent, q_pe, cache, md, _ = make_step([1, 1, 1], [9, 1, 40], 4, torch.float32, seed=2,
+                                             extra_rows=2)
+    out = ops.mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    assert calls == ["mla_decode_attention"]
+    torch.testing.assert_close(out, ModelOps().mla_decode_attention(q_latent, q_pe, cache, md,
+                                                                     SCALE),
+                               rtol=1e-5, atol=1e-6)
+    assert not out[3:].any()
+    calls.clear()
+    q_latent, q_pe, cache, md, _ = make_step([3, 1], [9, 4], 4, torch.float32, seed=2)
+    out = ops.mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    assert calls == []  # a prefill chunk: the reference's bits
+    assert torch.equal(out, ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE))
+
+
+# -- the Triton kernel (kernels/mla_attention.py), in Triton's interpreter without a GPU ----
+@pytest.fixture
+def interpret(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("block_size,num_splits", [(4, 1), (16, 1), (4, 3), (16, 2)])
+def test_triton_kernel_matches_reference(interpret, block_size, num_splits):
+    from llmkit.kernels import count_launches
+    from llmkit.kernels.mla_attention import mla_decode_attention, mla_decode_attention_ref
+
+    q_latent, q_pe, cache, md, _ = decode_step(block_size, torch.float32, seed=block_size + 1)
+    want = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    dev = interpret
+    with count_launches() as launches:
+        out = mla_decode_attention(q_latent.to(dev), q_pe.to(dev), cache.to(dev),
+                                   md.block_table.to(dev), md.seq_lens.to(dev), SCALE,
+                                   num_splits=num_splits)
+    assert launches["_mla_decode_kernel"] == 1
+    assert launches["_decode_reduce_kernel"] == (num_splits > 1)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mla_decode_attention_ref(q_latent, q_pe, cache, md.block_table, md.seq_lens, SCALE),
+        want, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_ops_write_and_decode_steps(interpret):
+    from llmkit.kernels import count_launches
+    from llmkit.ops.triton_ops import TritonOps
+
+    dev = interpret
+    ops = TritonOps()
+    latent = torch.randn(5, DIM).to(dev)
+    slots = torch.tensor([6, -1, 0, 13, -1]).to(dev)
+    got, want = torch.zeros(4, 4, DIM).to(dev), torch.zeros(4, 4, DIM).to(dev)
+    with count_launches() as launches:
+        ops.write_latent_cache(latent, got, slots)
+    ModelOps().write_latent_cache(latent, want, slots)
+    assert launches["_write_latent_kernel"] == 1 and torch.equal(got, want)
+
+    q_latent, q_pe, cache, md, _ = make_step([1, 1, 1], [9, 1, 40], 4, torch.float32, seed=4,
+                                             extra_rows=1)
+    want = ModelOps().mla_decode_attention(q_latent, q_pe, cache, md, SCALE)
+    with count_launches() as launches:
+        out = ops.mla_decode_attention(q_latent.to(dev), q_pe.to(dev), cache.to(dev), md, SCALE)
+    assert launches["_mla_decode_kernel"] == 1
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    assert not out[3:].any()
+    # a prefill chunk: the reference
+    q_latent, q_pe, cache, md, _ = make_step([3, 1], [9, 4], 4, torch.float32, seed=5)
+    with count_launches() as launches:
+        out = ops.mla_decode_attention(q_latent.to(dev), q_pe.to(dev), cache.to(dev), md, SCALE)
+    assert launches["_mla_decode_kernel"] == 0
+    torch.testing.assert_close(out.cpu(), ModelOps().mla_decode_attention(q_latent, q_pe, cache,
+                                                                          md, SCALE))

@@ -9,6 +9,7 @@
 #include "linear.h"
 #include "lora.h"
 #include "mamba.h"
+#include "mla_attention.h"
 #include "norm.h"
 #include "quant_activation.h"
 #include "quant_linear.h"
@@ -30,6 +31,10 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
         "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
         "Tensor seq_lens, float scale, int sliding_window=0, float soft_cap=0.0) -> Tensor");
+  // Multi-head latent attention (mla_attention.h): the latent cache's write and decode rows.
+  m.def("write_latent_cache(Tensor latent, Tensor(a!) latent_cache, Tensor slot_mapping) -> ()");
+  m.def("mla_decode_attention(Tensor q_latent, Tensor q_pe, Tensor latent_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale) -> Tensor");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor row_slots, "
         "Tensor ranks, int[] out_offsets) -> ()");
   m.def("lora_embedding_add_(Tensor(a!) y, Tensor ids, Tensor lora_a, Tensor lora_b, "
@@ -61,6 +66,8 @@ TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);
+  m.impl("write_latent_cache", &llmkit_cpu::write_latent_cache);
+  m.impl("mla_decode_attention", &llmkit_cpu::mla_decode_attention);
   m.impl("lora_add_", &llmkit_cpu::lora_add_);
   m.impl("lora_embedding_add_", &llmkit_cpu::lora_embedding_add_);
   m.impl("ssm_state_update", &llmkit_cpu::ssm_state_update);

@@ -3,7 +3,9 @@
 Each rounds exactly where the reference's op sequence rounds (RMSNorm, SiLU-and-mul and rotary
 give its bits in float32 and bf16; bf16 decode attention follows SDPA's flash kernel), one call
 instead of several dispatched ops each. ``paged_decode_attention`` reads K/V in place through
-the block table, at any batch size.
+the block table, at any batch size. ``mla_decode_attention`` runs decode-only steps in the
+C++ kernel (one latent row read per token for all heads; float32 sums in another order than the
+reference's) and other steps (prefill chunks) in the torch reference.
 """
 from __future__ import annotations
 
@@ -70,3 +72,28 @@ class CpuNativeOps(ModelOps):
                                soft_cap: float | None = None) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale,
                                                    sliding_window or 0, soft_cap or 0.0)
+
+    def write_latent_cache(self, latent: torch.Tensor, latent_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if (latent.dtype != latent_cache.dtype or latent.dim() != 2 or latent.stride(-1) != 1
+                or not slot_mapping.is_contiguous()):
+            return super().write_latent_cache(latent, latent_cache, slot_mapping)
+        self.kernels.write_latent_cache(latent, latent_cache, slot_mapping)
+
+    def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
+                             latent_cache: torch.Tensor, metadata, scale: float
+                             ) -> torch.Tensor:
+        n = metadata.num_actual_tokens
+        dtype = q_latent.dtype
+        if not (metadata.max_query_len == 1 and metadata.num_reqs == n
+                and dtype in (torch.float32, torch.bfloat16)
+                and q_pe.dtype == dtype and latent_cache.dtype == dtype):
+            return super().mla_decode_attention(q_latent, q_pe, latent_cache, metadata, scale)
+        out = self.kernels.mla_decode_attention(q_latent[:n], q_pe[:n], latent_cache,
+                                                metadata.block_table[:n],
+                                                metadata.seq_lens[:n], scale)
+        if n == q_latent.shape[0]:
+            return out
+        padded = q_latent.new_zeros(q_latent.shape)  # a padded step's extra rows: 0
+        padded[:n] = out
+        return padded

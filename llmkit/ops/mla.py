@@ -80,7 +80,7 @@ def mla_decode_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor,
     device = q_latent.device
     if metadata.max_query_len == 1 and metadata.num_reqs == n:
         # Every block of each row's table, masked past its length (no host sync).
-        table = metadata.block_table[:n].long()
+        table = metadata.block_table[:n].to(device).long()
         nb = table.shape[1]
         pos = torch.arange(nb * bs, device=device)
         slots = (table[:, pos // bs] * bs + pos % bs).clamp_(0, flat.shape[0] - 1)

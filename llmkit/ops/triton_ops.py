@@ -45,3 +45,47 @@ class TritonOps(ModelOps):
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   expert_map: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)
+
+    def write_latent_cache(self, latent: torch.Tensor, latent_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if latent.dtype != latent_cache.dtype or latent.stride(-1) != 1:
+            return super().write_latent_cache(latent, latent_cache, slot_mapping)
+        kernels.write_latent_cache(latent, latent_cache, slot_mapping)
+
+    def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
+                             latent_cache: torch.Tensor, metadata, scale: float
+                             ) -> torch.Tensor:
+        # Decode-only steps in the kernel; prefill chunks (several causal queries per request)
+        # in the reference.
+        n = metadata.num_actual_tokens
+        if not (metadata.max_query_len == 1 and metadata.num_reqs == n
+                and q_pe.dtype == q_latent.dtype == latent_cache.dtype):
+            return super().mla_decode_attention(q_latent, q_pe, latent_cache, metadata, scale)
+        out = torch.zeros_like(q_latent)  # a padded step's extra rows: 0
+        if n == 0:
+            return out
+        splits = 1
+        if q_latent.is_cuda:
+            sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
+            splits = kernels.default_num_splits(n, -(-q_latent.shape[1] // 16),
+                                                max(metadata.max_seq_len, 1),
+                                                target_programs=2 * sms)
+        block_table, seq_lens = _on_device(metadata, latent_cache.device)
+        kernels.mla_decode_attention(q_latent[:n], q_pe[:n], latent_cache, block_table[:n],
+                                     seq_lens[:n], scale, num_splits=splits, out=out[:n])
+        return out
+
+
+def _on_device(metadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's block table and lengths on the cache's device: the runner builds them on the
+    host; moved once per step where the metadata keeps derived data (the Triton backend's),
+    else per layer."""
+    derived = getattr(metadata, "derived", None)
+    key = ("mla_tables", str(device))
+    if derived is not None and key in derived:
+        return derived[key]
+    tables = (metadata.block_table.to(device, non_blocking=True),
+              metadata.seq_lens.to(device, non_blocking=True))
+    if derived is not None:
+        derived[key] = tables
+    return tables
