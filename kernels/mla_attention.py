@@ -47,9 +47,10 @@ def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor,
 def write_latent_cache_ref(latent: torch.Tensor, latent_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
     """Torch reference of :func:`write_latent_cache`."""
-    from llmkit.ops.mla import write_latent_cache as reference
-
-    reference(latent, latent_cache, slot_mapping)
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    keep = slot_mapping >= 0
+    rows = latent[:slot_mapping.shape[0]][keep]
+    flat.index_copy_(0, slot_mapping[keep].long(), rows.to(flat.dtype))
 
 
 @jit

@@ -304,3 +304,13 @@ def test_triton_ops_write_and_decode_steps(interpret):
     assert launches["_mla_decode_kernel"] == 0
     torch.testing.assert_close(out.cpu(), ModelOps().mla_decode_attention(q_latent, q_pe, cache,
                                                                           md, SCALE))
+
+
+def test_triton_write_reference_matches_the_ops_reference():
+    from llmkit.kernels.mla_attention import write_latent_cache_ref
+
+    latent, slots = torch.randn(4, DIM), torch.tensor([2, -1, 7, 0])
+    got, want = torch.zeros(2, 4, DIM), torch.zeros(2, 4, DIM)
+    write_latent_cache_ref(latent, got, slots)
+    ModelOps().write_latent_cache(latent, want, slots)
+    assert torch.equal(got, want)
