@@ -140,8 +140,8 @@ class ModelOps:
         into ``latent_cache [num_blocks, block_size, latent_dim]`` at ``slot_mapping [n]``
         (flat slot ``block * block_size + offset``; -1 = skip; rows ``n..T`` of ``latent`` are
         not read), cast to the cache's dtype. A quantized cache is refused (``ConfigError``
-        naming ``kv_cache.cache_dtype``; ``llmkit.ops.mla.check_mla_cache_dtype`` says so at
-        start-up)."""
+        naming ``kv_cache.cache_dtype``; at start-up ``worker.kv_cache_setup.plan_kv_cache``
+        refuses it for an MLA model)."""
         write_latent_cache(latent, latent_cache, slot_mapping)
 
     def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
