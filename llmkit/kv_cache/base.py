@@ -80,6 +80,10 @@ class KVCacheManagerBase(ABC):
     #: Whether block ids travel per group (tuples of lists): the hybrid manager's protocol,
     #: also with one group (a model whose every layer slides).
     grouped_block_ids: bool = False
+    #: Whether a request refused blocks for a long prefill chunk may still get them for a
+    #: shorter one even with nothing else running: a sliding-window group holds the blocks of
+    #: its window plus the chunk, and frees the rest as the prompt advances.
+    smaller_chunks_may_fit: bool = False
     #: The one group's spec in words (``groups.spec_label``), for per-group metrics.
     group_label: str = "full"
 

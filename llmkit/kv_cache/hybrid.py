@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
-from llmkit.attention.kv_spec import RecurrentStateSpec
+from llmkit.attention.kv_spec import RecurrentStateSpec, SlidingWindowSpec
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
 from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
@@ -77,6 +77,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
         self._lookup_order = sorted(range(len(groups)),
                                     key=lambda i: type(self.managers[i]) is not GroupManager)
         self.labels = tuple(f"{i}:{g.label}" for i, g in enumerate(groups))
+        self.smaller_chunks_may_fit = any(isinstance(g.spec, SlidingWindowSpec) for g in groups)
         self._holding: set[str] = set()
         self._lookup_pending: Request | None = None
         self._num_lookups = self._num_queries = self._num_hits = 0

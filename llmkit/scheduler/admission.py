@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import NewRequestData
 from llmkit.scheduler.hooks import ADMIT, PASS_OVER_AND_STOP
+from llmkit.scheduler.running_phase import shorter_chunk
 
 if TYPE_CHECKING:
     from llmkit.scheduler.token_budget import TokenBudgetScheduler
@@ -70,10 +71,16 @@ def admit_waiting(sched: TokenBudgetScheduler, budget: int, num_scheduled: dict[
                                        new_computed_blocks=computed_blocks,
                                        num_new_computed_tokens=num_hit,
                                        delay_cache_blocks=load_async)
+        alone = not running and not num_scheduled and not any(b() for b in hooks.busy)
+        if (new_blocks is None and alone and kv.smaller_chunks_may_fit
+                and cfg.enable_chunked_prefill and not load_async and not num_ext and n > 1):
+            n, new_blocks = shorter_chunk(kv, req, n, cfg.num_lookahead_tokens,
+                                          new_computed_blocks=computed_blocks,
+                                          num_new_computed_tokens=num_hit)
         if new_blocks is None:
             for hook in hooks.not_scheduled:
                 hook(req)
-            if not running and not num_scheduled and not any(b() for b in hooks.busy):
+            if alone:
                 # Nothing runs that could free blocks: this request can never fit.
                 waiting.pop()
                 _refuse(sched, req)

@@ -25,10 +25,8 @@ class KVGroupUsage:
 
     def __call__(self) -> dict[str, float]:
         kv = self.kv
-        by_group = getattr(kv, "kv_usage_by_group", None)
-        if by_group is None:  # a manager without groups: one group of full attention
-            return {"0:full": kv.usage}
-        if getattr(kv, "num_groups", 1) <= 1:
+        by_group = kv.kv_usage_by_group
+        if kv.num_groups <= 1:
             return by_group()
         now = self.clock()
         if now - self._at >= MIN_INTERVAL_S:

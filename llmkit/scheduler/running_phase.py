@@ -11,6 +11,7 @@ from llmkit.scheduler.base import CachedRequestData
 from llmkit.scheduler.policies import pick_victim
 
 if TYPE_CHECKING:
+    from llmkit.kv_cache.base import KVCacheManagerBase
     from llmkit.kv_cache.blocks import KVCacheBlock
     from llmkit.scheduler.token_budget import TokenBudgetScheduler
 
@@ -35,7 +36,8 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
     c_ids, c_blocks = cached.req_ids, cached.new_block_ids
     c_computed, c_offsets = cached.num_computed_tokens, cached.block_ids_offset
     # the hybrid manager's ids: one list (and one offset) per KV-cache group
-    grouped = getattr(kv, "grouped_block_ids", False)
+    grouped = kv.grouped_block_ids
+    shrink = kv.smaller_chunks_may_fit and sched.config.enable_chunked_prefill
     num_running = 0
     i = 0
     while i < len(running) and budget > 0 and num_running < max_running:
@@ -62,6 +64,8 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
         for ext in extra:
             n += ext(req, n, budget)
         new_blocks = allocate(req, n, lookahead)
+        if new_blocks is None and shrink and 1 < n <= len(req.all_token_ids) - computed:
+            n, new_blocks = shorter_chunk(kv, req, n, lookahead)
         if new_blocks is None:
             new_blocks = _make_room(sched, req, n, lookahead, i, preempted_ids)
             if new_blocks is None:
@@ -87,6 +91,21 @@ def schedule_running(sched: TokenBudgetScheduler, budget: int,
         num_running += 1
         i += 1
     return budget
+
+
+def shorter_chunk(kv: KVCacheManagerBase, req: Request, n: int, lookahead: int, **computed_hit
+                  ) -> tuple[int, list[KVCacheBlock] | None]:
+    """The longest chunk of ``req``'s next ``n`` tokens (halving) that gets blocks, and its
+    blocks; ``(n, None)`` if not even one token does. For managers whose blocks for a chunk
+    shrink with it (``smaller_chunks_may_fit``): a prompt longer than a window's share of the
+    pool still runs, a chunk at a time, instead of being refused."""
+    m = n // 2
+    while m >= 1:
+        blocks = kv.allocate_slots(req, m, lookahead, **computed_hit)
+        if blocks is not None:
+            return m, blocks
+        m //= 2
+    return n, None
 
 
 def _make_room(sched: TokenBudgetScheduler, req: Request, n: int, lookahead: int, i: int,
