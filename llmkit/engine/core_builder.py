@@ -133,7 +133,7 @@ def build_scheduler(config: EngineConfig, executor: Executor, kv: KVCacheManager
     """The configured scheduler, with the keyword arguments its features need."""
     sched_cls = SCHEDULERS.resolve(config.scheduler.name, config.scheduler.target)
     kwargs: dict[str, Any] = {}
-    if getattr(sched_cls, "serves_slo", False):
+    if sched_cls.serves_slo:
         kwargs.update(slo=config.slo, step_time=slo_step_time(config, executor, model_source))
     if config.speculative.name == "eagle":
         kwargs["drop_last_cached_block"] = True

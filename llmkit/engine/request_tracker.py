@@ -19,7 +19,8 @@ from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_proc import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
 from llmkit.engine.stat_logger import StatLogger
-from llmkit.outputs import EngineCoreOutput, RequestOutput, is_slo_rejection
+from llmkit.outputs import (EmbeddingRequestOutput, EngineCoreOutput, RequestOutput,
+                            is_slo_rejection)
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["RequestStream", "RequestTracker"]
@@ -39,9 +40,11 @@ class SLORejectedError(ValueError):
     predicted to miss its SLO. The message says why; the server answers 429."""
 
 
-def _slo_rejection(ro: RequestOutput) -> SLORejectedError | None:
+def _slo_rejection(ro: RequestOutput | EmbeddingRequestOutput) -> SLORejectedError | None:
     """A finished output whose every sample the SLO scheduler refused, as the error its stream
-    raises (None otherwise)."""
+    raises (None otherwise). A pooling request's output holds one embedding, no samples."""
+    if not isinstance(ro, RequestOutput):
+        return None
     if ro.outputs and all(is_slo_rejection(c.finish_reason, c.stop_reason) and not c.token_ids
                           for c in ro.outputs):
         return SLORejectedError(str(ro.outputs[0].stop_reason))

@@ -187,6 +187,9 @@ class Scheduler(ABC):
     #: Whether the constructor takes ``max_loras`` and ``max_lora_skips`` (a step's adapters
     #: kept within the LoRA slots); the engine refuses ``lora.enabled`` otherwise.
     supports_lora: ClassVar[bool] = False
+    #: Whether the constructor takes ``slo`` (the ``slo.*`` objectives) and ``step_time`` (the
+    #: cost model's step-time prediction): an SLO-aware scheduler.
+    serves_slo: ClassVar[bool] = False
 
     @abstractmethod
     def add_request(self, request: Request) -> None: ...

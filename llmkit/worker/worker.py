@@ -160,7 +160,7 @@ class Worker:
                 not times_steps
             self.runner.compile_missing_graphs = config.compilation.compile_missing or \
                 times_steps
-        elif config.compilation.mode == "graphs":
+        elif config.compilation.mode == "graphs" and not single:
             logger.warning("compilation.mode=graphs: step graphs are not built under tensor or "
                            "pipeline parallel yet (their collectives, sends and receives); "
                            "rank %d runs every step eagerly", pp.global_rank(pp.rank))
