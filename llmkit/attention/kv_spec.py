@@ -8,6 +8,7 @@ which both read them).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from math import prod
 
@@ -19,15 +20,15 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class KVCacheSpec:
+class KVCacheSpec(ABC):
     """A layer's per-request state. ``page_bytes`` is one block's bytes in this layer."""
 
-    def page_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def page_bytes(self, block_size: int, dtype: torch.dtype) -> int: ...
 
+    @abstractmethod
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one more token of context costs (0 for a fixed-size state)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True, slots=True)

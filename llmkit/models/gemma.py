@@ -10,6 +10,8 @@ q/k norms and a rope base of its own for the sliding layers.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch import nn
 
@@ -224,9 +226,9 @@ class GemmaForCausalLM(CausalLM):
     def attn_soft_cap(self, config) -> float | None:
         return None
 
+    @abstractmethod
     def rope_by_type(self, config) -> dict[str, tuple[torch.Tensor, float]]:
         """``{layer kind: (inv_freq, attention_scaling)}``."""
-        raise NotImplementedError
 
     # -- the interface ---------------------------------------------------------------------
     def kv_cache_specs(self) -> list[KVCacheSpec]:
