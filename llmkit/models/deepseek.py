@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmkit.attention.base import AttentionMetadata
-from llmkit.attention.kv_spec import KVCacheSpec
+from llmkit.attention.kv_spec import KVCacheSpec, MLASpec
 from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.models.base import ModelContext
 from llmkit.models.layers.embedding import VocabEmbedding
@@ -205,8 +205,10 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         spec = attn.kv_cache_spec()
         # the runner's per-layer facts: the expanded form caches every head; the latent one
         # row per token (as one "head" of latent_dim, for code that reads these fields)
-        self.num_kv_heads = getattr(spec, "num_kv_heads", 1)
-        self.head_dim = getattr(spec, "head_dim", None) or spec.latent_dim
+        if isinstance(spec, MLASpec):
+            self.num_kv_heads, self.head_dim = 1, spec.latent_dim
+        else:
+            self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
         self._interleaved = interleaved_rope(hf_config)
 
     def build_model(self, config, prefix: str, ctx: ModelContext) -> nn.Module:
