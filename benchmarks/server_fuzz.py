@@ -2,7 +2,8 @@
 
 ``fuzz_server(base_url, api_key, examples_per_operation)`` generates requests for each
 operation of ``/openapi.json`` — valid ones (``positive``) and ones that break the schema
-(``negative``) — sends them, and checks every answer (``seed`` fixes what is generated):
+(``negative``), after the examples the schema itself declares (every one, so each operation
+gets at least its documented valid request whatever hypothesis draws) — sends them, and checks every answer (``seed`` fixes what is generated):
 
 - no 5xx (``not_a_server_error``);
 - the status code is one the schema declares, the content type too, and a body that the schema
@@ -106,13 +107,17 @@ def fuzz_server(base_url: str, api_key: str | None, examples_per_operation: int,
     if paths is not None:  # only these paths' operations
         operations = [op for op in operations if op.path in paths]
     for op in operations:
-        for mode_name in modes:
-            mode = GenerationMode(mode_name)
-            strategy = op.as_strategy(generation_mode=mode)
-            label = f"{op.method.upper()} {op.path}"
+        label = f"{op.method.upper()} {op.path}"
+        runs = []
+        if "positive" in modes:  # the schema's own examples, each sent once
+            runs += [(f"{label} (example)", st, 1) for st in
+                     schema.get_strategies_from_examples(op)]
+        runs += [(f"{label} ({m})", op.as_strategy(generation_mode=GenerationMode(m)),
+                  examples_per_operation) for m in modes]
+        for run_label, strategy, max_examples in runs:
 
             @hyp_seed(seed)
-            @settings(max_examples=examples_per_operation, deadline=None, database=None,
+            @settings(max_examples=max_examples, deadline=None, database=None,
                       phases=[Phase.generate], derandomize=False,
                       suppress_health_check=list(HealthCheck))
             @given(case=strategy)
@@ -153,7 +158,7 @@ def fuzz_server(base_url: str, api_key: str | None, examples_per_operation: int,
             try:
                 run()
             except Unsatisfiable:  # no invalid request exists (no parameters, no body)
-                report.skipped.append(f"{label} ({mode_name})")
+                report.skipped.append(run_label)
     report.duration_s = time.monotonic() - start
     return report
 

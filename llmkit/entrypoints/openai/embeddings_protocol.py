@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from llmkit.entrypoints.openai.protocol import _Request, _Response
 
@@ -16,6 +16,8 @@ class EmbeddingRequest(_Request):
     ``encoding_format``: ``float`` lists or ``base64`` (little-endian float32 bytes, what the
     official client asks for by default); ``dimensions``: truncate to this many (Matryoshka
     models only)."""
+    # An example in the OpenAPI schema: docs show it, and the server fuzz sends it first.
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "The food was good."}]})
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None

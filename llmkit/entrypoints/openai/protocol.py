@@ -161,6 +161,9 @@ class SamplingFields(_Request):
 # --------------------------------------------------------------------------- completions
 
 class CompletionRequest(SamplingFields):
+    # An example in the OpenAPI schema: docs show it, and the server fuzz sends it first.
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 8}]})
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -303,6 +306,8 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
