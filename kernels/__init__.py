@@ -33,6 +33,25 @@ from __future__ import annotations
 
 import importlib
 
+if __name__ == "kernels":
+    # This folder is llmkit.kernels. Python finds it under the top-level name ``kernels`` only
+    # when a clone's root is on sys.path (``python -m ...`` started there), and that name belongs
+    # to the hub's ``kernels`` package, which transformers >= 5.25 imports: hand the import over
+    # to it (or fail as if this folder were not there).
+    import os
+    import sys
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = PathFinder.find_spec("kernels", [p for p in sys.path
+                                             if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this folder is llmkit.kernels)",
+                                  name="kernels")
+    sys.modules["kernels"] = _hub = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_hub)
+
 from llmkit.kernels._jit import (KernelLaunchError, count_launches, interpreter_enabled,
                                  launch_counts, unavailable_reason)
 
