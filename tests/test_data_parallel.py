@@ -22,10 +22,10 @@ from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import EngineDeadError
-from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
+from llmkit.engine.dp.placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
-from llmkit.engine.dp_router import DPRouter, prefix_keys
-from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.engine.dp.router import DPRouter, prefix_keys
+from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.sampling.params import StructuredOutputsParams
 from llmkit.scheduler.base import SchedulerStats, SpecDecodeStats
 

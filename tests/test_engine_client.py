@@ -12,8 +12,8 @@ import pytest
 from llmkit.engine.client import EngineClient, EngineProcessClient, SteppedEngineClient
 from llmkit.engine.core import EngineCore
 from llmkit.engine.core_client import MPClient
-from llmkit.engine.dp_client import DPClient
-from llmkit.engine.dp_engine import DataParallelEngine
+from llmkit.engine.dp.client import DPClient
+from llmkit.engine.dp.engine import DataParallelEngine
 
 
 def protocol_members(proto: type) -> dict[str, object]:

@@ -3,7 +3,7 @@
 on the real engine core (executor=sim: no weights) and on a stand-in manager with two groups."""
 from __future__ import annotations
 
-from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.engine.step_summary import StepSummaryPublisher
 from llmkit.entrypoints.metrics import ServerMetrics
 from llmkit.request import Request

@@ -32,7 +32,7 @@ routes the engine's outputs to each request's ``RequestStream`` (the same module
 
 Data parallel (``parallel.data_parallel_size = N``): ``engine_core`` is a ``DPClient`` of N
 engine core processes; each request (all its ``n`` samples) goes to the core its router picks
-and stays there (``dp_client.py``, ``dp_router.py``); the stats are summed over the cores. A
+and stays there (``dp/client.py``, ``dp/router.py``); the stats are summed over the cores. A
 core that dies fails only its own requests in flight; the engine then counts as dead (503)
 until ``restart_engine_core`` has replaced the dead core(s).
 
@@ -56,7 +56,7 @@ from llmkit.engine.beam_search import (BeamSearchParams, first_logprobs, run_bea
 from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
                                        start_engine_core)
-from llmkit.engine.dp_client import DPClient, start_engine_cores
+from llmkit.engine.dp.client import DPClient, start_engine_cores
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind

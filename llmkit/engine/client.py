@@ -5,8 +5,8 @@ An engine is reached in one of three ways, all behind ``EngineClient``:
 
 - in this process: ``EngineCore`` itself (no forwarding layer), stepped by the caller;
 - one engine core process: ``MPClient`` (``core_client``), over ZMQ;
-- several (data parallel): ``DPClient`` (``dp_client``) over N ``MPClient``s, and for the
-  offline ``LLM`` ``DataParallelEngine`` (``dp_engine``), which steps a ``DPClient``.
+- several (data parallel): ``DPClient`` (``dp.client``) over N ``MPClient``s, and for the
+  offline ``LLM`` ``DataParallelEngine`` (``dp.engine``), which steps a ``DPClient``.
 
 The two refinements differ in who runs the loop. A ``SteppedEngineClient`` runs when the caller
 calls ``step()`` and answers with the outputs (``LLM``: ``EngineCore``,

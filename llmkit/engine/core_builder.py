@@ -57,7 +57,7 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
     if config.parallel.data_parallel_size > 1:
         raise ConfigError("parallel.data_parallel_size", config.parallel.data_parallel_size,
                           "1 for one EngineCore (several engine cores run behind LLM, "
-                          "AsyncLLM and llmkit serve: llmkit.engine.dp_client)")
+                          "AsyncLLM and llmkit serve: llmkit.engine.dp.client)")
     platform = resolve_platform(config.platform)
     platform.apply_runtime_settings()
     model_source = executor_kwargs.get("model_source")

@@ -40,7 +40,7 @@ from llmkit.executor.worker_launch import hide_main_if_needed
 from llmkit.facts import ModelFacts
 
 if TYPE_CHECKING:
-    from llmkit.engine.dp_placement import CorePlacement
+    from llmkit.engine.dp.placement import CorePlacement
 
 logger = logging.getLogger(__name__)
 
@@ -465,5 +465,5 @@ def start_engine_core(config: EngineConfig) -> MPClient:
     """Start the engine process for ``config`` without waiting for it to be ready (call
     ``wait_ready``, or hand it to ``AsyncLLM.from_config(..., engine_core=...)``). The engine
     gets the resolved model path: a preset is fetched once, here. (Several data-parallel
-    engine cores: ``llmkit.engine.dp_client.start_engine_cores``.)"""
+    engine cores: ``llmkit.engine.dp.client.start_engine_cores``.)"""
     return MPClient(with_resolved_model(config), wait=False)

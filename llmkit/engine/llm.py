@@ -53,8 +53,8 @@ class LLM:
         self.config = config
         self.engine: SteppedEngineClient
         if config.parallel.data_parallel_size > 1:
-            # N engine core processes behind a router (dp_engine.py).
-            from llmkit.engine.dp_engine import DataParallelEngine
+            # N engine core processes behind a router (dp/engine.py).
+            from llmkit.engine.dp.engine import DataParallelEngine
             self.engine = DataParallelEngine(config)
         else:
             core = EngineCore(config, model_source=model.source)

@@ -105,7 +105,7 @@ def run_server(config: EngineConfig) -> int:
     port = sock.getsockname()[1]
     # Start the engine process first: it imports torch and loads the model while this
     # process imports the web stack and loads the tokenizer.
-    from llmkit.engine.dp_client import start_engine_cores
+    from llmkit.engine.dp.client import start_engine_cores
 
     try:
         engine_core = start_engine_cores(config)

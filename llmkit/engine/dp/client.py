@@ -2,16 +2,16 @@
 DPLBAsyncMPClient, with its coordinator's load counts taken from each core's own stats).
 
 Each engine core is an ``MPClient`` (its own process, executor, KV pool and scheduler, placed
-on its share of the machine by ``dp_placement``). ``DPClient`` has ``MPClient``'s interface,
-so ``AsyncLLM`` (and through it ``llmkit serve``) and the offline ``LLM`` (``dp_engine``) drive
+on its share of the machine by ``placement``). ``DPClient`` has ``MPClient``'s interface,
+so ``AsyncLLM`` (and through it ``llmkit serve``) and the offline ``LLM`` (``engine``) drive
 N cores as they drive one:
 
 - a new user request (all its ``n`` samples together) goes to the core ``DPRouter`` picks
-  (load, prefix affinity, fallback: ``dp_router``); everything else about it — aborts,
+  (load, prefix affinity, fallback: ``router``); everything else about it — aborts,
   stop-string aborts, its outputs, its structured-output grammar, its LoRA adapter — stays with
   that core;
 - outputs from every core reach the one ``on_message`` handler, their stats replaced by the
-  sum over the cores (``dp_stats``); ``per_core_stats`` keeps each core's latest;
+  sum over the cores (``stats``); ``per_core_stats`` keeps each core's latest;
 - LoRA utility calls go to every core (each loads the adapter); the live view's step summaries
   and snapshots are engine core 0's;
 - a core that dies fails the requests it owned (``on_requests_lost``, else ``on_death``) with an
@@ -31,10 +31,10 @@ from llmkit.engine.core_client import (EncodedRequests, EngineCoreHandlers, Engi
                                        EngineStartupError, MPClient, start_engine_core,
                                        with_resolved_model)
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, EngineReady
-from llmkit.engine.dp_placement import (CorePlacement, check_data_parallel_config,
+from llmkit.engine.dp.placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
-from llmkit.engine.dp_router import DPRouter, prefix_keys
-from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.engine.dp.router import DPRouter, prefix_keys
+from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.scheduler.base import SchedulerStats
 
 __all__ = ["DPClient", "start_engine_cores"]

@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_client import EngineDeadError, with_resolved_model
 from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
-from llmkit.engine.dp_client import DPClient
-from llmkit.engine.dp_stats import combine_scheduler_stats
+from llmkit.engine.dp.client import DPClient
+from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.facts import ModelFacts
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import EngineCoreOutput
@@ -137,7 +137,7 @@ class DataParallelEngine:
         return out
 
     def stats(self) -> SchedulerStats:
-        """The sum of the cores' latest stats (``dp_stats``)."""
+        """The sum of the cores' latest stats (``stats``)."""
         combined = combine_scheduler_stats(self.client.per_core_stats, self.client.num_blocks)
         return combined or SchedulerStats(0, 0, 0.0, 0, 0, 0)
 
