@@ -9,7 +9,7 @@ import json
 import pytest
 
 from llmkit import LLM, SamplingParams
-from llmkit.engine.step_trace import StepTrace
+from llmkit.engine.observe.step_trace import StepTrace
 from llmkit.entrypoints import cli
 from llmkit.tools.bench.hf_baseline import load_hf_model, make_batches, run_hf_generate
 

@@ -1,12 +1,12 @@
-"""The engine core's public observer API and facts (``llmkit/engine/observer.py``): what tools
-see of each step without reaching into the scheduler or the executor."""
+"""The engine core's public observer API and facts (``llmkit/engine/observe/observer.py``):
+what tools see of each step without reaching into the scheduler or the executor."""
 from __future__ import annotations
 
 import pytest
 
 from llmkit import LLM, SamplingParams
 from llmkit.engine import core as core_module
-from llmkit.engine.observer import BatchSplit, StepEvent
+from llmkit.engine.observe.observer import BatchSplit, StepEvent
 
 
 class Collect:

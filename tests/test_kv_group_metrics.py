@@ -4,7 +4,7 @@ on the real engine core (executor=sim: no weights) and on a stand-in manager wit
 from __future__ import annotations
 
 from llmkit.engine.dp.stats import combine_scheduler_stats
-from llmkit.engine.step_summary import StepSummaryPublisher
+from llmkit.engine.observe.step_summary import StepSummaryPublisher
 from llmkit.entrypoints.metrics import ServerMetrics
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams

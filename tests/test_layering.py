@@ -73,7 +73,7 @@ ONLY = {
 # party's executor would). A module, or a package with everything under it (``.*``).
 TOOLS_PUBLIC = {
     "llmkit.config.*", "llmkit.outputs", "llmkit.sampling.params", "llmkit.lora.request",
-    "llmkit.engine.llm", "llmkit.engine.observer", "llmkit.engine.step_trace",
+    "llmkit.engine.llm", "llmkit.engine.observe.observer", "llmkit.engine.observe.step_trace",
     "llmkit.executor.base", "llmkit.scheduler.base", "llmkit.cost_model.*",
 }
 

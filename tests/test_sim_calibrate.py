@@ -97,7 +97,7 @@ def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
     them at, R the tokens/s streamed lately, gives back c."""
     from llmkit.cost_model.hardware import HardwareProfile
     from llmkit.cost_model.step_cost import CostModel, SeqWork
-    from llmkit.engine.step_trace import StepRecord, StepTrace
+    from llmkit.engine.observe.step_trace import StepRecord, StepTrace
     from llmkit.tools.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
 
     c = 1.5e-3

@@ -725,7 +725,7 @@ def test_bench_and_step_trace_report_speculation(model_dir, succ_dir, tmp_path, 
     import json
     from pathlib import Path
 
-    from llmkit.engine.step_trace import StepTrace
+    from llmkit.engine.observe.step_trace import StepTrace
     from llmkit.entrypoints import cli
 
     data = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "copy_prompts.jsonl"

@@ -37,8 +37,8 @@ core that dies fails only its own requests in flight; the engine then counts as 
 until ``restart_engine_core`` has replaced the dead core(s).
 
 Live views: ``step_feed`` (an ``EngineStepFeed``) keeps the engine core's per-step summaries
-(``step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its state now,
-with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
+(``observe/step_summary.py``); ``await engine_snapshot(check_kv=True)`` asks the core for its
+state now, with a KV-cache integrity check. ``await restart_engine_core()`` replaces a dead engine core
 process with a new one (the server does it when ``server.restart_engine`` is set).
 """
 from __future__ import annotations
@@ -61,10 +61,10 @@ from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode
 from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_tracker import RequestStream, RequestTracker, SLORejectedError
-from llmkit.engine.stat_logger import StatLogger
+from llmkit.engine.observe.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
-from llmkit.engine.step_feed import EngineStepFeed
-from llmkit.engine.step_summary import EngineStepSummary
+from llmkit.engine.observe.step_feed import EngineStepFeed
+from llmkit.engine.observe.step_summary import EngineStepSummary
 from llmkit.outputs import EmbeddingRequestOutput, RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.core_builder import build_core_parts
-from llmkit.engine.observer import (KVState, RequestState, StepEvent, StepObserver,
-                                    split_prefill_decode)
-from llmkit.engine.step_trace import StepTrace
+from llmkit.engine.observe.observer import (KVState, RequestState, StepEvent, StepObserver,
+                                            split_prefill_decode)
+from llmkit.engine.observe.step_trace import StepTrace
 from llmkit.executor import BackendInfo, Executor, ModelFacts
 from llmkit.executor.base import DoneFuture, StepFuture
 from llmkit.lora.adapters import AdapterTable, configured_adapters
@@ -90,7 +90,7 @@ class EngineCore:
         if trace is not None:
             self.add_step_observer(trace)
 
-    # -- public facts and the observer API (llmkit/engine/observer.py) ---------------------
+    # -- public facts and the observer API (llmkit/engine/observe/observer.py) -------------
     @property
     def model_facts(self) -> ModelFacts:
         """The served model's limits: max_model_len, vocab_size, EOS ids."""

@@ -35,7 +35,7 @@ from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreO
                                      EngineCoreRequest, EngineFailed, EngineMessage,
                                      EngineReady, ShutdownEngine, UtilityCall, UtilityResult,
                                      decode_sampling_params, make_encoder, run_engine_core)
-from llmkit.engine.step_summary import EngineSnapshotQuery, EngineStepSummary
+from llmkit.engine.observe.step_summary import EngineSnapshotQuery, EngineStepSummary
 from llmkit.executor.worker_launch import hide_main_if_needed
 from llmkit.facts import ModelFacts
 

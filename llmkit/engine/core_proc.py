@@ -14,7 +14,7 @@ flight and runs one ``EngineCore.step`` per turn; while idle it blocks on the in
 1 s timeout, to notice a dead parent), so an idle engine burns no CPU. Every batch of outputs
 carries the scheduler's stats snapshot (running, waiting, KV usage, prefix-cache counters,
 preemptions), and an abort is answered with one at once, so the API process sees freed blocks.
-Per-step summaries for live views (``step_summary.py``) go out at most
+Per-step summaries for live views (``observe/step_summary.py``) go out at most
 ``server.engine_events_per_s`` times a second, and once more when the engine goes idle; an
 ``EngineSnapshotQuery`` is answered between steps.
 The process exits when told to, on SIGTERM, or when its parent dies; it ignores SIGINT (a
@@ -35,8 +35,8 @@ import msgspec
 import zmq
 
 from llmkit.multimodal.base import MultiModalFeatureSpec
-from llmkit.engine.step_summary import (EngineSnapshotQuery, EngineStepSummary,
-                                        StepSummaryPublisher)
+from llmkit.engine.observe.step_summary import (EngineSnapshotQuery, EngineStepSummary,
+                                                StepSummaryPublisher)
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import EngineCoreOutput
 from llmkit.sampling.params import SamplingParams

@@ -18,7 +18,7 @@ from typing import Protocol
 from llmkit.engine.client import EngineProcessClient
 from llmkit.engine.core_proc import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
-from llmkit.engine.stat_logger import StatLogger
+from llmkit.engine.observe.stat_logger import StatLogger
 from llmkit.outputs import (EmbeddingRequestOutput, EngineCoreOutput, RequestOutput,
                             is_slo_rejection)
 from llmkit.scheduler.base import SchedulerStats

@@ -4,7 +4,8 @@ workload and an SLO, searched in the simulator), ``eval`` (perplexity) and ``pro
 of disaggregated serving).
 
 They drive the engine from outside, through its public API (``llmkit.engine.llm.LLM``, the
-config, ``SamplingParams``, outputs) and its step observers (``llmkit.engine.observer``); the
-engine imports nothing of them (``tests/test_layering.py`` enforces both). The ``llmkit bench``,
-``sim``, ``plan``, ``eval`` and ``proxy`` commands compose the tools' config root, ``conf/tools/``.
+config, ``SamplingParams``, outputs) and its step observers
+(``llmkit.engine.observe.observer``); the engine imports nothing of them
+(``tests/test_layering.py`` enforces both). The ``llmkit bench``, ``sim``, ``plan``, ``eval`` and
+``proxy`` commands compose the tools' config root, ``conf/tools/``.
 """

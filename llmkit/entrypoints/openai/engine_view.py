@@ -5,7 +5,7 @@ API key like the rest of ``/v1``.
 ``/v1/engine/stats`` answers ``{"engine": {...}, "latest": SUMMARY | null, "recent": [...]}``:
 ``engine`` has ``up``, ``restarting``, ``restarts``, ``pid``, ``num_blocks``, ``block_size``,
 ``max_model_len``, ``events_per_s``; ``latest`` is the engine core's most recent step summary
-(``llmkit/engine/step_summary.py`` defines every field); ``recent`` the last ``history``
+(``llmkit/engine/observe/step_summary.py`` defines every field); ``recent`` the last ``history``
 summaries (0 by default, at most 256). ``?fresh=true`` asks the engine core for its state now
 instead of the latest published step; ``?check_kv=true`` (implies fresh) also runs the KV
 cache's integrity check: ``latest.kv_checked`` is true and ``latest.kv_integrity_error`` is

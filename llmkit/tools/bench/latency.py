@@ -23,7 +23,7 @@ __all__ = ["format_latency", "run_latency"]
 def run_latency(cfg: Any, *, sweep: Mapping[str, Any] | None = None,
                 llm: Any = None) -> dict[str, Any]:
     from llmkit.engine.llm import LLM
-    from llmkit.engine.step_trace import StepTrace
+    from llmkit.engine.observe.step_trace import StepTrace
     from llmkit.sampling.params import SamplingParams
     from llmkit.tools.bench.results import make_result
 

@@ -16,7 +16,7 @@ simulated step stands for) of known shapes, after a warm-up:
 
 Each step's work is read from its ``SchedulerOutput`` as ``executor=sim`` reads it (``q_i`` new
 tokens, context ``c_i`` after the step) and whether it sampled from its ``ModelRunnerOutput``,
-by a step observer on the engine core (``llmkit/engine/observer.py``), which also times it. Steps of one shape are grouped; a group's time is its lower median
+by a step observer on the engine core (``llmkit/engine/observe/observer.py``), which also times it. Steps of one shape are grouped; a group's time is its lower median
 (robust to a neighbour's burst of CPU use on a shared machine).
 """
 from __future__ import annotations

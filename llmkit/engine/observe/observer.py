@@ -8,7 +8,7 @@ every step with a ``StepEvent``: when the step began, how long ``schedule`` / ``
 engine core's thread (in the engine process for a server): they must be quick and must not
 call back into the core's step. A step without observers computes none of this.
 
-The step trace (``observability.trace_file``, ``engine/step_trace.py``), ``bench latency`` and
+The step trace (``observability.trace_file``, ``engine/observe/step_trace.py``), ``bench latency`` and
 ``sim calibrate engine`` are observers; so is anything that wants the step's numbers without
 reaching into the scheduler or the executor.
 """

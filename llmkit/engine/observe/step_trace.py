@@ -9,7 +9,7 @@ The file is written when the engine shuts down (and at interpreter exit); open i
 https://ui.perfetto.dev or chrome://tracing: one track of step slices (each with its numbers as
 args) and counter tracks for tokens, batch size, queue length and KV usage.
 
-A ``StepTrace`` is a step observer (``llmkit/engine/observer.py``): ``EngineCore`` registers
+A ``StepTrace`` is a step observer (``llmkit/engine/observe/observer.py``): ``EngineCore`` registers
 one for ``observability.trace_file``; ``bench latency`` registers one without a file to time
 each step.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.config.schema import ObservabilityConfig
-from llmkit.engine.observer import StepEvent, split_prefill_decode
+from llmkit.engine.observe.observer import StepEvent, split_prefill_decode
 
 # split_prefill_decode lived here before the observer API; it is re-exported for its callers.
 __all__ = ["StepRecord", "StepTrace", "split_prefill_decode"]

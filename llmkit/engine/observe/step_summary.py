@@ -12,7 +12,7 @@ holding a cached prefix), prefix-cache counters, and up to ``MAX_LISTED_REQUESTS
 with the blocks each holds.
 
 ``StepSummaryPublisher`` is the only part that runs inside the engine core: an observer of its
-steps (``engine/observer.py``) that reads the core through its public accessors
+steps (``engine/observe/observer.py``) that reads the core through its public accessors
 (``stats()``, ``request_states()``, ``kv_state()``, ``check_kv_integrity()``).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from llmkit.engine.observer import StepEvent
+from llmkit.engine.observe.observer import StepEvent
 
 __all__ = ["EngineSnapshotQuery", "EngineStepSummary", "MAX_LISTED_REQUESTS", "RequestSummary",
            "StepSummaryPublisher"]

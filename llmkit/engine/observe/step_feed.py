@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from llmkit.engine.step_summary import EngineStepSummary
+from llmkit.engine.observe.step_summary import EngineStepSummary
 
 __all__ = ["EngineStepFeed"]
 
