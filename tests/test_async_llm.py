@@ -21,11 +21,11 @@ from helpers.processes import pid_alive, wait_for  # noqa: E402
 from llmkit import LLM, SamplingParams
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                      RequestOutputKind)
-from llmkit.engine.core_client import InprocClient
-from llmkit.engine.core_proc import (AbortRequests, EngineCoreOutputs, EngineCoreRequest,
-                                     EngineInput, EngineMessage, RequestTiming,
-                                     ShutdownEngine, decode_sampling_params,
-                                     encode_sampling_params, make_encoder)
+from llmkit.engine.process.client import InprocClient
+from llmkit.engine.process.core import (AbortRequests, EngineCoreOutputs, EngineCoreRequest,
+                                        EngineInput, EngineMessage, RequestTiming, ShutdownEngine,
+                                        decode_sampling_params, encode_sampling_params,
+                                        make_encoder)
 from llmkit.outputs import EngineCoreOutput
 from llmkit.scheduler.base import SchedulerStats
 
@@ -108,14 +108,14 @@ def boot(model_dir, tmp_path_factory):
     """Start the module's engine processes first, so that they load while the quick tests
     run: the AsyncLLM's, and one owned by a separate process (for the orphan check)."""
     from llmkit.config.compose import build_config
-    from llmkit.engine.core_client import start_engine_core
+    from llmkit.engine.process.client import start_engine_core
 
     # The owner holds only the engine client (no tokenizer, no torch): a light process.
     script = tmp_path_factory.mktemp("owner") / "owner.py"
     script.write_text(textwrap.dedent(f"""
         import time
         from llmkit.config.compose import build_config
-        from llmkit.engine.core_client import start_engine_core
+        from llmkit.engine.process.client import start_engine_core
         if __name__ == "__main__":
             cfg = build_config({str(model_dir)!r}, dtype="float32",
                                groups={{"kv_cache": {{"num_blocks": 16}},

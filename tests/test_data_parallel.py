@@ -21,7 +21,7 @@ from helpers.processes import pid_alive, wait_for
 from llmkit import LLM, LoRARequest, SamplingParams
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_client import EngineDeadError
+from llmkit.engine.process.client import EngineDeadError
 from llmkit.engine.dp.placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
 from llmkit.engine.dp.router import DPRouter, prefix_keys

@@ -11,7 +11,7 @@ import pytest
 
 from llmkit.engine.client import EngineClient, EngineProcessClient, SteppedEngineClient
 from llmkit.engine.core import EngineCore
-from llmkit.engine.core_client import MPClient
+from llmkit.engine.process.client import MPClient
 from llmkit.engine.dp.client import DPClient
 from llmkit.engine.dp.engine import DataParallelEngine
 

@@ -311,5 +311,5 @@ def test_engine_core_process_module_loads_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, llmkit.engine.core_proc; sys.exit('torch' in sys.modules)"
+    code = "import sys, llmkit.engine.process.core; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

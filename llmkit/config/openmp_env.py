@@ -19,7 +19,7 @@ decides it. Who applies it, always before torch is imported there:
   computes with one thread; the engine-core process it spawns inherits the environment).
 - processes llmkit spawns inherit ``os.environ`` as it is when they start; where the parent may
   lack the policy (an ``LLM`` or ``AsyncLLM`` in a user's own process), the spawner sets it for
-  the child (``openmp_env_for_children``): the engine core (``engine/core_client.py``) and
+  the child (``openmp_env_for_children``): the engine core (``engine/process/client.py``) and
   ``executor=multiproc``'s workers (``executor/multiproc.py``; a spawned child may load torch
   before its target runs, when it re-imports the parent's ``__main__``, so the child itself
   would be too late). Ray's actors get it in their ``runtime_env`` (``wait_policy_env``),

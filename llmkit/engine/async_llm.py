@@ -54,10 +54,10 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.beam_search import (BeamSearchParams, first_logprobs, run_beam_search_async,
                                        start_beam_search)
 from llmkit.engine.client import EngineProcessClient
-from llmkit.engine.core_client import (EngineDeadError, EngineStartupError, MPClient,
-                                       start_engine_core)
+from llmkit.engine.process.client import (EngineDeadError, EngineStartupError, MPClient,
+                                          start_engine_core)
 from llmkit.engine.dp.client import DPClient, start_engine_cores
-from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
+from llmkit.engine.process.core import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_tracker import RequestStream, RequestTracker, SLORejectedError

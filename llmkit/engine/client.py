@@ -4,7 +4,7 @@ against, so that neither probes the object it was handed.
 An engine is reached in one of three ways, all behind ``EngineClient``:
 
 - in this process: ``EngineCore`` itself (no forwarding layer), stepped by the caller;
-- one engine core process: ``MPClient`` (``core_client``), over ZMQ;
+- one engine core process: ``MPClient`` (``process.client``), over ZMQ;
 - several (data parallel): ``DPClient`` (``dp.client``) over N ``MPClient``s, and for the
   offline ``LLM`` ``DataParallelEngine`` (``dp.engine``), which steps a ``DPClient``.
 
@@ -13,7 +13,7 @@ calls ``step()`` and answers with the outputs (``LLM``: ``EngineCore``,
 ``DataParallelEngine``); an ``EngineProcessClient``'s cores run on their own and report through
 handlers called in a reader thread (``AsyncLLM``: ``MPClient``, ``DPClient``).
 ``tests/test_engine_client.py`` checks that each implementation has every member.
-(``core_client.InprocClient`` speaks the process clients' wire types in this process, for
+(``process.client.InprocClient`` speaks the process clients' wire types in this process, for
 tests of those types; no front end drives it.)
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ from llmkit.scheduler.base import SchedulerStats
 
 if TYPE_CHECKING:
     from llmkit.config.schema import EngineConfig
-    from llmkit.engine.core_client import (EncodedRequests, EngineDeadError, OnDeath,
-                                           OnMessage, OnRequestsLost, OnSummary)
-    from llmkit.engine.core_proc import EngineCoreRequest, EngineReady
+    from llmkit.engine.process.client import (EncodedRequests, EngineDeadError, OnDeath, OnMessage,
+                                              OnRequestsLost, OnSummary)
+    from llmkit.engine.process.core import EngineCoreRequest, EngineReady
 
 __all__ = ["EngineClient", "EngineProcessClient", "SteppedEngineClient"]
 
@@ -135,7 +135,7 @@ class EngineProcessClient(EngineClient, Protocol):
         ...
 
     def call_utility(self, method: str, *args) -> concurrent.futures.Future:
-        """Run one of ``core_proc.UTILITY_METHODS`` (LoRA adapters) on the core(s)."""
+        """Run one of ``process.core.UTILITY_METHODS`` (LoRA adapters) on the core(s)."""
         ...
 
     def request_snapshot(self, query_id: int, check_kv: bool = False) -> None:

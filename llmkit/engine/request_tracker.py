@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from llmkit.engine.client import EngineProcessClient
-from llmkit.engine.core_proc import EngineCoreOutputs
+from llmkit.engine.process.core import EngineCoreOutputs
 from llmkit.engine.output_processor import OutputProcessor
 from llmkit.engine.observe.stat_logger import StatLogger
 from llmkit.outputs import (EmbeddingRequestOutput, EngineCoreOutput, RequestOutput,

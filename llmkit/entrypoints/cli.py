@@ -340,7 +340,7 @@ def _cmd_chat(args: CliArgs) -> int:
 def _cmd_serve(args: CliArgs) -> int:
     _no_multirun(args)
     cfg = load_config(args)
-    from llmkit.engine.core_client import EngineStartupError
+    from llmkit.engine.process.client import EngineStartupError
     from llmkit.entrypoints.serve import run_server
 
     try:

@@ -27,10 +27,10 @@ import threading
 from typing import Iterable
 
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_client import (EncodedRequests, EngineCoreHandlers, EngineDeadError,
-                                       EngineStartupError, MPClient, start_engine_core,
-                                       with_resolved_model)
-from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, EngineReady
+from llmkit.engine.process.client import (EncodedRequests, EngineCoreHandlers, EngineDeadError,
+                                          EngineStartupError, MPClient, start_engine_core,
+                                          with_resolved_model)
+from llmkit.engine.process.core import EngineCoreOutputs, EngineCoreRequest, EngineReady
 from llmkit.engine.dp.placement import (CorePlacement, check_data_parallel_config,
                                         core_config, plan_placements)
 from llmkit.engine.dp.router import DPRouter, prefix_keys

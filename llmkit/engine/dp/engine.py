@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_client import EngineDeadError, with_resolved_model
-from llmkit.engine.core_proc import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
+from llmkit.engine.process.client import EngineDeadError, with_resolved_model
+from llmkit.engine.process.core import EngineCoreOutputs, EngineCoreRequest, encode_sampling_params
 from llmkit.engine.dp.client import DPClient
 from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.facts import ModelFacts

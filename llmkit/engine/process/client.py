@@ -3,7 +3,7 @@
 Both take ``EngineCoreRequest``s and abort lists and hand back ``EngineCoreOutputs``:
 
 - ``InprocClient`` wraps an ``EngineCore``; the caller drives it with ``step()``.
-- ``MPClient`` spawns ``core_proc.run_engine_core`` (``multiprocessing`` spawn context) and
+- ``MPClient`` spawns ``core.run_engine_core`` (``multiprocessing`` spawn context) and
   talks to it over two IPC sockets with msgpack. A reader thread blocks on the output socket
   and on the process's sentinel, so it hears of outputs and of the engine's death at once and
   never spins; it hands each message to ``on_message``, and each step summary to
@@ -31,10 +31,10 @@ import zmq
 
 from llmkit.config.openmp_env import likely_cuda, openmp_env_for_children
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_proc import (UTILITY_METHODS, AbortRequests, EngineCoreOutputs,
-                                     EngineCoreRequest, EngineFailed, EngineMessage,
-                                     EngineReady, ShutdownEngine, UtilityCall, UtilityResult,
-                                     decode_sampling_params, make_encoder, run_engine_core)
+from llmkit.engine.process.core import (UTILITY_METHODS, AbortRequests, EngineCoreOutputs,
+                                        EngineCoreRequest, EngineFailed, EngineMessage, EngineReady,
+                                        ShutdownEngine, UtilityCall, UtilityResult,
+                                        decode_sampling_params, make_encoder, run_engine_core)
 from llmkit.engine.observe.step_summary import EngineSnapshotQuery, EngineStepSummary
 from llmkit.executor.worker_launch import hide_main_if_needed
 from llmkit.facts import ModelFacts
