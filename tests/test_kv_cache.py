@@ -18,7 +18,7 @@ from llmkit.kv_cache import (
     PrefixCacheStats,
     hash_block_tokens,
 )
-from llmkit.kv_cache import manager as manager_mod
+from llmkit.kv_cache import hashing as hashing_mod
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
@@ -349,13 +349,13 @@ def test_hashes_identical_across_processes():
 
 def test_block_hashes_are_incremental_and_computed_once(monkeypatch):
     calls = []
-    real = manager_mod.hash_block_tokens_encoded
+    real = hashing_mod.hash_block_tokens_encoded
 
     def counting(parent, ids, extra):
         calls.append(tuple(ids))
         return real(parent, ids, extra)
 
-    monkeypatch.setattr(manager_mod, "hash_block_tokens_encoded", counting)
+    monkeypatch.setattr(hashing_mod, "hash_block_tokens_encoded", counting)
     m = KVCacheManager(num_blocks=16, block_size=4)
     r = make_req("r", list(range(10)))
     admit(m, r)  # prompt of 10: blocks 0, 1 full

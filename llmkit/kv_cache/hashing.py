@@ -67,8 +67,8 @@ def extend_block_hashes(request: Request, n: int, block_size: int) -> list[bytes
     """Extend ``request.block_hashes`` to at least ``n`` entries (those blocks must be full)
     and return it. Append-only and incremental: each block is hashed once in the request's
     lifetime, preemptions included. A request with images keys each block by the images it
-    holds; others key every block by the request's extra keys (LoRA, salt).
-    (``KVCacheManager._ensure_block_hashes`` is this, inlined on the one-group hot path.)"""
+    holds; others key every block by the request's extra keys (LoRA, salt). Every manager
+    hashes through this: one group's blocks or several groups' (each adds its tag)."""
     hashes = request.block_hashes
     i = len(hashes)
     if i >= n:

@@ -24,7 +24,8 @@ from llmkit.kv_cache.group_managers import (GroupManager, RecurrentStateGroup,
                                             SlidingWindowGroup, make_group_manager)
 from llmkit.kv_cache.groups import KVCacheGroup
 from llmkit.kv_cache.hashing import extend_block_hashes
-from llmkit.kv_cache.integrity import check_pool
+from llmkit.kv_cache.integrity import check_pool, count_held
+from llmkit.kv_cache.prefix_counters import PrefixCacheCounters
 
 if TYPE_CHECKING:
     from llmkit.request import Request
@@ -79,10 +80,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
         self.labels = tuple(f"{i}:{g.label}" for i, g in enumerate(groups))
         self.smaller_chunks_may_fit = any(isinstance(g.spec, SlidingWindowSpec) for g in groups)
         self._holding: set[str] = set()
-        self._lookup_pending: Request | None = None
-        self._num_lookups = self._num_queries = self._num_hits = 0
-        self._num_preempted_lookups = self._num_preempted_queries = 0
-        self._num_preempted_hits = 0
+        self.prefix_counters = PrefixCacheCounters()
 
     @property
     def num_groups(self) -> int:
@@ -99,7 +97,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
         if request.request_id in self._holding:
             raise ValueError(f"request {request.request_id!r} already holds blocks; "
                              "get_computed_blocks is for requests being admitted")
-        self._lookup_pending = request
+        self.prefix_counters.pending = request
         n = (request.num_tokens - 1) // self.block_size
         if n <= 0:
             return empty, 0
@@ -168,8 +166,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
         pool = self.block_pool
         if needed and needed > pool.num_free_blocks:
             return None
-        if self._lookup_pending is request:
-            self._count_admission(request, num_new_computed_tokens)
+        counters = self.prefix_counters
+        if counters.pending is request:
+            counters.admitted(request, num_new_computed_tokens)
         if hits is not None:  # every group's hits first: new blocks must not evict them
             for m, hit in zip(managers, hits):
                 m.take_hit(rid, hit)
@@ -184,21 +183,9 @@ class HybridKVCacheManager(KVCacheManagerBase):
                     m.cache(rid, hashes, num_full)
         return new
 
-    def _count_admission(self, request: Request, num_hit: int) -> None:
-        self._lookup_pending = None
-        n = request.num_tokens
-        self._num_lookups += 1
-        self._num_queries += n
-        self._num_hits += num_hit
-        if request.num_preemptions:
-            self._num_preempted_lookups += 1
-            self._num_preempted_queries += n
-            self._num_preempted_hits += num_hit
-
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group, tail first."""
-        if self._lookup_pending is request:
-            self._lookup_pending = None
+        self.prefix_counters.forget(request)
         rid = request.request_id
         self._holding.discard(rid)
         pool = self.block_pool
@@ -270,11 +257,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(requests=self._num_lookups, queries=self._num_queries,
-                                hits=self._num_hits, evictions=self.block_pool.num_evictions,
-                                preempted_requests=self._num_preempted_lookups,
-                                preempted_queries=self._num_preempted_queries,
-                                preempted_hits=self._num_preempted_hits)
+        return self.prefix_counters.snapshot(self.block_pool.num_evictions)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -284,7 +267,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
         no block twice, blocks cached under this group's tag only, null blocks only before a
         window's held blocks (none for full attention), one block per recurrent state; and a
         request holds blocks in every group or in none. O(num_blocks)."""
-        blocks = self.block_pool.blocks
+        pool = self.block_pool
         null = self.null_block
 
         def fail(msg: str) -> None:
@@ -297,10 +280,7 @@ class HybridKVCacheManager(KVCacheManagerBase):
             for rid, req_blocks in m.req_to_blocks.items():
                 if rid not in self._holding:
                     fail(f"group {g}: request {rid!r} holds blocks but is not marked holding")
-                ids = [b.block_id for b in req_blocks if b is not null]
-                if len(set(ids)) != len(ids):
-                    fail(f"group {g}: request {rid!r} holds a block twice: {ids}")
-                num_null = len(req_blocks) - len(ids)
+                num_null = sum(b is null for b in req_blocks)
                 if num_null and not window:
                     fail(f"group {g} ({m.spec}): request {rid!r} holds the null block")
                 if any(b is null for b in req_blocks[num_null:]):
@@ -309,17 +289,11 @@ class HybridKVCacheManager(KVCacheManagerBase):
                     fail(f"group {g} (recurrent state): request {rid!r} holds "
                          f"{len(req_blocks)} blocks, not one")
                 for b in req_blocks[num_null:]:
-                    if not (0 <= b.block_id < len(blocks)) or blocks[b.block_id] is not b:
-                        fail(f"group {g}: request {rid!r} holds {b!r}, not a block of this "
-                             "pool")
                     if b.block_hash is not None and not b.block_hash.endswith(m.tag):
                         fail(f"group {g}: request {rid!r} holds block {b.block_id}, cached "
                              "for another group")
-                refs.update(ids)
-            for rid in m.num_cached:
-                if rid not in m.req_to_blocks:
-                    fail(f"group {g}: request {rid!r} has a cached-block count but no blocks")
+            refs.update(count_held(pool, m.req_to_blocks, m.num_cached, f"group {g}: "))
         for rid in self._holding:
             if not all(rid in m.req_to_blocks for m in self.managers):
                 fail(f"request {rid!r} holds blocks in some KV-cache groups only")
-        check_pool(self.block_pool, refs)
+        check_pool(pool, refs)

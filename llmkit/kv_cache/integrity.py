@@ -1,13 +1,47 @@
-"""The pool-side half of ``check_integrity()``: ref counts against what the requests hold,
-the free lists, pinned blocks and the hash table. Every manager over a ``BlockPool`` (one
-group or several) counts what its requests hold and calls :func:`check_pool`."""
+"""The shared parts of ``check_integrity()``: what the requests of one block table hold
+(:func:`count_held`), and the pool-side half, ref counts against what the requests hold, the
+free lists, pinned blocks and the hash table (:func:`check_pool`). Every manager over a
+``BlockPool`` (one group or several) counts what each of its tables holds, adds the checks of
+its own kind, and calls :func:`check_pool`."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Mapping, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError
 from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
+
+
+def count_held(pool: BlockPool, req_to_blocks: Mapping[str, Sequence[KVCacheBlock]],
+               num_cached: Mapping[str, int], where: str = "") -> Counter[int]:
+    """The references per block id that the requests of one block table hold (the pool's null
+    block left out); raise :class:`KVCacheIntegrityError` if a request holds a block twice or
+    one not of this pool, or counts more cached blocks than it holds, or cached blocks without
+    holding any. ``where`` starts every message (which table)."""
+    blocks = pool.blocks
+    null = pool.null_block
+
+    def fail(msg: str) -> None:
+        raise KVCacheIntegrityError(where + msg)
+
+    refs: Counter[int] = Counter()
+    for rid, req_blocks in req_to_blocks.items():
+        held = [b for b in req_blocks if b is not null]
+        ids = [b.block_id for b in held]
+        if len(set(ids)) != len(ids):
+            fail(f"request {rid!r} holds a block twice: {ids}")
+        for b in held:
+            if not (0 <= b.block_id < len(blocks)) or blocks[b.block_id] is not b:
+                fail(f"request {rid!r} holds {b!r}, which is not a block of this pool")
+        refs.update(ids)
+        n_cached = num_cached.get(rid, 0)
+        if n_cached > len(req_blocks):
+            fail(f"request {rid!r}: {n_cached} cached blocks but holds {len(req_blocks)}")
+    for rid in num_cached:
+        if rid not in req_to_blocks:
+            fail(f"request {rid!r} has a cached-block count but no blocks")
+    return refs
 
 
 def check_pool(pool: BlockPool, refs: Counter[int]) -> None:

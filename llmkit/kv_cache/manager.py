@@ -10,16 +10,16 @@ are never evicted once computed.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
+from llmkit.kv_cache.base import KVCacheManagerBase, PrefixCacheStats
 from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
-from llmkit.kv_cache.hashing import encode_extra_keys, hash_block_tokens_encoded
-from llmkit.kv_cache.integrity import check_pool
+from llmkit.kv_cache.hashing import extend_block_hashes
+from llmkit.kv_cache.integrity import check_pool, count_held
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_hashes
+from llmkit.kv_cache.prefix_counters import PrefixCacheCounters
 
 if TYPE_CHECKING:  # the manager reads a Request's attributes; it needs no import at run time
     from llmkit.request import Request
@@ -67,15 +67,8 @@ class KVCacheManager(KVCacheManagerBase):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> number of its leading blocks already registered (or found) in the cache
         self.num_cached_blocks: dict[str, int] = {}
-        # Prefix-cache stats, counted at admission (see PrefixCacheStats): the request whose
-        # lookup is not yet counted (get_computed_blocks -> its successful allocate_slots).
-        self._lookup_pending: Request | None = None
-        self._num_lookups = 0
-        self._num_queries = 0
-        self._num_hits = 0
-        self._num_preempted_lookups = 0
-        self._num_preempted_queries = 0
-        self._num_preempted_hits = 0
+        # Prefix-cache stats, counted at admission (see PrefixCacheStats).
+        self.prefix_counters = PrefixCacheCounters()
         # The useless-block-size detector: on while it has not decided.
         self._probe_len = min(block_size - 1, self.PROBE_TOKENS)
         self._probe_on = enable_prefix_caching and self._probe_len >= 4
@@ -84,35 +77,10 @@ class KVCacheManager(KVCacheManagerBase):
         self._probe_shared = 0
 
     # -- hashes --------------------------------------------------------------------------
-    def _ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:
-        """Extend ``request.block_hashes`` to at least ``n`` entries (those blocks must be full).
-
-        Append-only and incremental: each block is hashed once in the request's lifetime,
-        preemptions included.
-        """
-        hashes = request.block_hashes
-        i = len(hashes)
-        if i >= n:
-            return hashes
-        bs = self.block_size
-        ids = request.all_token_ids
-        per_block = bool(request.mm_features)  # images: each block keys the ones it holds
-        extra = b"" if per_block else encode_extra_keys(request.block_hash_extra_keys)
-        parent = hashes[-1] if i else None
-        append = hashes.append
-        start = i * bs
-        for _ in range(n - i):
-            if per_block:
-                extra = encode_extra_keys(request.block_extra_keys(start, start + bs))
-            parent = hash_block_tokens_encoded(parent, ids[start:start + bs], extra)
-            append(parent)
-            start += bs
-        return hashes
-
     def ensure_block_hashes(self, request: Request, n: int) -> list[bytes]:
         """The request's block hashes, extended to its first ``n`` full blocks (KV connectors
         key what they keep by them)."""
-        return self._ensure_block_hashes(request, n)
+        return extend_block_hashes(request, n, self.block_size)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks fully covered by its first ``num_tokens`` tokens in the
@@ -127,7 +95,7 @@ class KVCacheManager(KVCacheManagerBase):
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_cached = self.num_cached_blocks.get(rid, 0)
         if num_full > num_cached:
-            hashes = self._ensure_block_hashes(request, num_full)
+            hashes = extend_block_hashes(request, num_full, self.block_size)
             self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
             self.num_cached_blocks[rid] = num_full
 
@@ -146,20 +114,21 @@ class KVCacheManager(KVCacheManagerBase):
         if self.req_to_blocks.get(request.request_id):
             raise ValueError(f"request {request.request_id!r} already holds blocks; "
                              "get_computed_blocks is for requests being admitted")
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
         computed: list[KVCacheBlock] = []
         if max_blocks > 0:
             table = self.block_pool.cached_block_hash_to_block
             hashes = request.block_hashes
             for i in range(max_blocks):
                 # Hash lazily: blocks past the first miss are hashed only when they fill.
-                h = hashes[i] if i < len(hashes) else self._ensure_block_hashes(request, i + 1)[i]
+                h = hashes[i] if i < len(hashes) else extend_block_hashes(request, i + 1, bs)[i]
                 block = table.get(h)
                 if block is None:
                     break
                 computed.append(block)
-        num_computed_tokens = len(computed) * self.block_size
-        self._lookup_pending = request
+        num_computed_tokens = len(computed) * bs
+        self.prefix_counters.pending = request
         if self._probe_on:
             self._probe_prompt(request, num_computed_tokens)
         return computed, num_computed_tokens
@@ -267,8 +236,9 @@ class KVCacheManager(KVCacheManagerBase):
                                         + pool.evictor.num_free_blocks):
             return None
 
-        if self._lookup_pending is request:
-            self._count_admission(request, num_new_computed_tokens)
+        counters = self.prefix_counters
+        if counters.pending is request:
+            counters.admitted(request, num_new_computed_tokens)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
         if num_hit_blocks:
@@ -289,27 +259,15 @@ class KVCacheManager(KVCacheManagerBase):
             if num_cached < num_hit_blocks:
                 num_cached = num_hit_blocks
             if num_full > num_cached:
-                hashes = self._ensure_block_hashes(request, num_full)
+                hashes = extend_block_hashes(request, num_full, bs)
                 pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
                 num_cached = num_full
             self.num_cached_blocks[rid] = num_cached
         return new_blocks
 
-    def _count_admission(self, request: Request, num_hit: int) -> None:
-        self._lookup_pending = None
-        n = request.num_tokens
-        self._num_lookups += 1
-        self._num_queries += n
-        self._num_hits += num_hit
-        if request.num_preemptions:
-            self._num_preempted_lookups += 1
-            self._num_preempted_queries += n
-            self._num_preempted_hits += num_hit
-
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix is evicted last."""
-        if self._lookup_pending is request:
-            self._lookup_pending = None
+        self.prefix_counters.forget(request)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
@@ -380,11 +338,7 @@ class KVCacheManager(KVCacheManagerBase):
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(requests=self._num_lookups, queries=self._num_queries,
-                                hits=self._num_hits, evictions=self.block_pool.num_evictions,
-                                preempted_requests=self._num_preempted_lookups,
-                                preempted_queries=self._num_preempted_queries,
-                                preempted_hits=self._num_preempted_hits)
+        return self.prefix_counters.snapshot(self.block_pool.num_evictions)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes but the pinned ones (e.g. after swapping weights); False
@@ -398,25 +352,4 @@ class KVCacheManager(KVCacheManagerBase):
         O(num_blocks): for tests and debugging, not for every step.
         """
         pool = self.block_pool
-        blocks = pool.blocks
-
-        def fail(msg: str) -> None:
-            raise KVCacheIntegrityError(msg)
-
-        refs: Counter[int] = Counter()
-        for rid, req_blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in req_blocks]
-            if len(set(ids)) != len(ids):
-                fail(f"request {rid!r} holds a block twice: {ids}")
-            for b in req_blocks:
-                if not (0 <= b.block_id < len(blocks)) or blocks[b.block_id] is not b:
-                    fail(f"request {rid!r} holds {b!r}, which is not a block of this pool")
-            refs.update(ids)
-            n_cached = self.num_cached_blocks.get(rid, 0)
-            if n_cached > len(req_blocks):
-                fail(f"request {rid!r}: {n_cached} cached blocks but holds {len(req_blocks)}")
-        for rid in self.num_cached_blocks:
-            if rid not in self.req_to_blocks:
-                fail(f"request {rid!r} has a cached-block count but no blocks")
-
-        check_pool(pool, refs)
+        check_pool(pool, count_held(pool, self.req_to_blocks, self.num_cached_blocks))
