@@ -96,3 +96,18 @@ class RecurrentStateSpec(KVCacheSpec):
 
     def page_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         return self.state_bytes(dtype)
+
+
+def layer_ranges(layers: list[int], sep: str = ", ") -> str:
+    """``0-4, 6-10, 12`` for sorted layer indices: the layers of a spec or a KV-cache group,
+    in words (the model's and the KV cache manager's descriptions both use it)."""
+    out: list[str] = []
+    start = prev = layers[0]
+    for i in [*layers[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return sep.join(out)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
-                                      RecurrentStateSpec, SlidingWindowSpec)
+                                      RecurrentStateSpec, SlidingWindowSpec, layer_ranges)
 
 __all__ = ["KVCacheGroup", "blocks_per_request", "describe_groups", "group_kv_cache_specs",
            "is_single_group", "spec_label"]
@@ -103,18 +103,5 @@ def describe_groups(groups: Sequence[KVCacheGroup]) -> str:
     parts = []
     for label, gs in by_label.items():
         layers = sorted(i for g in gs for i in g.layer_ids)
-        parts.append(f"{len(gs)} x {label} [layers {_ranges(layers)}]")
+        parts.append(f"{len(gs)} x {label} [layers {layer_ranges(layers)}]")
     return ", ".join(parts)
-
-
-def _ranges(ids: list[int]) -> str:
-    out: list[str] = []
-    start = prev = ids[0]
-    for i in ids[1:] + [None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(out)

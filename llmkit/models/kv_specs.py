@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from llmkit.attention.kv_spec import (FullAttentionSpec, KVCacheSpec, MLASpec,
-                                      RecurrentStateSpec, SlidingWindowSpec)
+                                      RecurrentStateSpec, SlidingWindowSpec, layer_ranges)
 
 __all__ = ["UnknownLayerTypeError", "bamba_kv_specs", "deepseek_kv_specs",
            "describe_kv_groups", "gemma_kv_specs", "kv_cache_groups",
@@ -200,20 +200,6 @@ def spec_label(spec: KVCacheSpec) -> str:
     return f"{type(spec).__name__.removesuffix('Spec')}({args})"
 
 
-def _ranges(layers: Sequence[int]) -> str:
-    """``0-4,6-10,12`` for a sorted list of layer indices."""
-    out: list[str] = []
-    start = prev = layers[0]
-    for i in [*layers[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(out)
-
-
 def describe_kv_groups(specs: Sequence[KVCacheSpec], dtype: torch.dtype,
                        block_size: int) -> list[str]:
     """One line per group: its spec, layers, and bytes per token and per block over all its
@@ -226,5 +212,5 @@ def describe_kv_groups(specs: Sequence[KVCacheSpec], dtype: torch.dtype,
         else:
             cost = (f"{n * spec.bytes_per_token(dtype)} B/token, "
                     f"{n * spec.page_bytes(block_size, dtype)} B/block")
-        lines.append(f"{spec_label(spec)}: layers {_ranges(layers)} ({n}), {cost}")
+        lines.append(f"{spec_label(spec)}: layers {layer_ranges(layers, ',')} ({n}), {cost}")
     return lines
