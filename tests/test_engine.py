@@ -2,36 +2,15 @@
 random models, whatever the scheduling (preemption, chunked prefill, prefix-cache hits)."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from llmkit import LLM, SamplingParams
 
+from helpers.greedy_engine import hf_greedy, make_prompts
+
 ARCHS = ["llama", "qwen2", "qwen3"]
 MAX_TOKENS = 32
-
-
-def make_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [3, 17, 5, 40, 9, 64, 23, 31, 12, 50][:n]
-    return [[rng.randrange(5, vocab) for _ in range(k)] for k in lengths]
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=eos if isinstance(eos, int) else eos[0])
-            outs.append(gen[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

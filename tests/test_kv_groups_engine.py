@@ -5,17 +5,17 @@ request is the same model as the plain one, so its greedy tokens must equal Hugg
 under chunked prefill, preemption and prefix hits."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from llmkit import LLM, SamplingParams
 from llmkit.attention.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from llmkit.config.errors import ConfigError
 from llmkit.kv_cache.hybrid import HybridKVCacheManager
 from llmkit.models.llama import LlamaForCausalLM
+
+from helpers.greedy_engine import (assert_greedy_matches, assert_grouped_blocks_back,
+                                   hf_greedy, make_prompts)
+from helpers.tiny_bamba import build_bamba_dir
 
 MAX_TOKENS = 24
 
@@ -30,18 +30,8 @@ def interleaved_specs(self):
 @pytest.fixture(scope="module")
 def model_and_reference(tiny_model_dir):
     d = tiny_model_dir("llama", num_hidden_layers=4)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, 600) for _ in range(k)] for k in (3, 17, 5, 40, 9, 64)]
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    eos = hf.generation_config.eos_token_id
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=MAX_TOKENS, pad_token_id=eos)
-            refs.append(out[0, len(p):].tolist())
-    return d, prompts, refs
+    prompts = make_prompts(600, 6, seed=0)
+    return d, prompts, hf_greedy(d, prompts, MAX_TOKENS)
 
 
 def test_grouped_tables_match_hf_under_preemption_chunking_and_prefix_hits(
@@ -60,16 +50,11 @@ def test_grouped_tables_match_hf_under_preemption_chunking_and_prefix_hits(
     caches = runner.kv_caches
     assert caches[0].data_ptr() == caches[1].data_ptr() != caches[2].data_ptr()
     assert caches[2].data_ptr() == caches[3].data_ptr()
-    outs = llm.generate(prompts + prompts, SamplingParams(temperature=0.0,
-                                                          max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == (refs + refs)[i], f"request {i} differs from HF"
+    assert_greedy_matches(llm, prompts + prompts, refs + refs, MAX_TOKENS)
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits > 0
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks - 1  # all back but the null block
+    assert_grouped_blocks_back(llm)
     assert set(kv.kv_usage_by_group()) == {"0:full", "1:sliding_window(1000000)"}
 
 
@@ -83,21 +68,10 @@ def test_ngram_drafts_over_grouped_tables_match_hf(model_and_reference, monkeypa
                            "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     # prompts that repeat themselves, so that n-gram lookups propose (and some are rejected)
     looped = [p[:6] * 4 for p in prompts]
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    outs = llm.generate(looped, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
-    with torch.inference_mode():
-        for p, out in zip(looped, outs):
-            ids = torch.tensor([p])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=MAX_TOKENS,
-                              pad_token_id=hf.generation_config.eos_token_id)
-            assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
+    assert_greedy_matches(llm, looped, hf_greedy(d, looped, MAX_TOKENS), MAX_TOKENS)
     spec = llm.engine.stats().spec_decode
     assert spec.num_draft_tokens > spec.num_accepted_tokens > 0
-    kv = llm.engine.kv_cache_manager
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks - 1
+    assert_grouped_blocks_back(llm)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -172,29 +146,15 @@ def test_recurrent_states_share_the_pool_with_attention_end_to_end(tmp_path, tin
     the K/V halves of the attention pages (the block size raised to hold them), one block per
     request; greedy tokens equal Hugging Face's under chunked prefill and preemption (no
     prefix caching for this model)."""
-    from test_recurrent_hybrid import build_bamba_dir
-
     # a state (d_state 16) larger than a 16-token attention page (2 KV heads)
     d = build_bamba_dir(tmp_path / "bamba", tiny_tokenizer, mamba_d_state=16,
                         num_key_value_heads=2)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(5, 600) for _ in range(k)] for k in (3, 17, 5, 40, 9, 64)]
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=20, pad_token_id=hf.generation_config.eos_token_id)
-            refs.append(out[0, len(p):].tolist())
+    prompts = make_prompts(600, 6, seed=2)
+    refs = hf_greedy(d, prompts, 20)
     llm = LLM(str(d), dtype="float32", kv_cache={"num_blocks": 7},
               scheduler={"max_num_batched_tokens": 16})
     kv = llm.engine.kv_cache_manager
     assert not kv.enable_prefix_caching and kv.block_size == 64  # raised to hold a state
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20),
-                        use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == refs[i], f"request {i} differs from HF"
+    assert_greedy_matches(llm, prompts, refs, 20)
     assert llm.engine.stats().num_preemptions_total > 0
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks - 1
+    assert_grouped_blocks_back(llm)

@@ -18,7 +18,9 @@ from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.models import MODELS, UnsupportedModelError, get_model_class
 from llmkit.models.base import ModelContext
 from llmkit.models.loader import build_model, resolve_model_source
-from helpers.model_logits import PagedRun, assert_close, hf_logits, load_llmkit, random_seqs
+from helpers.model_logits import (PagedRun, assert_close, assert_prefill_matches,
+                                  assert_schedule_matches, hf_logits, load_llmkit,
+                                  random_seqs)
 from helpers.tiny_models import write_tiny_gguf
 
 PROMPT_LENS = (5, 11, 8)
@@ -57,10 +59,7 @@ KERNELS = ("torch", "packed", "native")
 def test_prefill_batch_matches_hf(case, kernels):
     """Three prompts of different lengths in one flat batch: every position's logits."""
     run = PagedRun(case.models[kernels], len(case.seqs), max(map(len, case.seqs)))
-    prompts = [s[:n] for s, n in zip(case.seqs, PROMPT_LENS)]
-    out = run.step(dict(enumerate(prompts)))
-    for i, p in enumerate(prompts):
-        assert_close(out[i], case.ref[i][:len(p)])
+    assert_prefill_matches(run, case.seqs, PROMPT_LENS, case.ref)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -77,11 +76,7 @@ def test_chunked_prefill_and_decode_match_hf(case, kernels):
         {0: (p0 + 2, p0 + 3), 1: (p1 + 1, p1 + 2), 2: (p2, p2 + 1)},  # decode only
         {1: (p1 + 2, p1 + 3), 2: (p2 + 1, p2 + 3)},
     ]
-    for step in schedule:
-        out = run.step({i: seqs[i][a:b] for i, (a, b) in step.items()})
-        for i, (a, b) in step.items():
-            assert_close(out[i], case.ref[i][a:b])
-    assert run.computed == [len(s) for s in seqs]
+    assert_schedule_matches(run, seqs, schedule, case.ref)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -10,51 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.kv_spec import FullAttentionSpec, RecurrentStateSpec
-from helpers.model_logits import assert_close, hf_logits, load_llmkit, random_seqs
-
-BLOCK_SIZE = 4
-ATTN_LAYERS = [1, 4]
-# Non-default values the test must exercise: two B/C groups, an SSD chunk shorter than the
-# prompts (the scan crosses chunk boundaries inside a prompt), a bias on the conv. A state
-# small beside a token's K/V (d_state 8, 4 KV heads) keeps the pool's blocks at 16 tokens
-# (the runner raises the block size until an attention page holds a state).
-BAMBA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-             attn_layer_indices=ATTN_LAYERS, num_attention_heads=4, num_key_value_heads=4,
-             mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=8,
-             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_conv_bias=True,
-             max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
-# The SSM's own parameters keep transformers' init (A = -1..-n_heads, dt_bias 1, D 1): scaled
-# by 3 they would make A = -n^3 and every head forget within a token.
-KEEP_INIT = ("A_log", "dt_bias", ".D")
-
-
-def build_bamba_dir(out: Path, tokenizer, seed: int = 0, **overrides) -> Path:
-    """A tiny random Bamba saved with safetensors and ``tokenizer`` (weights x3 as in
-    ``helpers.tiny_models``, except the SSM's decay parameters)."""
-    from transformers import AutoModelForCausalLM, BambaConfig
-
-    config = BambaConfig(**{**BAMBA, "vocab_size": len(tokenizer),
-                            "bos_token_id": tokenizer.bos_token_id,
-                            "eos_token_id": tokenizer.eos_token_id,
-                            "pad_token_id": tokenizer.pad_token_id, **overrides})
-    config.architectures = ["BambaForCausalLM"]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(KEEP_INIT):
-                continue
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.02)
-            param.mul_(3.0)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return out
+from helpers.greedy_engine import assert_grouped_blocks_back, hf_greedy, llm_greedy
+from helpers.model_logits import (PagedRun, assert_close, assert_prefill_matches,
+                                  assert_schedule_matches, hf_logits, load_llmkit,
+                                  random_seqs)
+from helpers.tiny_bamba import ATTN_LAYERS, build_bamba_dir
 
 
 @pytest.fixture(scope="module")
@@ -62,66 +23,33 @@ def bamba_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return build_bamba_dir(tmp_path_factory.mktemp("tiny-bamba"), tiny_tokenizer)
 
 
-class GroupedRun:
+class GroupedRun(PagedRun):
     """Drives the model over several sequences with hand-allocated grouped caches, as the
-    runner lays them out: the attention layers' paged K/V (sequence i owns blocks in reverse
-    order) and the Mamba layers' state tuples (sequence i's state in block ``2 + 3 * i``, so
-    block ids are not request ids), each group with its own block table."""
+    runner lays them out: the attention layers' paged K/V (``PagedRun``'s: sequence i owns
+    blocks in reverse order) and the Mamba layers' state tuples (sequence i's state in block
+    ``2 + 3 * i``, so block ids are not request ids), each group with its own block table."""
 
     def __init__(self, model, num_seqs: int, max_len: int) -> None:
-        self.model = model
-        specs = model.kv_cache_specs()
-        per_seq = -(-max_len // BLOCK_SIZE)
         self.state_blocks = [2 + 3 * i for i in range(num_seqs)]
-        num_state_blocks = max(self.state_blocks) + 1
-        self.kv_caches = []
-        for spec in specs:
-            if isinstance(spec, RecurrentStateSpec):
-                # stale values: a request's first step must not read them
-                self.kv_caches.append(tuple(torch.full((num_state_blocks, *s), 0.5)
-                                            for s in spec.shapes))
-            else:
-                shape = model.attn_backend.kv_cache_shape(num_seqs * per_seq, BLOCK_SIZE,
-                                                          spec.num_kv_heads, spec.head_dim)
-                self.kv_caches.append(torch.zeros(shape))
-        self.layer_to_group = tuple(int(isinstance(s, RecurrentStateSpec)) for s in specs)
-        self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
-                       for i in range(num_seqs)]
-        self.computed = [0] * num_seqs
+        super().__init__(model, num_seqs, max_len)
+        self.layer_to_group = tuple(int(isinstance(s, RecurrentStateSpec))
+                                    for s in model.kv_cache_specs())
+
+    def layer_cache(self, spec, num_blocks: int):
+        if not isinstance(spec, RecurrentStateSpec):
+            return super().layer_cache(spec, num_blocks)
+        # stale values: a request's first step must not read them
+        return tuple(torch.full((max(self.state_blocks) + 1, *s), 0.5) for s in spec.shapes)
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for seq, tokens in chunks.items():
-            start = self.computed[seq]
-            for p in range(start, start + len(tokens)):
-                positions.append(p)
-                slots.append(self.blocks[seq][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-            ids += tokens
-            qsl.append(qsl[-1] + len(tokens))
-            seq_lens.append(start + len(tokens))
-            tables.append(self.blocks[seq])
-            self.computed[seq] += len(tokens)
-
-        def metadata(block_table, slot_mapping) -> AttentionMetadata:
-            return AttentionMetadata(
-                num_reqs=len(chunks), num_actual_tokens=len(ids),
-                max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                block_table=torch.tensor(block_table, dtype=torch.int32),
-                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
-
+        s = self.schedule(chunks)
         # (the backend extends the attention group's metadata only: a state group's block
         # table has one column, no token slots)
-        attn = self.model.attn_backend.build_metadata(metadata(tables, slots))
-        state = metadata([[self.state_blocks[s]] for s in chunks], [-1] * len(ids))
-        md = metadata(tables, slots)
+        attn = self.model.attn_backend.build_metadata(self.metadata(s, s.tables, s.slots))
+        state = self.metadata(s, [[self.state_blocks[q]] for q in chunks], [-1] * len(s.ids))
+        md = self.metadata(s, s.tables, s.slots)
         md.group_metadata, md.layer_to_group = (attn, state), self.layer_to_group
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
-            logits = self.model.compute_logits(hidden)
-        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
+        return self.forward(s, md)
 
 
 PROMPT_LENS = (5, 19, 11)
@@ -155,10 +83,7 @@ def test_checkpoint_is_a_hybrid_with_peaked_logits(case):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_prefill_batch_matches_hf(case, kernels):
     run = GroupedRun(case.models[kernels], len(case.seqs), max(map(len, case.seqs)))
-    prompts = [s[:n] for s, n in zip(case.seqs, PROMPT_LENS)]
-    out = run.step(dict(enumerate(prompts)))
-    for i, p in enumerate(prompts):
-        assert_close(out[i], case.ref[i][:len(p)])
+    assert_prefill_matches(run, case.seqs, PROMPT_LENS, case.ref)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -175,11 +100,7 @@ def test_chunked_prefill_and_decode_match_hf(case, kernels):
         {0: (p0 + 2, p0 + 3), 1: (p1, p1 + 1), 2: (p2, p2 + 1)},  # decode only
         {0: (p0 + 3, p0 + 4), 1: (p1 + 1, p1 + 4), 2: (p2 + 1, p2 + 4)},
     ]
-    for step in schedule:
-        out = run.step({i: seqs[i][a:b] for i, (a, b) in step.items()})
-        for i, (a, b) in step.items():
-            assert_close(out[i], case.ref[i][a:b])
-    assert run.computed == [len(s) for s in seqs]
+    assert_schedule_matches(run, seqs, schedule, case.ref)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -234,40 +155,10 @@ MAX_TOKENS = 20
 ENGINE_PROMPT_LENS = (3, 17, 5, 40, 9, 30)
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' own generate (its cache: the chunked scan over the prompt, then the
-    one-token recurrent update per token)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=eos)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def engine_case(bamba_dir, tiny_tokenizer):
     prompts = random_seqs(len(tiny_tokenizer), ENGINE_PROMPT_LENS, seed=1)
     return SimpleNamespace(prompts=prompts, refs=hf_greedy(bamba_dir, prompts, MAX_TOKENS))
-
-
-def _generate(llm, prompts):
-    from llmkit import SamplingParams
-
-    return [o.outputs[0].token_ids for o in llm.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
-
-
-def _all_blocks_back(llm) -> None:
-    kv = llm.engine.kv_cache_manager
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks - 1  # all but the null block
 
 
 def test_greedy_matches_hf_under_chunked_prefill_and_preemption(bamba_dir, engine_case):
@@ -282,11 +173,11 @@ def test_greedy_matches_hf_under_chunked_prefill_and_preemption(bamba_dir, engin
               kv_cache={"num_blocks": 12}, scheduler={"max_num_batched_tokens": 16})
     assert llm.engine.executor.runner.kv_plan.block_size == 16
     prompts = engine_case.prompts + engine_case.prompts
-    assert _generate(llm, prompts) == engine_case.refs + engine_case.refs
+    assert llm_greedy(llm, prompts, MAX_TOKENS) == engine_case.refs + engine_case.refs
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits == 0  # off for this model
-    _all_blocks_back(llm)
+    assert_grouped_blocks_back(llm)
 
 
 def test_prefix_caching_is_off_and_said_at_start_up(bamba_dir, engine_case, caplog):
@@ -299,10 +190,10 @@ def test_prefix_caching_is_off_and_said_at_start_up(bamba_dir, engine_case, capl
     kv = llm.engine.kv_cache_manager
     assert not kv.enable_prefix_caching
     p = engine_case.prompts[3]  # 40 tokens (2 full blocks), asked twice one after the other
-    assert _generate(llm, [p]) == [engine_case.refs[3]]
-    assert _generate(llm, [p]) == [engine_case.refs[3]]
+    assert llm_greedy(llm, [p], MAX_TOKENS) == [engine_case.refs[3]]
+    assert llm_greedy(llm, [p], MAX_TOKENS) == [engine_case.refs[3]]
     assert llm.engine.stats().prefix_cache_hits == 0
-    _all_blocks_back(llm)
+    assert_grouped_blocks_back(llm)
 
 
 def test_recurrent_state_does_not_grow_with_context(bamba_dir):
@@ -334,7 +225,7 @@ def test_recurrent_state_does_not_grow_with_context(bamba_dir):
         plan.bytes_per_block
     assert recurrent_bytes == len(recurrent) * plan.bytes_per_block
     kv.free(req)
-    _all_blocks_back(llm)
+    assert_grouped_blocks_back(llm)
 
 
 def test_speculative_decoding_is_refused_naming_the_key(bamba_dir):

@@ -5,15 +5,14 @@ Hugging Face's on prompts longer than the window, under chunked prefill, preempt
 hits."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from llmkit import LLM, SamplingParams
+from llmkit import LLM
 from llmkit.attention.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from llmkit.kv_cache.group_managers import SlidingWindowGroup
+
+from helpers.greedy_engine import (assert_greedy_matches, assert_grouped_blocks_back,
+                                   hf_greedy, make_prompts)
 
 WINDOW = 12
 BLOCK = 4
@@ -30,18 +29,8 @@ CASES = {
 def case(request, tiny_model_dir):
     arch = request.param
     d = tiny_model_dir(arch, **CASES[arch])
-    rng = random.Random(1)
-    prompts = [[rng.randrange(5, 600) for _ in range(k)] for k in (3, 17, 5, 40, 9, 64)]
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    eos = hf.generation_config.eos_token_id
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=MAX_TOKENS, pad_token_id=eos)
-            refs.append(out[0, len(p):].tolist())
-    return arch, d, prompts, refs
+    prompts = make_prompts(600, 6, seed=1)
+    return arch, d, prompts, hf_greedy(d, prompts, MAX_TOKENS)
 
 
 def test_specs_follow_the_config(case):
@@ -76,16 +65,11 @@ def test_greedy_matches_hf_with_windows_freed_while_running(case, monkeypatch):
         return new
 
     monkeypatch.setattr(kv, "allocate_slots", watched)
-    outs = llm.generate(prompts + prompts, SamplingParams(temperature=0.0,
-                                                          max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == (refs + refs)[i], f"request {i} differs from HF"
+    assert_greedy_matches(llm, prompts + prompts, refs + refs, MAX_TOKENS)
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits > 0
     # held: at most the blocks the window reaches into plus the one being written (5 of 4
     # tokens for a window of 12), where the longest request spans 22 blocks
     assert 0 < most_held <= WINDOW // BLOCK + 2
-    kv.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks - 1
+    assert_grouped_blocks_back(llm)

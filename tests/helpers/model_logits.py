@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,26 +27,36 @@ ATOL = 1e-4
 class PagedRun:
     """Drives a model over several sequences with a hand-allocated paged KV cache: sequence i
     owns blocks ``[i * per_seq, (i + 1) * per_seq)``, allocated in reverse so that block ids
-    are not in token order."""
+    are not in token order. A model with other state per layer overrides :meth:`layer_cache`
+    and :meth:`step` (``schedule``, ``metadata`` and ``forward`` are the shared parts)."""
 
     def __init__(self, model, num_seqs: int, max_len: int) -> None:
         self.model = model
         per_seq = -(-max_len // BLOCK_SIZE)
-        num_blocks = num_seqs * per_seq
-
-        def cache(spec) -> torch.Tensor:  # an MLA layer keeps one latent row per token
-            if isinstance(spec, MLASpec):
-                return torch.zeros(num_blocks, BLOCK_SIZE, spec.latent_dim)
-            return torch.zeros(model.attn_backend.kv_cache_shape(
-                num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim))
-
-        self.kv_caches = [cache(spec) for spec in model.kv_cache_specs()]
+        self.kv_caches = [self.layer_cache(spec, num_seqs * per_seq)
+                          for spec in model.kv_cache_specs()]
         self.blocks = [list(reversed(range(i * per_seq, (i + 1) * per_seq)))
                        for i in range(num_seqs)]
         self.computed = [0] * num_seqs
 
+    def layer_cache(self, spec, num_blocks: int):
+        """One layer's cache of ``num_blocks`` pages (an MLA layer keeps one latent row per
+        token)."""
+        if isinstance(spec, MLASpec):
+            return torch.zeros(num_blocks, BLOCK_SIZE, spec.latent_dim)
+        return torch.zeros(self.model.attn_backend.kv_cache_shape(
+            num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim))
+
     def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Run one step over ``{seq: new token ids}``; the logits of every new token per seq."""
+        s = self.schedule(chunks)
+        md = self.metadata(s, s.tables, s.slots)
+        md = self.model.attn_backend.build_metadata(md)  # once per step, as the runner does
+        return self.forward(s, md)
+
+    def schedule(self, chunks: dict[int, list[int]]) -> SimpleNamespace:
+        """The step's flat batch (token ids, positions, slots, query starts, sequence lengths,
+        block tables); the sequences' computed tokens advance."""
         ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for seq, tokens in chunks.items():
             start = self.computed[seq]
@@ -57,20 +68,30 @@ class PagedRun:
             seq_lens.append(start + len(tokens))
             tables.append(self.blocks[seq])
             self.computed[seq] += len(tokens)
-        md = AttentionMetadata(
-            num_reqs=len(chunks), num_actual_tokens=len(ids),
-            max_query_len=max(len(t) for t in chunks.values()), max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=torch.tensor(tables, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=BLOCK_SIZE)
-        md = self.model.attn_backend.build_metadata(md)  # once per step, as the runner does
+        return SimpleNamespace(chunks=chunks, ids=ids, positions=positions, slots=slots,
+                               qsl=qsl, seq_lens=seq_lens, tables=tables)
+
+    def metadata(self, s: SimpleNamespace, block_table, slot_mapping) -> AttentionMetadata:
+        """The step's attention metadata over ``block_table`` and ``slot_mapping``."""
+        return AttentionMetadata(
+            num_reqs=len(s.chunks), num_actual_tokens=len(s.ids),
+            max_query_len=max(len(t) for t in s.chunks.values()), max_seq_len=max(s.seq_lens),
+            query_start_loc=torch.tensor(s.qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(s.seq_lens, dtype=torch.int32),
+            block_table=torch.tensor(block_table, dtype=torch.int32),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            query_start_loc_cpu=s.qsl, seq_lens_cpu=s.seq_lens, block_size=BLOCK_SIZE)
+
+    def forward(self, s: SimpleNamespace, md: AttentionMetadata) -> dict[int, torch.Tensor]:
+        """The model over the step's batch; the logits of every new token per seq."""
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, md)
+            hidden = self.model(torch.tensor(s.ids), torch.tensor(s.positions), self.kv_caches,
+                                md)
             logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.vocab_size)
-        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}
+        assert logits.dtype == torch.float32 and logits.shape == (len(s.ids),
+                                                                  self.model.vocab_size)
+        qsl = s.qsl
+        return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(s.chunks)}
 
 
 def load_llmkit(path: Path, dtype=torch.float32, kernels: str = "torch"):
@@ -112,3 +133,25 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATO
     diff = (actual - expected).abs().max().item()
     assert diff <= atol, f"max |logit difference| {diff:.3g} > {atol}"
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+def assert_prefill_matches(run: PagedRun, seqs: list[list[int]], prompt_lens,
+                           ref: list[torch.Tensor]) -> None:
+    """The first ``prompt_lens[i]`` tokens of every sequence in one flat batch: every
+    position's logits equal the reference's."""
+    prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
+    out = run.step(dict(enumerate(prompts)))
+    for i, p in enumerate(prompts):
+        assert_close(out[i], ref[i][:len(p)])
+
+
+def assert_schedule_matches(run: PagedRun, seqs: list[list[int]],
+                            schedule: list[dict[int, tuple[int, int]]],
+                            ref: list[torch.Tensor]) -> None:
+    """Steps of ``{seq: (start, end)}`` token ranges (chunks, decodes) that cover every
+    sequence whole: each step's logits equal the reference's at the same positions."""
+    for step in schedule:
+        out = run.step({i: seqs[i][a:b] for i, (a, b) in step.items()})
+        for i, (a, b) in step.items():
+            assert_close(out[i], ref[i][a:b])
+    assert run.computed == [len(s) for s in seqs]
