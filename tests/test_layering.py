@@ -104,6 +104,20 @@ TOOLS_REACH: dict[str, set[str]] = {
 # its --help lists their keys and groups).
 TOOLS_IMPORTED_BY = {"llmkit.entrypoints.cli", "llmkit.entrypoints.command_help"}
 
+# The engine's parts, top to bottom, by the name under ``llmkit.engine`` (a module or a
+# subpackage): a part may import its own and those below it. The front ends drive the engine in
+# one of three ways; data parallel is N process hops; the process hop runs the core loop in a
+# child; the loop reports to its observers and implements the protocol the front ends program
+# against.
+ENGINE_PARTS: list[tuple[str, set[str]]] = [
+    ("front ends", {"llm", "async_llm", "frontend", "beam_search", "output_processor",
+                    "request_tracker"}),
+    ("data parallel", {"dp"}),
+    ("process hop", {"process"}),
+    ("core loop", {"core", "core_builder", "components", "kv_groups_check"}),
+    ("observers and the engine protocol", {"observe", "client"}),
+]
+
 
 def _module_files() -> dict[str, Path]:
     mods: dict[str, Path] = {}
@@ -303,6 +317,29 @@ def test_only_the_command_line_imports_the_tools():
            for dep, line in sorted(deps.items()) if component(dep) == "tools"]
     assert not bad, "the engine (and everything but the CLI) never imports a tool:\n" + \
         "\n".join(bad)
+
+
+def engine_part(module: str) -> int | None:
+    """The index in ENGINE_PARTS of an engine module (None for the package itself)."""
+    parts = module.split(".")
+    if len(parts) < 3:
+        return None
+    for i, (_, names) in enumerate(ENGINE_PARTS):
+        if parts[2] in names:
+            return i
+    raise KeyError(f"place {module} in ENGINE_PARTS (tests/test_layering.py)")
+
+
+def test_engine_parts_import_only_downwards():
+    bad = []
+    for module, deps in sorted(import_graph().items()):
+        if component(module) != "engine" or (src := engine_part(module)) is None:
+            continue
+        for dep, line in sorted(deps.items()):
+            if component(dep) == "engine" and (dst := engine_part(dep)) is not None and dst < src:
+                bad.append(f"{where(module)}:{line}: {module} -> {dep} ({ENGINE_PARTS[src][0]} "
+                           f"-> {ENGINE_PARTS[dst][0]})")
+    assert not bad, "imports up the engine's parts:\n" + "\n".join(bad)
 
 
 def test_engine_core_process_module_loads_without_torch():
