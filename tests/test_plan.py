@@ -258,3 +258,34 @@ def test_an_uncalibrated_machine_is_calibrated_first_in_a_child(tiny_model_dir, 
             "plan.calibrate=false", f"plan.output_dir={out}"]
     assert cli.main(argv) == 0
     assert len(calls) == 1 and "plan.calibrate=false" in capsys.readouterr().err
+
+
+def test_a_served_trace_calibrates_again_with_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """plan sim.calibrate_trace=TRACE: the profile exists, but plan calibrates again in a child
+    with the served trace (the front end's share of the cores), which it passes on."""
+    import subprocess
+
+    model = tiny_model_dir("llama")
+    profile = tmp_path / "cpu-local.yaml"
+    shutil.copy(REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml", profile)
+    trace = tmp_path / "served.trace.json"
+    trace.write_text("[]")
+    calls = []
+
+    class FakeCalibrate:
+        def __init__(self, cmd, **kw):
+            calls.append(cmd)
+            self.stdout = iter([])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeCalibrate)
+    argv = ["plan", str(model), f"sim.calibrate_output={profile}", f"sim.calibrate_trace={trace}",
+            *TINY, f"plan.output_dir={tmp_path / 'plan'}"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 1 and f"sim.calibrate_trace={trace.resolve()}" in calls[0]
+    assert f"with the served trace {trace}" in err
+    assert cli.main([*argv, "plan.calibrate=false"]) == 0
+    assert len(calls) == 1 and "is not used" in capsys.readouterr().err

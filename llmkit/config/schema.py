@@ -102,6 +102,10 @@ class SchedulerConfig(_Component):
     # the profile `llmkit sim calibrate` cached for this machine (else the shipped, uncalibrated
     # cpu-local one; start-up says which), a name in conf/tools/hardware/, or a YAML path.
     cost_profile: str | None = None
+    # scheduler=slo only: how fast its predictions follow the steps it measures (the weight of
+    # the latest step in an average of measured over predicted step time, per decode-only and
+    # mixed step; 0 = predict with the profile alone). docs/slo.md
+    slo_correction_weight: float = Field(default=0.2, ge=0.0, le=1.0)
 
 
 class SloConfig(_Strict):
@@ -542,6 +546,11 @@ def _check_slo_scheduler(s: SchedulerConfig, slo: SloConfig) -> None:
         if s.cost_profile is not None:
             raise ValueError(f"scheduler.cost_profile needs scheduler=slo; with "
                              f"scheduler={s.name} only null is allowed")
+        default = SchedulerConfig.model_fields["slo_correction_weight"].default
+        if s.slo_correction_weight != default:
+            raise ValueError(f"scheduler.slo_correction_weight={s.slo_correction_weight} needs "
+                             f"scheduler=slo; with scheduler={s.name} only {default} is "
+                             "allowed")
         return
     if slo.tpot_ms is None and slo.ttft_ms is None:
         raise ValueError("slo.tpot_ms and slo.ttft_ms are both null; scheduler=slo needs one "

@@ -47,6 +47,7 @@ class _InFlightBatch:
     schedule_s: float
     split: Any  # its BatchSplit when observers watch, else None
     send_s: float  # the time sending took (the whole step when it runs as it is sent)
+    clock_s: float  # when it began on the engine's clock (virtual under the simulator)
 
 
 def _nothing_computed() -> ModelRunnerOutput:
@@ -85,6 +86,10 @@ class EngineCore:
         # Batches in flight, oldest first (only with max_concurrent_batches > 1).
         self._max_batches = max(1, executor.max_concurrent_batches)
         self._batch_queue: deque[_InFlightBatch] = deque()
+        # When the last step's output came back (engine clock), while requests were left: the
+        # loop went straight on, so the next step's measured time runs from there (None: it
+        # waited, or batches overlap and a step's time is not one period).
+        self._last_step_end: float | None = None
         # Per-step stats as a Chrome trace (observability.trace_file): an observer like any.
         trace = StepTrace.from_config(config.observability)
         if trace is not None:
@@ -185,6 +190,7 @@ class EngineCore:
         if len(queue) < self._max_batches and self.scheduler.has_unfinished_requests():
             perf = time.perf_counter
             t0 = perf()
+            c0 = self.clock()
             so = self.scheduler.schedule()
             t1 = perf()
             # Before the update: a request that finishes in this step leaves the scheduler in it.
@@ -195,7 +201,8 @@ class EngineCore:
             # Nothing to compute with batches in flight: take the oldest instead.
             if future is not None or not queue:
                 queue.append(_InFlightBatch(future or DoneFuture(_nothing_computed()), so,
-                                            self._num_steps, t0, t1 - t0, split, perf() - t2))
+                                            self._num_steps, t0, t1 - t0, split, perf() - t2,
+                                            c0))
                 self._num_steps += 1
                 if len(queue) < self._max_batches and not so.is_empty:
                     return []  # room for another batch: schedule it before waiting on this one
@@ -224,7 +231,18 @@ class EngineCore:
         runner_output = batch.future.result()
         t3 = perf()
         so = batch.scheduler_output
-        outputs = self.scheduler.update_from_output(so, runner_output)
+        # The step's measured time, as its requests see it between two tokens: from the last
+        # output to this one when the loop went straight on (the update, the process's
+        # messages, scheduling and the forward), else from its start.
+        now = self.clock()
+        step_s = None
+        if self._max_batches == 1:
+            last = self._last_step_end
+            step_s = now - (batch.clock_s if last is None else last)
+        outputs = self.scheduler.update_from_output(so, runner_output, step_s=step_s)
+        # (a step that computed nothing: what follows may wait, e.g. for a KV transfer)
+        self._last_step_end = (now if so.total_num_scheduled_tokens
+                               and self.scheduler.has_unfinished_requests() else None)
         if self._lora and self.adapters.in_use:
             self.adapters.release(outputs)
         if runner_output.draft_token_ids or self._speculative:

@@ -155,16 +155,27 @@ def build_scheduler(config: EngineConfig, executor: Executor, kv: KVCacheManager
 def slo_step_time(config: EngineConfig, executor: Executor,
                   model_source: Any = None) -> Callable[[Any, float], float]:
     """Seconds one step of given work takes, for ``scheduler=slo``: the executor's own cost
-    model (the simulator's), else one built for this model, dtype and ``scheduler.cost_profile``
-    (start-up says which profile, and warns when it was not measured on this machine)."""
+    model (the simulator's; with ``scheduler.cost_profile`` set, its model on that profile
+    instead, as a server predicting with a profile that is off), else one built for this model,
+    dtype and ``scheduler.cost_profile`` (start-up says which profile, and warns when it was not
+    measured on this machine)."""
     cost = executor.step_cost_model()
-    if cost is not None:
+    spec = config.scheduler.cost_profile
+    if cost is not None and spec is None:
         logger.info("scheduler=slo: predicting step times with the executor's cost model "
                     "(hardware profile %s)", cost.hw.name)
+    elif cost is not None:
+        from llmkit.cost_model.engine_profile import resolve_cost_profile
+        from llmkit.cost_model.step_cost import CostModel
+
+        profile, where, _ = resolve_cost_profile(spec)
+        cost = CostModel(cost.shape, profile, cost.dtype, tensor_parallel_size=cost.tp,
+                         kv_dtype=cost.kv_dtype, pipeline_parallel_size=cost.pp)
+        logger.info("scheduler=slo: predicting the executor's steps with %s", where)
     else:
         from llmkit.cost_model.engine_profile import engine_cost_model, resolve_cost_profile
 
-        profile, where, measured = resolve_cost_profile(config.scheduler.cost_profile)
+        profile, where, measured = resolve_cost_profile(spec)
         if model_source is None:
             from llmkit.models.loader import resolve_model_source
             model_source = resolve_model_source(config.model)

@@ -199,7 +199,12 @@ class Scheduler(ABC):
 
     @abstractmethod
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]: ...
+                           model_runner_output: ModelRunnerOutput, *,
+                           step_s: float | None = None) -> list[EngineCoreOutput]:
+        """Apply a step's results. ``step_s``: the step's measured time on the engine's clock
+        (seconds between this step's output and the previous one's when the engine stepped
+        without pause, else from the step's start; None when not measured: batches in flight
+        overlap), which a scheduler that predicts step times learns from."""
 
     @abstractmethod
     def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]: ...

@@ -9,7 +9,9 @@ what a request computes, so outputs are the same tokens.
 
 The engine builds it with ``slo=`` (the config's ``slo`` section) and ``step_time=`` (seconds
 one step of given work takes: ``llmkit.cost_model`` for the profile ``scheduler.cost_profile``
-names, or the simulator's own cost model under ``executor=sim``).
+names, or the simulator's own cost model under ``executor=sim``). The engine core hands each
+step's measured time to ``update_from_output`` (``step_s``), from which the policy learns how
+far the cost model's predictions are from the steps served (``slo_correction``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Any, ClassVar
 
 from llmkit.config.schema import SchedulerConfig, SloConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
+from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
+from llmkit.scheduler.base import SchedulerOutput
 from llmkit.scheduler.policies import WaitingQueue
 from llmkit.scheduler.slo_policy import SloPolicy, StepTime
 from llmkit.scheduler.slo_queue import ArrangedQueue
@@ -42,8 +46,16 @@ class SloScheduler(TokenBudgetScheduler):
                              "takes): the engine builds it from the cost model")
         super().__init__(config, kv_cache_manager, **kwargs)
         self.slo_policy = SloPolicy(self, slo, step_time, config.slo_admission,
-                                    min_chunk=kv_cache_manager.block_size)
+                                    min_chunk=kv_cache_manager.block_size,
+                                    correction_weight=config.slo_correction_weight)
         self.add_feature(self.slo_policy)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput, *,
+                           step_s: float | None = None) -> list[EngineCoreOutput]:
+        if step_s is not None:
+            self.slo_policy.observe_step(scheduler_output, step_s)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def make_waiting_queue(self) -> WaitingQueue:
         return ArrangedQueue()

@@ -3,28 +3,37 @@
 At the start of each step, with ``step_time`` (seconds a step of given work takes, from the
 cost model: ``(q, c, samples)`` per request, as ``llmkit.cost_model.SeqWork``, and the tokens/s
 streamed to clients, estimated from the previous steps' sampled tokens over their times: a
-front end sharing the cores slows every step by its share):
+front end sharing the cores slows every step by its share), corrected by what the steps
+served so far took (``slo_correction.StepCorrection``: measured over predicted, per decode-only
+and mixed step, learned from each step's ``update_from_output(..., step_s=)``):
 
 1. **The budget.** The running requests that decode (their next token is sampled this step)
    compute ``D`` tokens (1 each, plus their draft tokens). The prefill room ``P`` is the
    largest number of tokens in ``[0, max_num_batched_tokens − D]`` whose step, priced as the
    decodes plus one prefill chunk of ``P`` tokens, stays within ``slo.tpot_ms``; so every step
    a decoding request takes is predicted inside its TPOT objective. Without decoding requests
-   (or without ``slo.tpot_ms``) ``P`` is the whole room. ``P`` never falls below one KV block
-   while prefill work waits, so prompts progress when the decodes alone are predicted over the
-   objective. The step's budget is ``D + P``; running prefill chunks and admissions share
-   ``P``, and decodes are never cut for them.
+   (or without ``slo.tpot_ms``) ``P`` is the whole room. The step's budget is ``D + P``;
+   running prefill chunks and admissions share ``P``, and decodes are never cut for them.
 2. **The order.** Waiting requests are sorted by (priority under ``scheduler.policy=priority``,
    then) resumed requests first (they have tokens out; their TTFT is behind them), then by
    TTFT deadline ``arrival + slo.ttft_ms`` (earliest first: least slack), deferred ones last.
 3. **Admission** (``scheduler.slo_admission``, with ``slo.ttft_ms`` or ``slo.e2el_ms``): walking
    that order, a request's first token is predicted after ``ceil((A + n) / P)`` steps of the
-   step's predicted time, ``A`` the prefill tokens ahead of it (running prefills' and earlier
-   waiting requests'), ``n`` its own. If that passes its TTFT deadline (or, when its
-   ``max_tokens`` is set, the finish — ``max_tokens − 1`` more steps — passes its E2EL
-   deadline), ``defer`` moves it behind every request that can still make it (counted once;
-   it is served with what capacity is left) and ``reject`` ends it with the reason
-   (``FINISHED_REJECTED``, stop_reason ``slo_rejected: ...``); ``off`` only orders.
+   step's predicted time (one step of the decodes and ``A + n`` tokens when that is less than
+   ``P``), ``A`` the prefill tokens ahead of it (running prefills' and earlier waiting
+   requests'), ``n`` its own (``P`` at least one KV block). If that passes its TTFT
+   deadline (or, when its ``max_tokens`` is set, the finish — ``max_tokens − 1`` more steps —
+   passes its E2EL deadline), ``defer`` moves it behind every request that can still make it
+   (counted once; it is served with what capacity is left) and ``reject`` ends it with the
+   reason (``FINISHED_REJECTED``, stop_reason ``slo_rejected: ...``); ``off`` only orders.
+4. **Prefills never starve.** When prompts wait, ``P`` is at least one KV block, and at least
+   what the most urgent prompt needs to meet its TTFT deadline: walking the prefill work in the
+   order the step serves it (running prefills, then the waiting order, deferred requests left
+   out), a request with ``A`` tokens up to and including its own and ``m + 1`` steps of the
+   predicted time left before its deadline needs ``ceil(A / m)`` tokens a step (all ``A`` once
+   its deadline is less than two steps away or past), capped by the room. A TPOT objective that
+   leaves no room thus costs the decodes some TPOT rather than letting TTFT grow without bound;
+   with ``defer`` or ``reject`` the requests admission gave up on do not raise ``P``.
 """
 from __future__ import annotations
 
@@ -35,9 +44,10 @@ from llmkit.config.schema import SloConfig
 from llmkit.outputs import SLO_REJECTED
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.hooks import SchedulerFeature
+from llmkit.scheduler.slo_correction import StepCorrection
 
 if TYPE_CHECKING:
-    from llmkit.scheduler.base import SchedulerStats
+    from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
     from llmkit.scheduler.slo import SloScheduler
 
 __all__ = ["SloPolicy", "StepTime"]
@@ -59,7 +69,7 @@ class SloPolicy(SchedulerFeature):
     name = "slo"
 
     def __init__(self, sched: SloScheduler, slo: SloConfig, step_time: StepTime,
-                 admission: str, min_chunk: int) -> None:
+                 admission: str, min_chunk: int, correction_weight: float = 0.0) -> None:
         self.sched = sched
         self.ttft_s = _ms(slo.ttft_ms)
         self.tpot_s = _ms(slo.tpot_ms)
@@ -67,25 +77,33 @@ class SloPolicy(SchedulerFeature):
         self.step_time = step_time
         self.admission = admission
         self.min_chunk = max(1, min_chunk)
+        self.correction = StepCorrection(correction_weight)
         self.num_rejected = 0
         self.num_deferred = 0
         self._deferred: set[str] = set()
         # this step's decisions (read by the hooks below, and by tests)
         self.budget = 0
         self.prefill_room = 0
+        self.tpot_room = 0  # the prefill room TPOT alone allows (before the TTFT floor)
         self.predicted_step_s = 0.0
         self._prefill_left = 0
         # tokens/s sampled for clients (what the front end streams), estimated from the steps
         self.stream_rate = 0.0
         self._last_begin: float | None = None
         self._last_decodes = 0
+        # the step last scheduled, as the profile priced it (before the correction) and
+        # whether it had prefill tokens, until its measured time comes back
+        self._priced: tuple[SchedulerOutput, float, bool] | None = None
+        self._decode: list[tuple[int, int, bool]] = []  # this step's decodes, as work
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        decode_work, prefill_running = self._running_work()
+        decode_work, prefills = self._running_work()
+        self._decode = decode_work
         self._observe_rate(len(decode_work))
-        self._size_step(decode_work, prefill_running)
-        self._arrange(prefill_running)
+        self._size_step(decode_work, prefills)
+        self._arrange(sum(r.num_tokens - r.num_computed_tokens for r in prefills))
+        self._ttft_floor(decode_work, prefills)
 
     def step_budget(self, budget: int) -> int:
         return min(budget, self.budget)
@@ -101,6 +119,30 @@ class SloPolicy(SchedulerFeature):
     def scheduled(self, req: Request, n: int) -> None:
         if not _decodes(req):
             self._prefill_left -= n
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """Price the step as scheduled, for the correction once its measured time is back."""
+        if self.correction.weight <= 0.0 or not out.total_num_scheduled_tokens:
+            self._priced = None
+            return
+        requests = self.sched.requests
+        work: list[tuple[int, int, bool]] = []
+        mixed = False
+        for rid, n in out.num_scheduled_tokens.items():
+            r = requests.get(rid)
+            if r is None:
+                continue
+            c = r.num_computed_tokens  # schedule() counted the step's tokens already
+            work.append((n, c, c >= r.num_tokens))
+            mixed = mixed or r.num_tokens - (c - n) > 1
+        self._priced = (out, self.step_time(work, self.stream_rate), mixed) if work else None
+
+    def observe_step(self, out: SchedulerOutput, step_s: float) -> None:
+        """The step ``out`` took ``step_s`` seconds (measured by the engine)."""
+        priced = self._priced
+        if priced is not None and priced[0] is out:
+            self._priced = None
+            self.correction.observe(priced[2], priced[1], step_s)
 
     def fill_stats(self, stats: SchedulerStats) -> None:
         stats.slo_rejected_total = self.num_rejected
@@ -121,16 +163,21 @@ class SloPolicy(SchedulerFeature):
             self.stream_rate += _RATE_WEIGHT * (rate - self.stream_rate)
         self._last_begin, self._last_decodes = now, decodes
 
-    def _price(self, work: list[tuple[int, int, bool]]) -> float:
-        return self.step_time(work, self.stream_rate)
+    def _price(self, decode: list[tuple[int, int, bool]], p: int) -> float:
+        """The predicted time of a step of ``decode`` and a prefill chunk of ``p`` tokens: the
+        cost model's, corrected by the steps measured so far."""
+        work = decode + [(p, p, False)] if p else decode
+        if not work:
+            return 0.0
+        return self.step_time(work, self.stream_rate) * self.correction.factor(p > 0)
 
-    def _running_work(self) -> tuple[list[tuple[int, int, bool]], int]:
-        """The decodes of the running requests as cost-model work, and the prompt tokens the
-        running prefills still have to compute."""
+    def _running_work(self) -> tuple[list[tuple[int, int, bool]], list[Request]]:
+        """The decodes of the running requests as cost-model work, and the running requests
+        still computing their prompt."""
         sched = self.sched
         in_flight = sched.in_flight
         decode: list[tuple[int, int, bool]] = []
-        prefill = 0
+        prefills: list[Request] = []
         for r in sched.running:
             if in_flight and r.request_id in in_flight:
                 continue
@@ -138,36 +185,75 @@ class SloPolicy(SchedulerFeature):
                 q = 1 + len(r.spec_token_ids)
                 decode.append((q, r.num_computed_tokens + q, True))
             else:
-                prefill += r.num_tokens - r.num_computed_tokens
-        return decode, prefill
+                prefills.append(r)
+        return decode, prefills
 
-    def _size_step(self, decode: list[tuple[int, int, bool]], prefill_running: int) -> None:
+    def _size_step(self, decode: list[tuple[int, int, bool]], prefills: list[Request]) -> None:
         cap = self.sched.config.max_num_batched_tokens
         d = sum(q for q, _, _ in decode)
-        room = max(0, cap - d)
+        room = self._room = max(0, cap - d)
         price = self._price
         if self.tpot_s is None or not decode:
             p = room
-        elif price(decode + [(room, room, False)]) <= self.tpot_s:
+        elif price(decode, room) <= self.tpot_s:
             p = room
-        elif price(decode) > self.tpot_s:
+        elif price(decode, 0) > self.tpot_s:
             p = 0
         else:  # the largest p with the step inside TPOT: price grows with p
             lo, hi = 0, room  # price(lo) fits, price(hi) does not
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if price(decode + [(mid, mid, False)]) <= self.tpot_s:
+                if price(decode, mid) <= self.tpot_s:
                     lo = mid
                 else:
                     hi = mid
             p = lo
-        if (prefill_running or len(self.sched.waiting)) and p < self.min_chunk:
+        self.tpot_room = p
+        if (prefills or len(self.sched.waiting)) and p < self.min_chunk:
             p = min(room, self.min_chunk)  # prompts progress, if slowly
+        self._set_room(decode, d, p)
+
+    def _set_room(self, decode: list[tuple[int, int, bool]], d: int, p: int) -> None:
         self.prefill_room = p
         self._prefill_left = p
         self.budget = max(1, d + p)
-        work = decode + ([(p, p, False)] if p else [])
-        self.predicted_step_s = price(work) if work else 0.0
+        self.predicted_step_s = self._price(decode, p)
+
+    def _ttft_floor(self, decode: list[tuple[int, int, bool]], prefills: list[Request]) -> None:
+        """Raise the prefill room to what the most urgent prompt needs to meet its TTFT
+        deadline (the module's point 4)."""
+        if self.ttft_s is None or not (prefills or len(self.sched.waiting)):
+            return
+        p, room = self.prefill_room, self._room
+        d = sum(q for q, _, _ in decode)
+        now = self.sched.clock()
+        for _ in range(2):  # the step's time grows with the room: price it again once
+            want = min(room, self._needed_per_step(now, self._price(decode, max(p, 1)),
+                                                   prefills))
+            if want <= p:
+                break
+            p = want
+        if p != self.prefill_room:
+            self._set_room(decode, d, p)
+
+    def _needed_per_step(self, now: float, step_s: float, prefills: list[Request]) -> int:
+        """The prefill tokens a step must take, from now on, for every prompt (in the order
+        the step serves them) to finish by its TTFT deadline at ``step_s`` a step."""
+        ttft = self.ttft_s or 0.0
+        step_s = max(step_s, 1e-9)
+        ahead = want = 0
+        for queue in (prefills, self.sched.waiting):
+            for r in queue:
+                if r.request_id in self._deferred:
+                    continue
+                ahead += r.num_tokens - r.num_computed_tokens
+                if r.status == RequestStatus.PREEMPTED or r.num_output_tokens:
+                    continue  # resumed: its first token is out, no TTFT at stake
+                # one step short of the deadline: a request waits for the step it is picked
+                # up in, and a step may take longer than predicted
+                steps = int((r.times.arrival + ttft - now) / step_s) - 1
+                want = max(want, -(-ahead // max(1, steps)))
+        return want
 
     # -- the order and admission -------------------------------------------------------------
     def _key(self, r: Request) -> tuple:
@@ -195,7 +281,10 @@ class SloPolicy(SchedulerFeature):
                 if self._key(r)[1] == 0:
                     ahead += need
                 continue
-            first = now + math.ceil((ahead + need) / per_step) * step_s
+            total = ahead + need
+            # steps of the room's size, or one step of just this work when it is smaller
+            first = now + math.ceil(total / per_step) * (
+                step_s if total >= per_step else self._price(self._decode, total))
             why = self._misses(r, first, step_s)
             if why is None:
                 ahead += need

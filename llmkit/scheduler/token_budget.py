@@ -213,7 +213,8 @@ class TokenBudgetScheduler(Scheduler):
 
     # -- results -------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+                           model_runner_output: ModelRunnerOutput, *,
+                           step_s: float | None = None) -> list[EngineCoreOutput]:
         return apply_step_results(self, scheduler_output, model_runner_output)
 
     def check_stop(self, req: Request, tok: int) -> bool:

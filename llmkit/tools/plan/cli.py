@@ -91,9 +91,11 @@ def without_unserved_slo(space: SearchSpace, slo: Any) -> SearchSpace:
 
 def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides: list[str],
                        log: Callable[[str], None]) -> None:
-    """``hardware=cpu-local`` with no calibrated profile: ``llmkit sim calibrate`` for the
-    model, in a child process (the engine it times leaves nothing behind in this one), its
-    lines relayed to ``log``."""
+    """``hardware=cpu-local`` with no calibrated profile, or with ``sim.calibrate_trace`` (a
+    served run's step trace: calibrate again, so that the profile prices the front end's share
+    of the cores as the server will): ``llmkit sim calibrate`` for the model, in a child
+    process (the engine it times leaves nothing behind in this one), its lines relayed to
+    ``log``."""
     import os
     import subprocess
 
@@ -103,21 +105,32 @@ def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides:
         return
     out = cfg.sim.calibrate_output
     path = Path(out).expanduser() if out else default_calibration_path()
-    if path.is_file():
+    trace = cfg.sim.calibrate_trace
+    if path.is_file() and not trace:
         log(f"hardware: this machine's calibrated profile {path}")
         return
     if not cfg.plan.calibrate:
-        log(f"warning: no calibrated profile for this machine ({path}) and plan.calibrate="
-            "false: planning on the shipped placeholder figures")
+        if path.is_file():
+            log(f"warning: plan.calibrate=false: sim.calibrate_trace={trace} is not used; "
+                f"planning on the profile {path} as it is")
+        else:
+            log(f"warning: no calibrated profile for this machine ({path}) and plan.calibrate="
+                "false: planning on the shipped placeholder figures")
         return
-    log(f"no calibrated profile for this machine ({path}): running `llmkit sim calibrate "
-        "engine` first (cached there for later plans)")
+    if trace:
+        log(f"calibrating this machine with the served trace {trace}: running `llmkit sim "
+            f"calibrate engine sim.calibrate_trace=...` first (cached in {path})")
+    else:
+        log(f"no calibrated profile for this machine ({path}): running `llmkit sim calibrate "
+            "engine` first (cached there for later plans)")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.75 * (cfg.plan.cores or os.cpu_count() or 1):
         log(f"warning: the machine is busy (load average {load:.1f}): the profile will be "
             "slower than this machine is alone, and so will the predictions")
     cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "sim", "calibrate",
            model or "engine", f"sim.calibrate_output={path}", *engine_overrides]
+    if trace:
+        cmd.append(f"sim.calibrate_trace={Path(trace).expanduser().resolve()}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
