@@ -1,7 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (``layers/mla.py``) and a MoE of
 shared plus routed experts behind DeepSeek's grouped routers (``llmkit/ops/moe_routing.py``).
 
-A decoder layer is Llama's shape (RMSNorm, attention, RMSNorm, MLP); the first
+The decoder stack is Llama's (``LlamaModel``) with MLA as each layer's attention; the first
 ``first_k_dense_replace`` layers (and those off ``moe_layer_freq``) keep a dense gated MLP of
 ``intermediate_size``. A MoE layer sums the routed experts (``FusedMoE``, whose loader and
 expert-parallel split are the MoE family's, ``moe.py``) and ``n_shared_experts`` always-on
@@ -23,20 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.kv_spec import KVCacheSpec, MLASpec
-from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.models.base import ModelContext
-from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.moe import FusedMoE
 from llmkit.models.layers.mla import MLAAttention, deinterleave_rows
-from llmkit.models.layers.norm import RMSNorm
-from llmkit.models.layers.pipeline import PPMissingLayer, make_layers
 from llmkit.models.kv_specs import deepseek_kv_specs
-from llmkit.models.layers.rotary import RotaryEmbedding, compute_inv_freq
-from llmkit.models.llama import LlamaMLP, MlpFactory
+from llmkit.models.llama import LlamaMLP, LlamaModel
 from llmkit.models.moe import MoeForCausalLM, moe_shape
-from llmkit.ops.base import RotaryTables
 from llmkit.ops.moe_routing import softmax_group_topk, sigmoid_noaux_topk
 
 
@@ -113,75 +106,6 @@ class DeepseekMoE(nn.Module):
         return self.tp.all_reduce(y)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext, mlp: nn.Module | None,
-                 mla_mode: str) -> None:
-        super().__init__()
-        self.self_attn = MLAAttention(config, f"{prefix}.self_attn", ctx, mla_mode)
-        self.mlp = mlp if mlp is not None else LlamaMLP(config, f"{prefix}.mlp", ctx)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.ops)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables,
-                kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, attn_metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext, make_mlp: MlpFactory,
-                 mla_mode: str) -> None:
-        super().__init__()
-        pp = ctx.pp
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        if pp.is_first_rank or (tied and pp.is_last_rank):
-            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size,
-                                               ctx.dtype, ctx.tp)
-        else:
-            self.embed_tokens = PPMissingLayer()
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
-            lambda i: DeepseekDecoderLayer(config, f"{prefix}.layers.{i}", ctx,
-                                           make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i),
-                                           mla_mode), pp)
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
-                     if pp.is_last_rank else PPMissingLayer())
-        # the rope part of q and k only (transformers sets config.head_dim = qk_rope_head_dim)
-        rope_dim = config.qk_rope_head_dim
-        inv_freq, attention_scaling = compute_inv_freq(config, rope_dim)
-        self.rotary_emb = RotaryEmbedding(rope_dim, config.max_position_embeddings, inv_freq,
-                                          attention_scaling, ctx.dtype)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate_tensors: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
-        if self.is_first_stage:
-            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-            residual = None
-        else:
-            x, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
-        rope = self.rotary_emb.lookup(positions)
-        # i: the layer's index in this stage's kv_caches, which the per-group metadata uses
-        for i, kv_cache in enumerate(kv_caches[:self.end_layer - self.start_layer]):
-            layer = self.layers[self.start_layer + i]
-            x, residual = layer(x, residual, rope, kv_cache, attn_metadata.for_layer(i))
-        if not self.is_last_stage:
-            return IntermediateTensors(x, residual)
-        x, _ = self.norm(x, residual)
-        return x
-
-
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -212,7 +136,11 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         self._interleaved = interleaved_rope(hf_config)
 
     def build_model(self, config, prefix: str, ctx: ModelContext) -> nn.Module:
-        return DeepseekModel(config, prefix, ctx, self.make_mlp, self.mla_mode)
+        # Llama's stack with MLA in every layer; the rope rotates q/k's rope part only
+        # (transformers sets config.head_dim = qk_rope_head_dim)
+        return LlamaModel(config, prefix, ctx, self.make_mlp,
+                          make_attn=lambda p: MLAAttention(config, p, ctx, self.mla_mode),
+                          rope_dim=config.qk_rope_head_dim)
 
     def make_mlp(self, config, prefix: str, ctx: ModelContext,
                  layer_index: int) -> nn.Module | None:

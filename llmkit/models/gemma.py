@@ -20,11 +20,11 @@ from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec, SlidingWind
 from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.layers.activation import GeluTanhAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
-from llmkit.models.layers.linear import Linear, MergedLinear
+from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.norm import GemmaRMSNorm
 from llmkit.models.layers.rotary import RotaryEmbedding
-from llmkit.models.llama import LlamaForCausalLM, _head_dim
-from llmkit.ops.base import RotaryTables
+from llmkit.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
+                                 LlamaMLP, _head_dim)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -46,98 +46,26 @@ def layer_types(config) -> list[str]:
     return list(types)
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"hidden_activation {act!r} is not supported by the Gemma "
-                             "implementation (only gelu_pytorch_tanh)")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(f"{prefix}.gate_up_proj", config.hidden_size,
-                                         {"gate": inter, "up": inter}, bias=False,
-                                         dtype=ctx.dtype, linear_method=ctx.linear_method)
-        self.act_fn = GeluTanhAndMul()
-        self.down_proj = Linear.build(f"{prefix}.down_proj", inter, config.hidden_size,
-                                      bias=False, dtype=ctx.dtype,
-                                      linear_method=ctx.linear_method, parallel="row")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+def gemma_act(config) -> GeluTanhAndMul:
+    """The MLP's gate: GeGLU (``gelu_pytorch_tanh``), the one activation Gemma 2/3 ship with."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden_activation {act!r} is not supported by the Gemma "
+                         "implementation (only gelu_pytorch_tanh)")
+    return GeluTanhAndMul()
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext, *, sliding_window: int | None,
-                 logits_soft_cap: float | None, qk_norm: bool) -> None:
-        super().__init__()
-        self.attn_backend = ctx.attn_backend
-        self.ops = ctx.ops
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = d = _head_dim(config)
-        self.num_heads = heads // ctx.tp.size
-        self.num_kv_heads = max(1, kv_heads // ctx.tp.size)
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.scale = float(config.query_pre_attn_scalar) ** -0.5
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
-            f"{prefix}.qkv_proj", config.hidden_size,
-            {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}, bias=bias, dtype=ctx.dtype,
-            linear_method=ctx.linear_method, shard_units=(heads, kv_heads, kv_heads))
-        self.o_proj = Linear.build(f"{prefix}.o_proj", heads * d, config.hidden_size, bias=bias,
-                                   dtype=ctx.dtype, linear_method=ctx.linear_method,
-                                   parallel="row")
-        if qk_norm:
-            self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps, ctx.dtype, ctx.ops)
-            self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps, ctx.dtype, ctx.ops)
-        else:
-            self.q_norm = self.k_norm = None
-
-    def forward(self, x: torch.Tensor, rope: RotaryTables, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        n, h, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qk_size = self.q_size + self.kv_size
-        if self.q_norm is None:
-            qk = self.ops.rotary(qkv[:, :qk_size].view(n, h + hkv, d), rope)
-            q, k = qk[:, :h], qk[:, h:]
-        else:
-            q = self.ops.rotary(self.q_norm(qkv[:, :self.q_size].view(n, h, d)), rope)
-            k = self.ops.rotary(self.k_norm(qkv[:, self.q_size:qk_size].view(n, hkv, d)), rope)
-        v = qkv[:, qk_size:].view(n, hkv, d)
-        o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale,
-                                      sliding_window=self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap)
-        return self.o_proj(o.reshape(n, self.q_size))
-
-
-class GemmaDecoderLayer(nn.Module):
-    """Sandwich norms: ``x + post_attn(attn(input(x)))``, then ``+ post_ff(mlp(pre_ff(.)))``;
-    the residual adds are fused into the following norm (Llama's pattern)."""
-
-    def __init__(self, config, prefix: str, ctx: ModelContext, attn: GemmaAttention) -> None:
-        super().__init__()
-        self.self_attn = attn
-        self.mlp = GemmaMLP(config, f"{prefix}.mlp", ctx)
-        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype,  # noqa
-                                    ctx.ops)
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
-        self.post_feedforward_layernorm = norm()
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables,
-                kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, attn_metadata))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+def gemma_layer(config, prefix: str, ctx: ModelContext, *, sliding_window: int | None,
+                logits_soft_cap: float | None, qk_norm: bool) -> LlamaDecoderLayer:
+    """Llama's decoder layer with Gemma's differences: ``1 + w`` norms (q/k too, Gemma 3),
+    sandwich norms, GeGLU, scores scaled by ``query_pre_attn_scalar ** -0.5``."""
+    attn = LlamaAttention(config, f"{prefix}.self_attn", ctx,
+                          scale=float(config.query_pre_attn_scalar) ** -0.5,
+                          qk_norm=GemmaRMSNorm if qk_norm else None,
+                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    mlp = LlamaMLP(config, f"{prefix}.mlp", ctx, act_fn=gemma_act(config))
+    return LlamaDecoderLayer(config, prefix, ctx, mlp, attn=attn, norm=GemmaRMSNorm,
+                             sandwich=True)
 
 
 class GemmaModel(nn.Module):
@@ -157,10 +85,9 @@ class GemmaModel(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5,
                                                          dtype=ctx.dtype), persistent=False)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, f"{prefix}.layers.{i}", ctx, GemmaAttention(
-                config, f"{prefix}.layers.{i}.self_attn", ctx,
-                sliding_window=window if kind == SLIDING else None,
-                logits_soft_cap=soft_cap, qk_norm=qk_norm))
+            gemma_layer(config, f"{prefix}.layers.{i}", ctx,
+                        sliding_window=window if kind == SLIDING else None,
+                        logits_soft_cap=soft_cap, qk_norm=qk_norm)
             for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
         head_dim = _head_dim(config)

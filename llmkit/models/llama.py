@@ -80,6 +80,8 @@ def raise_if_missing(expected: set[tuple[str, Hashable]], loaded: set[tuple[str,
 
 # Qwen2 and the language models of Qwen2-VL / Qwen2.5-VL: biases on q, k, v (not o).
 QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Qwen3: per-head RMSNorm on q and k before the rope.
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # Checkpoint tensors that carry no parameter.
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -89,7 +91,14 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, prefix: str, ctx: ModelContext) -> None:
+    """Fused q/k/v projection, rope, paged attention, output projection. What the Llama kin
+    read from the config; the keywords are the variants' differences (Gemma 2/3): the score
+    scale (default ``head_dim ** -0.5``), the per-head q/k norm class (default: RMSNorm for
+    Qwen3, none otherwise), a sliding window and a soft-cap on the scores."""
+
+    def __init__(self, config, prefix: str, ctx: ModelContext, *, scale: float | None = None,
+                 qk_norm: type[RMSNorm] | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.attn_backend = ctx.attn_backend
         self.ops = ctx.ops
@@ -102,10 +111,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = max(1, kv_heads // ctx.tp.size)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        # A sliding-window layer's window (Mistral, Qwen2's upper layers): set by
-        # LlamaForCausalLM from the layer's KV-cache spec; None = full attention.
-        self.sliding_window: int | None = None
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        # A sliding-window layer's window (Mistral, Qwen2's upper layers: set by
+        # LlamaForCausalLM from the layer's KV-cache spec; Gemma's: given); None = full.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias or config.model_type in QKV_BIAS_MODEL_TYPES or \
             bool(getattr(config, "qkv_bias", False))  # qwen2_moe
@@ -118,9 +128,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear.build(f"{prefix}.o_proj", heads * self.head_dim, config.hidden_size,
                                    bias=attention_bias, dtype=ctx.dtype,
                                    linear_method=ctx.linear_method, parallel="row")
-        if config.model_type in ("qwen3", "qwen3_moe"):
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
+        if qk_norm is None and config.model_type in QK_NORM_MODEL_TYPES:
+            qk_norm = RMSNorm
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, ctx.dtype, ctx.ops)
         else:
             self.q_norm = self.k_norm = None
 
@@ -137,32 +149,36 @@ class LlamaAttention(nn.Module):
             q = self.ops.rotary(self.q_norm(qkv[:, :self.q_size].view(n, h, d)), rope)
             k = self.ops.rotary(self.k_norm(qkv[:, self.q_size:qk_size].view(n, hkv, d)), rope)
         v = qkv[:, qk_size:].view(n, hkv, d)
-        if self.sliding_window is None:
+        if self.sliding_window is None and self.logits_soft_cap is None:
             o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         else:
             o = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale,
-                                          sliding_window=self.sliding_window)
+                                          sliding_window=self.sliding_window,
+                                          logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     """The gated MLP, ``intermediate_size`` wide (default: the config's); ``reduce_results``
     False leaves a tensor-parallel down projection's partial sums to the caller's all-reduce
-    (a MoE block's shared expert)."""
+    (a MoE block's shared expert); ``act_fn`` replaces SiLU's gate (Gemma's GeGLU)."""
 
     def __init__(self, config, prefix: str, ctx: ModelContext,
-                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
+                 intermediate_size: int | None = None, reduce_results: bool = True,
+                 act_fn: nn.Module | None = None) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported by the Llama family "
-                             "implementation (only silu)")
+        if act_fn is None:
+            act = getattr(config, "hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise ValueError(f"hidden_act {act!r} is not supported by the Llama family "
+                                 "implementation (only silu)")
+            act_fn = SiluAndMul(ctx.ops)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(f"{prefix}.gate_up_proj", config.hidden_size,
                                          {"gate": inter, "up": inter}, bias=bias,
                                          dtype=ctx.dtype, linear_method=ctx.linear_method)
-        self.act_fn = SiluAndMul(ctx.ops)
+        self.act_fn = act_fn
         self.down_proj = Linear.build(f"{prefix}.down_proj", inter, config.hidden_size,
                                       bias=bias, dtype=ctx.dtype,
                                       linear_method=ctx.linear_method, parallel="row",
@@ -173,18 +189,29 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Attention then an MLP, each after an RMSNorm; ``mlp`` replaces the gated MLP (a MoE
-    block: ``x [T, H] -> [T, H]``)."""
+    """Attention then an MLP, each after an RMSNorm, the residual add fused into the next norm.
+
+    The variants' differences are arguments: ``mlp`` replaces the gated MLP (a MoE block:
+    ``x [T, H] -> [T, H]``), ``attn`` Llama's attention (DeepSeek's MLA, Gemma's keywords),
+    ``norm`` the RMSNorm (Gemma's ``1 + w``); ``sandwich`` adds Gemma 2/3's norms after the
+    attention and around the MLP: ``x + post_attn(attn(input(x)))``, then
+    ``+ post_ff(mlp(pre_ff(.)))``."""
 
     def __init__(self, config, prefix: str, ctx: ModelContext,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, *, attn: nn.Module | None = None,
+                 norm: type[RMSNorm] = RMSNorm, sandwich: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", ctx)
+        self.self_attn = attn if attn is not None else \
+            LlamaAttention(config, f"{prefix}.self_attn", ctx)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, f"{prefix}.mlp", ctx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype,
-                                       ctx.ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                ctx.dtype, ctx.ops)
+        make_norm = lambda: norm(config.hidden_size, config.rms_norm_eps, ctx.dtype,  # noqa
+                                 ctx.ops)
+        self.input_layernorm = make_norm()
+        self.post_attention_layernorm = make_norm()
+        self.sandwich = sandwich
+        if sandwich:
+            self.pre_feedforward_layernorm = make_norm()
+            self.post_feedforward_layernorm = make_norm()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryTables,
                 kv_cache: torch.Tensor,
@@ -195,19 +222,30 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, attn_metadata)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 #: ``(config, prefix, ctx, layer_index) -> the layer's MLP``, or ``None`` for the gated MLP.
 MlpFactory = Callable[[object, str, ModelContext, int], "nn.Module | None"]
+#: ``(prefix) -> a layer's attention`` (``prefix``: its module name), in place of Llama's.
+AttnFactory = Callable[[str], nn.Module]
 
 
 class LlamaModel(nn.Module):
+    """Embedding, the decoder layers (this pipeline stage's), final norm and one rope table;
+    ``make_attn`` gives each layer another attention (DeepSeek's MLA) and ``rope_dim`` the
+    rotated width when it is not the head's (MLA's rope part)."""
+
     def __init__(self, config, prefix: str, ctx: ModelContext,
-                 make_mlp: MlpFactory | None = None) -> None:
+                 make_mlp: MlpFactory | None = None, make_attn: AttnFactory | None = None,
+                 rope_dim: int | None = None) -> None:
         super().__init__()
-        head_dim = _head_dim(config)
+        head_dim = rope_dim or _head_dim(config)
         pp = ctx.pp
         # Pipeline parallel: the first stage embeds; the last needs the matrix too when the LM
         # head is tied to it (vLLM's rule). Other stages' layers are absent (PPMissingLayer).
@@ -221,7 +259,8 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers,
             lambda i: LlamaDecoderLayer(
                 config, f"{prefix}.layers.{i}", ctx,
-                make_mlp and make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i)), pp)
+                make_mlp and make_mlp(config, f"{prefix}.layers.{i}.mlp", ctx, i),
+                attn=make_attn and make_attn(f"{prefix}.layers.{i}.self_attn")), pp)
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.ops)
                      if pp.is_last_rank else PPMissingLayer())
