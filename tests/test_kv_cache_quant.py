@@ -360,7 +360,7 @@ def test_the_pool_holds_more_blocks_in_the_same_memory(model, caplog):
     n_float = base.engine.num_blocks
     base.shutdown()
     head_dim = 16  # the tiny model's
-    with caplog.at_level("INFO", logger="llmkit.worker.model_runner"):
+    with caplog.at_level("INFO", logger="llmkit.worker.kv_cache_pool"):
         for name, width in (("int8", head_dim + 4), ("fp8_e4m3", head_dim + 4),
                             ("bfloat16", 2 * head_dim)):
             llm = LLM(str(model), dtype="float32", kv_cache={**mem, "cache_dtype": name})

@@ -8,12 +8,18 @@ reaches the end of the prompt (the step that samples the first token), as vLLM d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from llmkit.outputs import LogprobsLists
 from llmkit.sampling.logprobs import compute_logprobs
+
+if TYPE_CHECKING:
+    from llmkit.lora.manager import LoRAManager
+    from llmkit.worker.input_batch import InputBatch
+    from llmkit.worker.step_inputs import StepInputs
 
 # Rows of logits computed at a time: bounds memory to SLICE x vocab floats for long prompts.
 _SLICE = 512
@@ -52,3 +58,25 @@ def finished(state: PromptLogprobsState) -> bool:
 
 def collect(state: PromptLogprobsState) -> LogprobsLists:
     return LogprobsLists.concat(state.parts)
+
+
+def score_step(states: dict[str, PromptLogprobsState], inputs: StepInputs, hidden: torch.Tensor,
+               batch: InputBatch, compute_logits,
+               lora_manager: LoRAManager | None) -> dict[str, LogprobsLists]:
+    """Prompt logprobs of this step's chunks; the full list of each prompt it completes (its
+    state then leaves ``states``)."""
+    done: dict[str, LogprobsLists] = {}
+    for i, rid in enumerate(inputs.req_ids):
+        state = states.get(rid)
+        if state is None:
+            continue
+        row = int(inputs.rows[i])
+        logits_fn = compute_logits
+        if lora_manager is not None:  # the rows are this request's: its adapter
+            logits_fn = lora_manager.logits_fn(int(batch.lora_id[row]), compute_logits)
+        score_chunk(state, hidden, logits_fn, batch.token_ids[row], int(inputs.query_starts[i]),
+                    int(inputs.computed[i]), int(inputs.num_scheduled[i]))
+        if finished(state):
+            done[rid] = collect(state)
+            del states[rid]
+    return done
