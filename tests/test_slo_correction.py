@@ -9,6 +9,7 @@ the correction off the same load misses it.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -62,14 +63,17 @@ def simulate(*overrides: str):
     return summarize(run.records, cfg.slo, run.duration_s), core.scheduler.slo_policy
 
 
-def test_correction_learns_the_served_steps_and_keeps_tpot(half_profile):
+def test_correction_learns_the_served_steps_and_keeps_tpot(half_profile, caplog):
     truth, _ = simulate()
     assert truth["tpot_ms"]["p99"] <= 25 + 1e-6  # predicting with the truth keeps TPOT
     off, policy_off = simulate(f"scheduler.cost_profile={half_profile}",
                                "scheduler.slo_correction_weight=0")
     assert off["tpot_ms"]["p99"] > 25 * 1.05  # half the truth: chunks twice too big
     assert policy_off.correction.describe() == {"decode": 1.0, "mixed": 1.0}
-    on, policy = simulate(f"scheduler.cost_profile={half_profile}")
+    with caplog.at_level(logging.INFO, logger="llmkit.scheduler.slo_policy"):
+        on, policy = simulate(f"scheduler.cost_profile={half_profile}")
+    assert any("decode-only steps served take 2.00x the cost model's prediction (32 measured)"
+               in r.getMessage() for r in caplog.records)
     # the engine measured each step's virtual time: exactly twice the prediction
     assert policy.correction.factor(False) == pytest.approx(2.0, rel=1e-9)
     assert policy.correction.factor(True) == pytest.approx(2.0, rel=1e-9)

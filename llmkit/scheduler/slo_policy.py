@@ -37,6 +37,7 @@ and mixed step, learned from each step's ``update_from_output(..., step_s=)``):
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -59,6 +60,10 @@ StepTime = Callable[[Sequence[tuple[int, int, bool]], float], float]
 
 # weight of the latest step in the streamed-rate estimate (an exponential moving average)
 _RATE_WEIGHT = 0.2
+# the correction is logged after this many steps of a kind, then every _LOG_EVERY
+_LOG_FIRST, _LOG_EVERY = 32, 4096
+
+logger = logging.getLogger(__name__)
 
 
 def _ms(v: float | None) -> float | None:
@@ -142,7 +147,14 @@ class SloPolicy(SchedulerFeature):
         priced = self._priced
         if priced is not None and priced[0] is out:
             self._priced = None
-            self.correction.observe(priced[2], priced[1], step_s)
+            corr = self.correction
+            corr.observe(priced[2], priced[1], step_s)
+            n = corr.steps[priced[2]]
+            if n == _LOG_FIRST or n % _LOG_EVERY == 0:
+                kind = "mixed" if priced[2] else "decode-only"
+                logger.info("scheduler=slo: %s steps served take %.2fx the cost model's "
+                            "prediction (%d measured); predictions follow", kind,
+                            corr.factor(priced[2]), n)
 
     def fill_stats(self, stats: SchedulerStats) -> None:
         stats.slo_rejected_total = self.num_rejected
