@@ -15,6 +15,8 @@ import torch
 
 from llmkit import LLM, SamplingParams
 
+from helpers.greedy_engine import hf_greedy
+
 MAX_TOKENS = 20
 PREFIX = 32
 # Tiny models on a shared machine: one thread each (many threads on tiny matrices spin more
@@ -79,21 +81,6 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def _hf_greedy(model_dir, prompts) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()
@@ -111,7 +98,7 @@ def checkpoint(tmp_path_factory, tiny_tokenizer):
         if case not in cache:
             d = _build(case, tmp_path_factory.mktemp(f"deepseek-{case}"), tiny_tokenizer)
             prompts = _prompts(len(tiny_tokenizer))
-            cache[case] = (d, prompts, _hf_greedy(d, prompts))
+            cache[case] = (d, prompts, hf_greedy(d, prompts, MAX_TOKENS))
         return cache[case]
 
     return get
@@ -229,7 +216,8 @@ def test_logits_match_hf_through_prefill_and_decode(tmp_path, tiny_tokenizer, ca
 def test_bfloat16_is_as_accurate_as_transformers(tmp_path, tiny_tokenizer):
     """bf16 weights, activations and latent cache (the router in float32, as transformers
     keeps it): the error against float32 is no larger than transformers' own bf16 error."""
-    from helpers.model_logits import PagedRun, hf_logits, load_llmkit, random_seqs
+    from helpers.model_logits import (PagedRun, assert_bf16_as_accurate_as_hf, load_llmkit,
+                                      random_seqs)
 
     model_dir = _build("v3", tmp_path, tiny_tokenizer)
     seqs = random_seqs(len(tiny_tokenizer), [12] * 4, seed=2)
@@ -237,11 +225,7 @@ def test_bfloat16_is_as_accurate_as_transformers(tmp_path, tiny_tokenizer):
     run = PagedRun(model, len(seqs), max(map(len, seqs)))
     run.kv_caches = [kv.to(torch.bfloat16) for kv in run.kv_caches]
     out = run.step(dict(enumerate(seqs)))
-    ref32 = hf_logits(model_dir, seqs)
-    ref16 = hf_logits(model_dir, seqs, dtype=torch.bfloat16)
-    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_bf16_as_accurate_as_hf(out, model_dir, seqs)
 
 
 @pytest.mark.slow  # two worker processes

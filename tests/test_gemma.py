@@ -19,6 +19,8 @@ import torch
 from llmkit import LLM, SamplingParams
 from llmkit.attention.kv_spec import FullAttentionSpec, SlidingWindowSpec
 
+from helpers.greedy_engine import hf_greedy as shared_hf_greedy
+
 MAX_TOKENS = 20
 WINDOW = 6
 BASE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -67,23 +69,9 @@ def make_prompts(vocab: int) -> list[list[int]]:
 
 
 def hf_greedy(model_dir, prompts, max_tokens=MAX_TOKENS, **overrides) -> list[list[int]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
-                                                 attn_implementation="eager")
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=eos if isinstance(eos, int) else eos[0])
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    """HF's tokens with eager attention (the soft-caps)."""
+    return shared_hf_greedy(model_dir, prompts, max_tokens, attn_implementation="eager",
+                            **overrides)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

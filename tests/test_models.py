@@ -18,9 +18,9 @@ from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.models import MODELS, UnsupportedModelError, get_model_class
 from llmkit.models.base import ModelContext
 from llmkit.models.loader import build_model, resolve_model_source
-from helpers.model_logits import (PagedRun, assert_close, assert_prefill_matches,
-                                  assert_schedule_matches, hf_logits, load_llmkit,
-                                  random_seqs)
+from helpers.model_logits import (PagedRun, assert_bf16_as_accurate_as_hf, assert_close,
+                                  assert_prefill_matches, assert_schedule_matches, hf_logits,
+                                  load_llmkit, random_seqs)
 from helpers.tiny_models import write_tiny_gguf
 
 PROMPT_LENS = (5, 11, 8)
@@ -144,11 +144,7 @@ def test_bfloat16_is_as_accurate_as_transformers(tiny_model_dir, tiny_tokenizer,
     run = PagedRun(model, len(seqs), max(map(len, seqs)))
     run.kv_caches = [kv.to(torch.bfloat16) for kv in run.kv_caches]
     out = run.step(dict(enumerate(seqs)))
-    ref32 = hf_logits(model_dir, seqs)
-    ref16 = hf_logits(model_dir, seqs, dtype=torch.bfloat16)
-    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_bf16_as_accurate_as_hf(out, model_dir, seqs)
 
 
 # -- registry and sources --------------------------------------------------------------------

@@ -12,9 +12,9 @@ import torch
 
 from llmkit.attention.kv_spec import FullAttentionSpec, RecurrentStateSpec
 from helpers.greedy_engine import assert_grouped_blocks_back, hf_greedy, llm_greedy
-from helpers.model_logits import (PagedRun, assert_close, assert_prefill_matches,
-                                  assert_schedule_matches, hf_logits, load_llmkit,
-                                  random_seqs)
+from helpers.model_logits import (PagedRun, assert_bf16_as_accurate_as_hf, assert_close,
+                                  assert_prefill_matches, assert_schedule_matches, hf_logits,
+                                  load_llmkit, random_seqs)
 from helpers.tiny_bamba import ATTN_LAYERS, build_bamba_dir
 
 
@@ -127,11 +127,7 @@ def test_bfloat16_is_as_accurate_as_transformers(bamba_dir, tiny_tokenizer, kern
     for t in range(12, 16):
         for i, row in run.step({i: s[t:t + 1] for i, s in enumerate(seqs)}).items():
             out[i] = torch.cat([out[i], row])
-    ref32 = hf_logits(bamba_dir, seqs)
-    ref16 = hf_logits(bamba_dir, seqs, dtype=torch.bfloat16)
-    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
-    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+    assert_bf16_as_accurate_as_hf(out, bamba_dir, seqs)
 
 
 def test_registered_and_refuses_tensor_parallel(bamba_dir):

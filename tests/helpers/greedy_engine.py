@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmkit import LLM, SamplingParams
 
@@ -19,10 +19,22 @@ def make_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(k)] for k in PROMPT_LENS[:n]]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int, *,
+              attn_implementation: str | None = None, **config_overrides) -> list[list[int]]:
     """transformers' greedy tokens after each prompt, in float32 (its own cache: for a
-    recurrent model, the chunked scan over the prompt, then the one-token update)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    recurrent model, the chunked scan over the prompt, then the one-token update).
+    ``config_overrides`` set attributes of the checkpoint's config before loading;
+    ``attn_implementation`` picks transformers' attention (``eager`` where ``sdpa`` drops a
+    model's soft-cap)."""
+    kwargs: dict = {}
+    if config_overrides:
+        config = AutoConfig.from_pretrained(str(model_dir))
+        for k, v in config_overrides.items():
+            setattr(config, k, v)
+        kwargs["config"] = config
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kwargs)
     eos = model.generation_config.eos_token_id
     outs = []
     with torch.inference_mode():

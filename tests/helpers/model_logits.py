@@ -155,3 +155,14 @@ def assert_schedule_matches(run: PagedRun, seqs: list[list[int]],
         for i, (a, b) in step.items():
             assert_close(out[i], ref[i][a:b])
     assert run.computed == [len(s) for s in seqs]
+
+
+def assert_bf16_as_accurate_as_hf(out, model_dir: Path, seqs: list[list[int]]) -> None:
+    """llmkit's bf16 logits (``out[i]``: every position of ``seqs[i]``) are off HF's float32
+    logits by no more than HF's own bf16 logits are (mean absolute error summed over the
+    sequences, x1.5 + 1e-3)."""
+    ref32 = hf_logits(model_dir, seqs)
+    ref16 = hf_logits(model_dir, seqs, dtype=torch.bfloat16)
+    ours = sum((out[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    theirs = sum((ref16[i] - ref32[i]).abs().mean().item() for i in range(len(seqs)))
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
