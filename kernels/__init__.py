@@ -9,7 +9,7 @@ kernel                       module                  reference
 ===========================  ======================  ================================
 reshape_and_cache            cache                   reshape_and_cache_ref
 paged_decode_attention       decode_attention        paged_decode_attention_ref
-  (+ split-KV reduce)
+  (+ split-KV reduce)        split_kv
 unified_attention            unified                 unified_attention_ref
 rms_norm                     norm                    rms_norm_ref
 fused_add_rms_norm           norm                    fused_add_rms_norm_ref
@@ -18,7 +18,7 @@ silu_and_mul                 activation              silu_and_mul_ref
 fused_moe                    moe                     llmkit.ops.moe.fused_moe_reference
 write_latent_cache           mla_attention           write_latent_cache_ref
 mla_decode_attention         mla_attention           mla_decode_attention_ref
-  (+ split-KV reduce)
+  (+ split-KV reduce)        split_kv
 ===========================  ======================  ================================
 
 A quantized KV cache (``kv_quant``: int8 / e4m3 rows with their float32 scale) is written by
@@ -59,7 +59,7 @@ _EXPORTS = {
     "reshape_and_cache": "cache", "reshape_and_cache_ref": "cache",
     "paged_decode_attention": "decode_attention",
     "paged_decode_attention_ref": "decode_attention",
-    "default_num_splits": "decode_attention",
+    "default_num_splits": "split_kv", "device_num_splits": "split_kv",
     "unified_attention": "unified", "unified_attention_ref": "unified",
     "unified_attention_tiles": "unified", "choose_block_q": "unified",
     "rms_norm": "norm", "rms_norm_ref": "norm",

@@ -5,8 +5,8 @@ of the KV length (flash-decoding) plus the kernel that merges the splits.
 Program ``(seq, kv_head, split)`` loads the query rows of every query head that shares
 ``kv_head`` as one ``[BLOCK_H, HEAD_DIM]`` tile, so each K/V byte is read once per group, not
 once per query head: decode is bound by HBM bandwidth, and this is where the bytes are.
-With ``num_splits > 1`` each split writes its normalised partial output and its log-sum-exp;
-``_decode_reduce_kernel`` merges them (``out = sum_i exp(lse_i - lse) * o_i``).
+With ``num_splits > 1`` each split writes its normalised partial output and its log-sum-exp,
+merged by a second kernel (``split_kv``, shared with MLA's decode).
 A quantized cache (``kv_quant``) is dequantized as it is loaded: codes times each row's scale.
 A sliding window ``W`` starts each sequence's KV range (and its splits) at ``seq_len - W``, so
 no block before the window is read; a soft cap ``c`` maps scores to ``c * tanh(s / c)``.
@@ -21,6 +21,7 @@ import triton.language as tl
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
 from llmkit.kernels.kv_quant import head_dim_of, quant_args, read_rows
 from llmkit.kernels.paged_kv import load_kv_tile, soft_capped_log2
+from llmkit.kernels.split_kv import KVSplits, split_range, store_split_output
 
 LOG2E = 1.4426950408889634
 
@@ -48,11 +49,7 @@ def _paged_decode_kernel(
     first = 0
     if WINDOWED:
         first = tl.maximum(seq_len - sliding_window, 0)
-    # Splits cover whole BLOCK_N tiles so that no tile straddles two of them.
-    per_split = (seq_len - first + NUM_SPLITS - 1) // NUM_SPLITS
-    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = first + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start, end = split_range(seq_len, first, split, NUM_SPLITS, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -93,57 +90,10 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    o_mask = h_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_os + q_head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        # Natural-log LSE of this split; -inf marks an empty split.
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        p_base = seq * stride_ps + q_head * stride_ph + split * stride_pk
-        tl.store(part_out_ptr + p_base[:, None] + offs_d[None, :], o, mask=o_mask)
-        tl.store(part_lse_ptr + (seq * NUM_HEADS + q_head) * NUM_SPLITS + split, lse, mask=h_ok)
-
-
-@jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_ps, stride_ph, stride_pk,
-    stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_HEADS: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
-    k_ok = offs_k < NUM_SPLITS
-    d_ok = offs_d < HEAD_DIM
-    base = seq * stride_ps + head * stride_ph + offs_k * stride_pk
-    lse = tl.load(part_lse_ptr + (seq * NUM_HEADS + head) * NUM_SPLITS + offs_k, mask=k_ok,
-                  other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp(lse - lse_max)  # empty splits weigh 0
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-    o = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
-                mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-    res = tl.sum(o * w[:, None], 0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d,
-             res.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, *,
-                       target_programs: int, min_split_len: int = 128,
-                       max_splits: int = 16) -> int:
-    """Flash-decoding's split count: enough programs to fill the device (``target_programs``,
-    e.g. 2x its SM count), each split at least ``min_split_len`` tokens long."""
-    programs = max(1, num_seqs * num_kv_heads)
-    want = max(1, target_programs // programs)
-    by_len = max(1, max_seq_len // max(1, min_split_len))
-    return int(max(1, min(want, by_len, max_splits)))
+    store_split_output(acc, l_i, m_i, seq, split, q_head, h_ok, offs_d, d_ok,
+                       out_ptr, part_out_ptr, part_lse_ptr,
+                       stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
+                       NUM_SPLITS, NUM_HEADS)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -171,36 +121,21 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     block_h = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
-    num_splits = max(1, int(num_splits))
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    # part_out [seq, head, split, BLOCK_D] strides; part_lse is [seq, head, split], contiguous.
-    ps = (num_heads * num_splits * block_d, num_splits * block_d, block_d)
-    grid = (num_seqs, num_kv_heads, num_splits)
-    _paged_decode_kernel[grid](
-        q, kv_cache, scales, block_table, seq_lens, out, part_out, part_lse,
+    splits = KVSplits.allocate(out, num_splits, block_d)
+    _paged_decode_kernel[splits.grid(num_seqs, num_kv_heads)](
+        q, kv_cache, scales, block_table, seq_lens, out, splits.part_out, splits.part_lse,
         scale * LOG2E, sliding_window or 0, soft_cap or 0.0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         out.stride(0), out.stride(1),
-        *ps,
+        *splits.strides,
         QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
-        DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits.num_splits,
+        NUM_HEADS=num_heads, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant,
         WINDOWED=sliding_window is not None, SOFT_CAP=soft_cap is not None,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, *ps, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_K=next_power_of_2(num_splits), NUM_HEADS=num_heads,
-        )
+    splits.merge(out, head_dim)
     return out
 
 

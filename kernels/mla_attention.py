@@ -7,7 +7,7 @@ each row is loaded once and serves every head of the block (the scores as two ``
 ``q_latent . c_kv`` and ``q_pe . k_pe``; the output as ``p . c_kv``). That one read per row for
 all heads is MLA's point: the cache row is ``kv_lora_rank + rope`` wide whatever the head count.
 With ``num_splits > 1`` each split writes its normalised partial output and log-sum-exp and the
-paged decode's reduce kernel (``decode_attention._decode_reduce_kernel``) merges them.
+paged decode's merge (``split_kv``) combines them.
 """
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ import torch
 import triton.language as tl
 
 from llmkit.kernels._jit import dot_precision, jit, next_power_of_2
-from llmkit.kernels.decode_attention import LOG2E, _decode_reduce_kernel
+from llmkit.kernels.decode_attention import LOG2E
+from llmkit.kernels.split_kv import KVSplits, split_range, store_split_output
+
+# Query heads per program: tl.dot needs >= 16 rows; more heads per program would keep a
+# [BLOCK_H, BLOCK_R] float32 accumulator too large for the registers at rank 512 (so programs
+# per 16 heads: ceil(heads / BLOCK_H) per sequence, which a split count weighs).
+BLOCK_H = 16
 
 
 @jit
@@ -72,11 +78,7 @@ def _mla_decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits cover whole BLOCK_N tiles so that no tile straddles two of them.
-    per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
-    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start, end = split_range(seq_len, 0, split, NUM_SPLITS, BLOCK_N)
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
@@ -118,18 +120,10 @@ def _mla_decode_kernel(
                                             input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    o_mask = h_ok[:, None] & r_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_os + offs_h[:, None] * stride_oh + offs_r[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        # Natural-log LSE of this split; -inf marks an empty split (the reduce weighs it 0).
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        p_base = seq * stride_ps + offs_h * stride_ph + split * stride_pk
-        tl.store(part_out_ptr + p_base[:, None] + offs_r[None, :], o, mask=o_mask)
-        tl.store(part_lse_ptr + (seq * NUM_HEADS + offs_h) * NUM_SPLITS + split, lse, mask=h_ok)
+    store_split_output(acc, l_i, m_i, seq, split, offs_h, h_ok, offs_r, r_ok,
+                       out_ptr, part_out_ptr, part_lse_ptr,
+                       stride_os, stride_oh, stride_ps, stride_ph, stride_pk,
+                       NUM_SPLITS, NUM_HEADS)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor,
@@ -153,38 +147,23 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor,
         return out
     block_r = max(16, next_power_of_2(rank))
     block_p = max(16, next_power_of_2(rope))
-    # tl.dot needs >= 16 rows; more heads per program would keep a [BLOCK_H, BLOCK_R] float32
-    # accumulator too large for the registers at rank 512 (then programs per 16 heads)
-    block_h = 16
+    block_h = BLOCK_H
     if block_n is None:
         block_n = 32 if block_r <= 256 else 16  # the [BLOCK_N, BLOCK_R] tile in shared memory
-    num_splits = max(1, int(num_splits))
-    if num_splits > 1:
-        part_out = torch.empty(b, h, num_splits, block_r, dtype=torch.float32,
-                               device=q_latent.device)
-        part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_latent.device)
-    else:
-        part_out = part_lse = out  # unused
-    ps = (h * num_splits * block_r, num_splits * block_r, block_r)
-    grid = (b, math.ceil(h / block_h), num_splits)
-    _mla_decode_kernel[grid](
-        q_latent, q_pe, latent_cache, block_table, seq_lens, out, part_out, part_lse,
-        scale * LOG2E,
+    splits = KVSplits.allocate(out, num_splits, block_r)
+    _mla_decode_kernel[splits.grid(b, math.ceil(h / block_h))](
+        q_latent, q_pe, latent_cache, block_table, seq_lens, out, splits.part_out,
+        splits.part_lse, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1),
         block_table.stride(0),
         out.stride(0), out.stride(1),
-        *ps,
+        *splits.strides,
         NUM_HEADS=h, RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_H=block_h,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits.num_splits,
         DOT_PRECISION=dot_precision(q_latent.dtype),
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(b, h)](
-            part_out, part_lse, out, *ps, out.stride(0), out.stride(1),
-            HEAD_DIM=rank, BLOCK_D=block_r, NUM_SPLITS=num_splits,
-            BLOCK_K=next_power_of_2(num_splits), NUM_HEADS=h,
-        )
+    splits.merge(out, rank)
     return out
 
 

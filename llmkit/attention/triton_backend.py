@@ -23,7 +23,6 @@ the engine is assembled.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,11 +46,6 @@ def _extend(metadata: AttentionMetadata) -> TritonAttentionMetadata:
     values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(AttentionMetadata)}
     decode_only = metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
     return TritonAttentionMetadata(**values, decode_only=decode_only)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -118,13 +112,11 @@ class TritonAttentionBackend(AttentionBackend):
         key = ("splits", num_kv_heads)
         n = meta.derived.get(key)
         if n is None:
-            from llmkit.kernels.decode_attention import default_num_splits
+            from llmkit.kernels.split_kv import device_num_splits
 
-            target = self.kv_split_target_programs
-            if target is None:
-                target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
-            n = meta.derived[key] = default_num_splits(
-                meta.num_reqs, num_kv_heads, meta.max_seq_len, target_programs=target,
+            n = meta.derived[key] = device_num_splits(
+                device, meta.num_reqs, num_kv_heads, meta.max_seq_len,
+                target_programs=self.kv_split_target_programs,
                 min_split_len=self.kv_split_min_len, max_splits=self.kv_split_max)
         return n
 

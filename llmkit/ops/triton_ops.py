@@ -64,12 +64,11 @@ class TritonOps(ModelOps):
         out = torch.zeros_like(q_latent)  # a padded step's extra rows: 0
         if n == 0:
             return out
-        splits = 1
-        if q_latent.is_cuda:
-            sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
-            splits = kernels.default_num_splits(n, -(-q_latent.shape[1] // 16),
-                                                max(metadata.max_seq_len, 1),
-                                                target_programs=2 * sms)
+        from llmkit.kernels.mla_attention import BLOCK_H
+
+        splits = kernels.device_num_splits(q_latent.device, n,
+                                           -(-q_latent.shape[1] // BLOCK_H),
+                                           max(metadata.max_seq_len, 1))
         block_table, seq_lens = _on_device(metadata, latent_cache.device)
         kernels.mla_decode_attention(q_latent[:n], q_pe[:n], latent_cache, block_table[:n],
                                      seq_lens[:n], scale, num_splits=splits, out=out[:n])
