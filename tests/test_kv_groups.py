@@ -183,6 +183,24 @@ def test_one_groups_new_blocks_never_evict_another_groups_hit():
     assert set(m.get_block_ids("b")[0]).isdisjoint(m.get_block_ids("b")[1])
 
 
+def test_shrink_slots_gives_back_every_groups_tail():
+    """Rejected draft tokens' slots go back in every group, the kept tokens' blocks stay."""
+    m = manager([FULL, sw(8)])
+    r = make_req("r", list(range(10)))
+    admit(m, r)
+    r.num_computed_tokens = 10
+    assert m.allocate_slots(r, 1, num_lookahead_tokens=8) is not None  # 19 slots: 5 blocks
+    assert [len(ids) for ids in m.get_block_ids("r")] == [5, 5]
+    free = m.num_free_blocks
+    assert m.shrink_slots(r, 11) == 4  # 11 tokens keep 3 blocks in each group
+    assert [len(ids) for ids in m.get_block_ids("r")] == [3, 3]
+    assert m.num_free_blocks == free + 4
+    m.check_integrity()
+    m.free(r)
+    m.check_integrity()
+    assert m.num_free_blocks == m.num_blocks - 1
+
+
 def test_integrity_checker_sees_a_block_in_two_groups():
     m = manager([FULL, sw(8)])
     r = make_req("r", list(range(8)))
