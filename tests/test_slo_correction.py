@@ -205,3 +205,36 @@ def test_with_defer_the_given_up_ones_do_not_raise_the_room():
     so = sched2.schedule()
     assert so.num_scheduled_tokens["long"] > 16
     assert math.isfinite(sched2.slo_policy.predicted_step_s)
+
+
+# -- slo_tpot=mean ----------------------------------------------------------------------------
+
+def test_mean_tpot_spends_the_slack_decodes_banked():
+    """Two requests decode, 10 tokens out each, 0.3 s after their first token (TPOT 50 ms: 0.45
+    s allowed): the one least ahead is 0.15 s ahead, so a step may take 50 + 150 ms in mean
+    mode (a 188-token chunk beside the decodes at 10 ms + 1 ms a token), 50 ms in step mode."""
+    rooms = {}
+    for mode in ("step", "mean"):
+        clock = Clock()
+        config = SchedulerConfig(name="slo", max_num_batched_tokens=1024, slo_tpot=mode)
+        kv = KVCacheManager(400, 16, enable_prefix_caching=False, max_model_len=4096)
+        sched = SloScheduler(config, kv, max_model_len=4096, slo=SloConfig(tpot_ms=50),
+                             step_time=true_step, clock=clock)
+        for i in range(2):
+            sched.add_request(Request(f"d{i}", list(range(100 * i + 5, 100 * i + 13)),
+                                      SamplingParams(max_tokens=50)))
+        for _ in range(10):
+            fake_run(sched, sched.schedule())
+        for r in sched.running:  # first token at 1.0 s, the last at 1.3 s
+            r.times.token_times[:] = [1.0 + 0.3 * k / 9 for k in range(10)]
+        clock.t = 1.3
+        sched.add_request(Request("long", list(range(5000, 5600)), SamplingParams(max_tokens=2)))
+        so = sched.schedule()
+        rooms[mode] = so.num_scheduled_tokens["long"]
+        assert sched.slo_policy.step_limit == pytest.approx(0.050 if mode == "step" else 0.200)
+    assert rooms["step"] == 38 and 187 <= rooms["mean"] <= 188  # (188: at the limit, in floats)
+
+
+def test_slo_tpot_needs_the_slo_scheduler():
+    with pytest.raises(ConfigError, match=r"scheduler\.slo_tpot"):
+        cfg_of("scheduler.slo_tpot=mean")

@@ -47,7 +47,8 @@ class SloScheduler(TokenBudgetScheduler):
         super().__init__(config, kv_cache_manager, **kwargs)
         self.slo_policy = SloPolicy(self, slo, step_time, config.slo_admission,
                                     min_chunk=kv_cache_manager.block_size,
-                                    correction_weight=config.slo_correction_weight)
+                                    correction_weight=config.slo_correction_weight,
+                                    tpot_mode=config.slo_tpot)
         self.add_feature(self.slo_policy)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

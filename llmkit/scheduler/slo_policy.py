@@ -12,7 +12,12 @@ and mixed step, learned from each step's ``update_from_output(..., step_s=)``):
    largest number of tokens in ``[0, max_num_batched_tokens − D]`` whose step, priced as the
    decodes plus one prefill chunk of ``P`` tokens, stays within ``slo.tpot_ms``; so every step
    a decoding request takes is predicted inside its TPOT objective. Without decoding requests
-   (or without ``slo.tpot_ms``) ``P`` is the whole room. The step's budget is ``D + P``;
+   (or without ``slo.tpot_ms``) ``P`` is the whole room. With ``scheduler.slo_tpot=mean`` the
+   objective is each request's mean time per output token (what ``bench serve`` counts): the
+   step may take ``slo.tpot_ms`` plus the least time any decoding request is ahead of that
+   mean (``tpot·(n − 1) − (now − t_first)`` for ``n`` tokens out, negative when behind), so
+   the slack that cheap decode steps bank pays for a longer prefill chunk. The step's budget
+   is ``D + P``;
    running prefill chunks and admissions share ``P``, and decodes are never cut for them.
 2. **The order.** Waiting requests are sorted by (priority under ``scheduler.policy=priority``,
    then) resumed requests first (they have tokens out; their TTFT is behind them), then by
@@ -74,7 +79,8 @@ class SloPolicy(SchedulerFeature):
     name = "slo"
 
     def __init__(self, sched: SloScheduler, slo: SloConfig, step_time: StepTime,
-                 admission: str, min_chunk: int, correction_weight: float = 0.0) -> None:
+                 admission: str, min_chunk: int, correction_weight: float = 0.0,
+                 tpot_mode: str = "step") -> None:
         self.sched = sched
         self.ttft_s = _ms(slo.ttft_ms)
         self.tpot_s = _ms(slo.tpot_ms)
@@ -83,6 +89,8 @@ class SloPolicy(SchedulerFeature):
         self.admission = admission
         self.min_chunk = max(1, min_chunk)
         self.correction = StepCorrection(correction_weight)
+        self.tpot_mode = tpot_mode
+        self.step_limit: float | None = None  # the longest step this one may be (TPOT)
         self.num_rejected = 0
         self.num_deferred = 0
         self._deferred: set[str] = set()
@@ -190,14 +198,26 @@ class SloPolicy(SchedulerFeature):
         in_flight = sched.in_flight
         decode: list[tuple[int, int, bool]] = []
         prefills: list[Request] = []
+        tpot = self.tpot_s
+        mean = tpot is not None and self.tpot_mode == "mean"
+        now = sched.clock() if mean else 0.0
+        bank = math.inf
         for r in sched.running:
             if in_flight and r.request_id in in_flight:
                 continue
             if _decodes(r):
                 q = 1 + len(r.spec_token_ids)
                 decode.append((q, r.num_computed_tokens + q, True))
+                if mean:
+                    times = r.times.token_times
+                    if times:  # time its tokens so far are ahead of (>0) or behind the mean
+                        bank = min(bank, tpot * (len(times) - 1) - (now - times[0]))
+                    else:
+                        bank = min(bank, 0.0)
             else:
                 prefills.append(r)
+        self.step_limit = None if tpot is None else tpot + (
+            0.0 if bank == math.inf else bank)
         return decode, prefills
 
     def _size_step(self, decode: list[tuple[int, int, bool]], prefills: list[Request]) -> None:
@@ -205,17 +225,18 @@ class SloPolicy(SchedulerFeature):
         d = sum(q for q, _, _ in decode)
         room = self._room = max(0, cap - d)
         price = self._price
-        if self.tpot_s is None or not decode:
+        limit = self.step_limit
+        if limit is None or not decode:
             p = room
-        elif price(decode, room) <= self.tpot_s:
+        elif price(decode, room) <= limit:
             p = room
-        elif price(decode, 0) > self.tpot_s:
+        elif price(decode, 0) > limit:
             p = 0
-        else:  # the largest p with the step inside TPOT: price grows with p
+        else:  # the largest p with the step inside the limit: price grows with p
             lo, hi = 0, room  # price(lo) fits, price(hi) does not
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if price(decode, mid) <= self.tpot_s:
+                if price(decode, mid) <= limit:
                     lo = mid
                 else:
                     hi = mid

@@ -40,6 +40,10 @@ class SchedulerConfig(_Component):
     # the latest step in an average of measured over predicted step time, per decode-only and
     # mixed step; 0 = predict with the profile alone). docs/slo.md
     slo_correction_weight: float = Field(default=0.2, ge=0.0, le=1.0)
+    # scheduler=slo only: what slo.tpot_ms bounds. step = every step a decoding request takes;
+    # mean = each request's mean time per output token, as bench serve counts TPOT (a step may
+    # take longer by the time a request's tokens so far are ahead of that mean). docs/slo.md
+    slo_tpot: Literal["step", "mean"] = "step"
 
 
 class SloConfig(_Strict):
@@ -69,6 +73,9 @@ def check_slo_scheduler(s: SchedulerConfig, slo: SloConfig) -> None:
             raise ValueError(f"scheduler.slo_correction_weight={s.slo_correction_weight} needs "
                              f"scheduler=slo; with scheduler={s.name} only {default} is "
                              "allowed")
+        if s.slo_tpot != "step":
+            raise ValueError(f"scheduler.slo_tpot={s.slo_tpot} needs scheduler=slo; with "
+                             f"scheduler={s.name} only step is allowed")
         return
     if slo.tpot_ms is None and slo.ttft_ms is None:
         raise ValueError("slo.tpot_ms and slo.ttft_ms are both null; scheduler=slo needs one "
