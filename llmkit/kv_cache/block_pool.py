@@ -166,21 +166,24 @@ class BlockPool:
             self.empty_block_queue.appendleft_n(empty)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
-                          start: int, end: int) -> None:
-        """Register ``blocks[start:end]`` (now full) under ``block_hashes[start:end]``.
+                          start: int, end: int, tag: bytes = b"") -> None:
+        """Register ``blocks[start:end]`` (now full) under ``block_hashes[start:end]``, each
+        followed by ``tag`` (a KV-cache group's, so that groups never serve each other).
 
-        A block already hashed (a hit) is left alone; a hash already owned by another
-        block leaves this one unregistered. A block registered under a pinned hash is pinned.
+        A block already hashed (a hit) and the null block are left alone; a hash already
+        owned by another block leaves this one unregistered. A block registered under a pinned
+        hash is pinned.
         """
         if not self.enable_caching:
             return
         table = self.cached_block_hash_to_block
         pinned = self.pinned_hashes
+        null = self.null_block
         for i in range(start, end):
             b = blocks[i]
-            if b.block_hash is not None:
+            if b.block_hash is not None or b is null:
                 continue
-            h = block_hashes[i]
+            h = block_hashes[i] + tag if tag else block_hashes[i]
             if h not in table:
                 table[h] = b
                 b.block_hash = h

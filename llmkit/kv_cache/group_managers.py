@@ -103,17 +103,7 @@ class GroupManager:
         if num_full <= start:
             return
         blocks = self.req_to_blocks[rid]
-        pool = self.pool
-        table = pool.cached_block_hash_to_block
-        null, tag = self.null_block, self.tag
-        for i in range(start, min(num_full, len(blocks))):
-            b = blocks[i]
-            if b is null or b.block_hash is not None:
-                continue
-            h = hashes[i] + tag
-            if h not in table:
-                table[h] = b
-                b.block_hash = h
+        self.pool.cache_full_blocks(blocks, hashes, start, min(num_full, len(blocks)), self.tag)
         self.num_cached[rid] = num_full
 
     def free(self, rid: str) -> list[KVCacheBlock]:
