@@ -289,3 +289,28 @@ def test_a_served_trace_calibrates_again_with_it(tiny_model_dir, tmp_path, monke
     assert f"with the served trace {trace}" in err
     assert cli.main([*argv, "plan.calibrate=false"]) == 0
     assert len(calls) == 1 and "is not used" in capsys.readouterr().err
+
+
+def test_plan_searches_the_slo_schedulers_keys_and_its_recipe_carries_them(tmp_path, capsys):
+    """plan.slo_admission / plan.slo_tpot multiply the scheduler=slo candidates only (the
+    token-budget scheduler takes their defaults); the recipe of an slo candidate sets both."""
+    out = tmp_path / "plan"
+    assert cli.main(["plan", *SMALL, "plan.scheduler=[token_budget,slo]",
+                     "plan.max_num_seqs=[16]", "plan.max_num_batched_tokens=[512]",
+                     "plan.slo_admission=[off,reject]", "plan.slo_tpot=[step,mean]",
+                     f"plan.output_dir={out}"]) == 0
+    io = capsys.readouterr()
+    assert "plan: 5 candidates" in io.err
+    rows = json.loads((out / "plan.json").read_text())["candidates"]
+    assert sorted((r["scheduler"], r["slo_admission"], r["slo_tpot"]) for r in rows) == [
+        ("slo", "off", "mean"), ("slo", "off", "step"), ("slo", "reject", "mean"),
+        ("slo", "reject", "step"), ("token_budget", "off", "step")]
+    assert not any(r["error"] for r in rows)
+    from llmkit.tools.plan.recipe import recipe_text
+    cand = Candidate(16, 512, "slo", slo_admission="reject", slo_tpot="mean")
+    recipe = tmp_path / "slo.yaml"
+    recipe.write_text(recipe_text(cand, objectives={"ttft_ms": 200.0, "tpot_ms": 40.0,
+                                                    "e2el_ms": None}))
+    assert cli.main(["config", f"recipe={recipe}"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["scheduler"]["slo_admission"] == "reject" and cfg["scheduler"]["slo_tpot"] == "mean"

@@ -176,6 +176,12 @@ class PlanConfig(_Strict):
     scheduler: list[str] = Field(default_factory=lambda: ["token_budget", "slo"], min_length=1)
     policy: list[Literal["fcfs", "priority"]] = Field(default_factory=lambda: ["fcfs"],
                                                       min_length=1)
+    # scheduler=slo's keys (scheduler.slo_admission, scheduler.slo_tpot: docs/slo.md); the
+    # token-budget scheduler takes their defaults only
+    slo_admission: list[Literal["off", "defer", "reject"]] = Field(
+        default_factory=lambda: ["off"], min_length=1)
+    slo_tpot: list[Literal["step", "mean"]] = Field(default_factory=lambda: ["step"],
+                                                    min_length=1)
     # speculative decoding (the group `speculative`; none = off) and its K for each method
     speculative: list[str] = Field(default_factory=lambda: ["none", "ngram"], min_length=1)
     num_speculative_tokens: list[int] = Field(default_factory=lambda: [2, 4], min_length=1)

@@ -192,7 +192,7 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
     space = without_unserved_slo(build_space(plan, cores), cfg.slo)
     # engine keys of the command line: for every candidate, the calibration and the servers
     searched = {_key(o) for o in space.candidates[0].overrides()} | {
-        "speculative.num_speculative_tokens"}
+        "speculative.num_speculative_tokens", "scheduler.slo_admission", "scheduler.slo_tpot"}
     engine_overrides = [o for o in overrides
                         if _key(o).partition(".")[0] not in TOOL_SECTIONS
                         and _key(o) not in searched]

@@ -56,6 +56,8 @@ def recipe_text(cand: Candidate, *, header: Sequence[str] = (),
               "scheduler:", f"  max_num_seqs: {cand.max_num_seqs}",
               f"  max_num_batched_tokens: {cand.max_num_batched_tokens}",
               f"  policy: {cand.policy}"]
+    if cand.scheduler == "slo":
+        lines += [f"  slo_admission: \"{cand.slo_admission}\"", f"  slo_tpot: {cand.slo_tpot}"]
     if cand.speculative != "none":
         lines += ["speculative:", f"  num_speculative_tokens: {cand.num_speculative_tokens}"]
     lines += ["kv_cache:", f"  cache_dtype: {cand.kv_cache_dtype}",

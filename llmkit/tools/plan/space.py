@@ -3,7 +3,8 @@ engine can run and the cores allow.
 
 A combination is left out (and counted, by reason) when TP x PP x DP exceeds ``plan.cores``,
 when it drafts under pipeline parallelism (the engine does not), and speculation off takes one
-K (0) rather than one per ``plan.num_speculative_tokens``.
+K (0) rather than one per ``plan.num_speculative_tokens``, as the token-budget scheduler takes
+one ``slo_admission`` / ``slo_tpot`` (their defaults) rather than one per value.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class Candidate:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # scheduler=slo only (the token-budget scheduler's are these defaults)
+    slo_admission: str = "off"
+    slo_tpot: str = "step"
 
     @property
     def devices(self) -> int:
@@ -53,6 +57,9 @@ class Candidate:
                f"parallel.data_parallel_size={self.data_parallel_size}"]
         if self.speculative != "none":
             out.append(f"speculative.num_speculative_tokens={self.num_speculative_tokens}")
+        if self.scheduler == "slo":
+            out += [f"scheduler.slo_admission={self.slo_admission}",
+                    f"scheduler.slo_tpot={self.slo_tpot}"]
         return out
 
     def values(self) -> dict[str, Any]:
@@ -68,7 +75,8 @@ class Candidate:
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "scheduler": "sched",
          "policy": "policy", "speculative": "spec", "num_speculative_tokens": "K",
          "kv_cache_dtype": "kv", "quantization": "quant", "tensor_parallel_size": "TP",
-         "pipeline_parallel_size": "PP", "data_parallel_size": "DP"}
+         "pipeline_parallel_size": "PP", "data_parallel_size": "DP",
+         "slo_admission": "admit", "slo_tpot": "tpot"}
 
 
 @dataclass
@@ -106,14 +114,19 @@ def build_space(plan: Any, cores: int | None = None) -> SearchSpace:
     skipped: dict[str, int] = {}
     out: list[Candidate] = []
     seen: set[Candidate] = set()
-    for (seqs, tokens, sched, policy, spec, k, kv, quant, tp, pp, dp) in itertools.product(
-            plan.max_num_seqs, plan.max_num_batched_tokens, plan.scheduler, plan.policy,
-            plan.speculative, plan.num_speculative_tokens, plan.kv_cache_dtype,
-            plan.quantization, plan.tensor_parallel_size, plan.pipeline_parallel_size,
-            plan.data_parallel_size):
+    for (seqs, tokens, sched, policy, admit, tpot, spec, k, kv, quant, tp, pp, dp) in \
+            itertools.product(
+                plan.max_num_seqs, plan.max_num_batched_tokens, plan.scheduler, plan.policy,
+                plan.slo_admission, plan.slo_tpot, plan.speculative,
+                plan.num_speculative_tokens, plan.kv_cache_dtype, plan.quantization,
+                plan.tensor_parallel_size, plan.pipeline_parallel_size,
+                plan.data_parallel_size):
         if spec == "none":
             k = 0
-        cand = Candidate(seqs, tokens, sched, policy, spec, k, kv, quant, tp, pp, dp)
+        if sched != "slo":  # one candidate for the SLO scheduler's keys at their defaults
+            admit, tpot = "off", "step"
+        cand = Candidate(seqs, tokens, sched, policy, spec, k, kv, quant, tp, pp, dp,
+                         slo_admission=admit, slo_tpot=tpot)
         if cand in seen:
             continue
         seen.add(cand)
