@@ -9,6 +9,7 @@ through a shuffled block table, so the reads exercise the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -297,6 +298,10 @@ def test_triton_ops_write_and_decode_steps(interpret):
     assert launches["_mla_decode_kernel"] == 1
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
     assert not out[3:].any()
+    # the step's tables moved once, kept for the other layers (AttentionMetadata.derived); a
+    # metadata made from this one (a KV group's, by dataclasses.replace) starts without them
+    assert [k[0] for k in md.derived] == ["mla_tables"]
+    assert dataclasses.replace(md).derived == {}
     # a prefill chunk: the reference
     q_latent, q_pe, cache, md, _ = make_step([3, 1], [9, 4], 4, torch.float32, seed=5)
     with count_launches() as launches:

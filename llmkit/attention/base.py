@@ -3,8 +3,8 @@ attention is computed over it. Metadata is built once per step and passed down e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, Hashable, Protocol
 
 import torch
 
@@ -53,6 +53,17 @@ class AttentionMetadata:
     # every layer.
     group_metadata: tuple["AttentionMetadata", ...] = ()
     layer_to_group: tuple[int, ...] = ()
+    # What the first layer to need it derives from this step's metadata, kept for the other
+    # layers (device copies of the tensors, split counts, tile maps): ``{key: value}``, each
+    # key naming its maker (``("mla_tables", device)``). Never copied (``init=False``): a
+    # metadata made from another (a group's, a backend's) may hold other tensors.
+    derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False,
+                                         compare=False)
+
+    def base_fields(self) -> dict[str, Any]:
+        """The :class:`AttentionMetadata` fields a backend's metadata built from this one
+        copies (all but ``derived``)."""
+        return {f.name: getattr(self, f.name) for f in fields(AttentionMetadata) if f.init}
 
     def for_layer(self, layer: int) -> "AttentionMetadata":
         """The metadata layer ``layer`` (its index in the model's layer list) reads."""

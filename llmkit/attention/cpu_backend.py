@@ -147,7 +147,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def build_metadata(self, m: AttentionMetadata) -> CpuAttentionMetadata:
         qsl, seq_lens, bs = m.query_start_loc_cpu, m.seq_lens_cpu, m.block_size
         decode_rows = [i for i in range(m.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
+        fields = m.base_fields()
         n = m.num_actual_tokens
         if self._in_place:
             return self._in_place_metadata(m, fields, decode_rows)

@@ -151,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
                             <= torch.arange(q_len)[:, None] + (kv_len - q_len))
                 prefills.append(PrefillPlan(start, end,
                                             _context_slots(m.block_table[i], kv_len, bs), mask))
-        fields = {f: getattr(m, f) for f in AttentionMetadata.__dataclass_fields__}
+        fields = m.base_fields()
         return TorchAttentionMetadata(**fields, decode=decode, prefills=prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

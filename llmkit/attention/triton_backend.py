@@ -22,8 +22,7 @@ the engine is assembled.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,19 +32,17 @@ from llmkit.kernels import _jit
 
 @dataclass(slots=True)
 class TritonAttentionMetadata(AttentionMetadata):
-    """The step's metadata plus what the Triton kernels derive from it, filled lazily by the
-    first layer: ``{(device, kind, ...): value}``."""
+    """The step's metadata plus whether it is decode-only (what the kernels derive from it,
+    filled lazily by the first layer, is the base's ``derived``)."""
 
     decode_only: bool = False
-    derived: dict = field(default_factory=dict)
     # A step graph's decode step: no host-side lengths to plan KV splits from.
     fixed_num_splits: int | None = None
 
 
 def _extend(metadata: AttentionMetadata) -> TritonAttentionMetadata:
-    values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(AttentionMetadata)}
     decode_only = metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
-    return TritonAttentionMetadata(**values, decode_only=decode_only)
+    return TritonAttentionMetadata(**metadata.base_fields(), decode_only=decode_only)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmkit import kernels
+from llmkit.attention.base import AttentionMetadata
 from llmkit.ops.base import ModelOps, RotaryTables
 
 
@@ -53,8 +54,8 @@ class TritonOps(ModelOps):
         kernels.write_latent_cache(latent, latent_cache, slot_mapping)
 
     def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
-                             latent_cache: torch.Tensor, metadata, scale: float
-                             ) -> torch.Tensor:
+                             latent_cache: torch.Tensor, metadata: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
         # Decode-only steps in the kernel; prefill chunks (several causal queries per request)
         # in the reference.
         n = metadata.num_actual_tokens
@@ -75,16 +76,13 @@ class TritonOps(ModelOps):
         return out
 
 
-def _on_device(metadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _on_device(metadata: AttentionMetadata, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's block table and lengths on the cache's device: the runner builds them on the
-    host; moved once per step where the metadata keeps derived data (the Triton backend's),
-    else per layer."""
-    derived = getattr(metadata, "derived", None)
+    host; moved once per step (the first layer's copy kept in ``metadata.derived``)."""
     key = ("mla_tables", str(device))
-    if derived is not None and key in derived:
-        return derived[key]
-    tables = (metadata.block_table.to(device, non_blocking=True),
-              metadata.seq_lens.to(device, non_blocking=True))
-    if derived is not None:
-        derived[key] = tables
+    tables = metadata.derived.get(key)
+    if tables is None:
+        tables = metadata.derived[key] = (metadata.block_table.to(device, non_blocking=True),
+                                          metadata.seq_lens.to(device, non_blocking=True))
     return tables
