@@ -38,3 +38,24 @@ def test_seeded_row_ignores_batch():
     gen = g()
     mixed = [s(logits, meta(4, 1.0, generators={2: gen}))[2] for _ in range(5)]
     assert [int(a) for a in alone] == [int(m) for m in mixed]
+
+
+def test_argmax_rows_is_torch_argmax_bit_for_bit():
+    """The sampling path's argmax (numpy's on the CPU) answers torch's: first index of the
+    maximum on ties, NaN counted as the maximum, infinities, 1-D, strided views, and the dtypes
+    it hands back to torch."""
+    from llmkit.sampling.argmax import argmax_rows
+
+    nan, inf = float("nan"), float("inf")
+    rows = [[1, 3, 3, 2], [nan, 1, nan, 0], [1, nan, 5, nan], [-inf, -inf, -inf, -inf],
+            [inf, 1, inf, 0], [-0.0, 0.0, 0.0, -0.0], [5, inf, nan, inf]]
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.tensor(rows), torch.tensor(rows[1]),
+             torch.randint(-3, 4, (6, 49152), generator=g).float(),
+             torch.randn(5, 3000, generator=g)[:, ::3], torch.randn(4, 70, generator=g).half(),
+             torch.randn(4, 70, generator=g).double(), torch.randn(4, 70, generator=g).bfloat16()]
+    cases[2][1, 777] = nan
+    for x in cases:
+        got, want = argmax_rows(x), x.argmax(dim=-1)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), x

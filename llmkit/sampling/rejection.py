@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from llmkit.sampling.argmax import argmax_rows
 from llmkit.sampling.params import is_random
 
 
@@ -39,7 +40,7 @@ def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_i
     row's draft was drawn from (one-hot for a draft given as a token, zero on bonus rows);
     ``None`` means every draft is one-hot."""
     drafts = draft_token_ids
-    chosen = logits.argmax(dim=-1)
+    chosen = argmax_rows(logits)
     accepted = chosen == drafts
     random_rows = is_random(temperature)
     if bool(random_rows.any()):
@@ -72,7 +73,7 @@ def verify_drafts(logits: torch.Tensor, temperature: torch.Tensor, draft_token_i
             if bool(empty.any()):
                 residual[empty] = probs[empty]
         noise = _uniform(residual.shape, gens, default_generator, probs.device)
-        chosen[idx] = residual.div_(noise.log_().neg_()).argmax(dim=-1)
+        chosen[idx] = argmax_rows(residual.div_(noise.log_().neg_()))
     accepted_list, chosen_list, drafts_list = (accepted.tolist(), chosen.tolist(),
                                                drafts.tolist())
     outputs: list[list[int]] = []

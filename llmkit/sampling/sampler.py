@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmkit.sampling.argmax import argmax_rows
 from llmkit.sampling.logits_processors import apply_penalties, apply_token_constraints
 from llmkit.sampling.logprobs import LogprobsTensors, compute_logprobs
 from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
@@ -91,7 +92,7 @@ class TorchSampler(Sampler):
         if metadata.spec is not None:
             tokens, outputs = self._verify(logits, metadata)
         elif metadata.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample_mixed(logits, metadata)
         logprobs = None
@@ -118,7 +119,7 @@ class TorchSampler(Sampler):
             return self._sample_random(logits, meta.temperature, meta.top_k, meta.top_p,
                                        meta.min_p, meta.generators)
         # Greedy rows keep their argmax; only the random rows pay for softmax, sort and noise.
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         idx = random_rows.nonzero().squeeze(1)
         pos = {int(r): i for i, r in enumerate(idx.tolist())}
         gens = {pos[r]: g for r, g in meta.generators.items() if r in pos}
@@ -143,7 +144,7 @@ class TorchSampler(Sampler):
             noise.uniform_(generator=self._generator(probs.device))
         for row, gen in generators.items():
             noise[row].uniform_(generator=gen)
-        return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise.log_().neg_()))
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmkit.sampling.argmax import argmax_rows
 from llmkit.sampling.sampler import TorchSampler
 from llmkit.sampling.params import is_random
 from llmkit.spec_decode.base import ProposerBatch
@@ -22,7 +23,7 @@ def draw_drafts(logits: torch.Tensor, batch: ProposerBatch, rows: np.ndarray,
     """``(tokens [R], q [S, V] or None, sampled [S])``: one draft per row of float32 ``logits
     [R, V]`` (row i belongs to batch row ``rows[i]``); ``q[j]`` is the distribution row
     ``sampled[j]`` (an index into ``rows``) drew from."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     temperature = batch.temperature[rows]
     sampled = np.flatnonzero(is_random(temperature))
     if not len(sampled):
@@ -44,5 +45,5 @@ def draw_drafts(logits: torch.Tensor, batch: ProposerBatch, rows: np.ndarray,
         gen = batch.generators[row]
         if gen is not None:
             noise[j].uniform_(generator=gen)
-    tokens[idx] = (q / noise.log_().neg_()).argmax(dim=-1)
+    tokens[idx] = argmax_rows(q / noise.log_().neg_())
     return tokens.cpu().numpy(), q, sampled
