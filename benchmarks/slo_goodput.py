@@ -42,6 +42,8 @@ def configs(slo: list[str], recipe: str | None) -> dict[str, list[str]]:
         "slo": ["scheduler=slo", *slo],
         "slo-defer": ["scheduler=slo", *slo, "scheduler.slo_admission=defer"],
         "slo-reject": ["scheduler=slo", *slo, "scheduler.slo_admission=reject"],
+        "slo-reject-mean": ["scheduler=slo", *slo, "scheduler.slo_admission=reject",
+                            "scheduler.slo_tpot=mean"],
     }
     if recipe:
         out["plan-recipe"] = [f"recipe={Path(recipe).resolve()}"]
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                     "default preset)")
     ap.add_argument("--rates", default="1", help="comma-separated request rates (req/s)")
     ap.add_argument("--configs", default="default,slo,slo-defer",
-                    help="default, slo, slo-defer, slo-reject, plan-recipe (with --recipe)")
+                    help="default, slo, slo-defer, slo-reject, slo-reject-mean, plan-recipe "
+                    "(with --recipe)")
     ap.add_argument("--recipe", help="a recipe llmkit plan wrote (config plan-recipe)")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=256)
