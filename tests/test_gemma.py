@@ -237,3 +237,25 @@ def test_hub_spelling_of_gemma3_rope_and_layer_pattern():
     bad.layer_types = ["sliding_attention", "chunked_attention"] + ["full_attention"] * 5
     with pytest.raises(ValueError, match="layer_types"):
         layer_types(bad)
+
+
+@pytest.mark.parametrize("model_type,pattern", [("gemma3_text", None), ("gemma2", None),
+                                                ("gemma3_text", 3)])
+def test_model_and_kv_specs_agree_on_layer_kinds_without_layer_types(model_type, pattern):
+    """A config without ``layer_types``: the model's attention kinds and the KV-cache specs come
+    from one rule (Gemma 3's default pattern is 6, Gemma 2 alternates)."""
+    from llmkit.models.gemma import layer_types
+    from llmkit.models.kv_specs import gemma_kv_specs
+
+    cfg = SimpleNamespace(model_type=model_type, num_hidden_layers=8, sliding_window=4,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                          hidden_size=16)
+    if pattern:
+        cfg.sliding_window_pattern = pattern
+    kinds = layer_types(cfg)
+    want_full = {"gemma3_text": pattern or 6, "gemma2": 2}[model_type]
+    assert [i for i, k in enumerate(kinds) if k == "full_attention"] == \
+        [i for i in range(8) if (i + 1) % want_full == 0]
+    specs = gemma_kv_specs(cfg)
+    assert [isinstance(s, SlidingWindowSpec) for s in specs] == \
+        [k == "sliding_attention" for k in kinds]

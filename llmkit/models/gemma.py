@@ -18,6 +18,7 @@ from torch import nn
 from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from llmkit.models.base import CausalLM, ModelContext
+from llmkit.models.kv_specs import gemma_layer_types
 from llmkit.models.layers.activation import GeluTanhAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear
@@ -30,13 +31,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def layer_types(config) -> list[str]:
-    """Each layer's attention kind: the config's ``layer_types``, else the Hub's older
-    ``sliding_window_pattern`` (every n-th layer full, the others sliding; Gemma 2's 2)."""
-    types = getattr(config, "layer_types", None)
+    """Each layer's attention kind (the same list the KV-cache specs are built from)."""
+    types = gemma_layer_types(config)
     n = config.num_hidden_layers
-    if not types:
-        pattern = getattr(config, "sliding_window_pattern", None) or 2
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
     if len(types) != n or set(types) - {SLIDING, FULL}:
         raise ValueError(f"layer_types {list(types)}: need {n} entries, each one of "
                          f"{SLIDING!r}, {FULL!r}")

@@ -107,15 +107,21 @@ def llama_kv_specs(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
 def gemma_kv_specs(cfg: Any, tp_size: int = 1) -> list[KVCacheSpec]:
     """Gemma 2 and Gemma 3 (text, or the text part of the multimodal one)."""
     cfg = _text_config(cfg)
-    n = int(_get(cfg, "num_hidden_layers"))
+    return _from_layer_types(cfg, gemma_layer_types(cfg), _attention_spec(cfg, tp_size))
+
+
+def gemma_layer_types(cfg: Any) -> list[str]:
+    """Each Gemma layer's attention kind: the config's ``layer_types``, else the Hub's older
+    pattern (every n-th layer full, the others sliding): Gemma 2 alternates, Gemma 3 keeps its
+    ``sliding_window_pattern`` (5 local : 1 global)."""
     layer_types = _get(cfg, "layer_types")
-    if layer_types is None:
-        gemma2 = _get(cfg, "model_type", "") == "gemma2"
-        # Gemma 2 alternates; Gemma 3 keeps the Hub's older integer pattern (5 local : 1)
-        pattern = 2 if gemma2 else int(_get(cfg, "sliding_window_pattern",
-                                            _get(cfg, "_sliding_window_pattern", 6)))
-        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-    return _from_layer_types(cfg, list(layer_types), _attention_spec(cfg, tp_size))
+    if layer_types:
+        return list(layer_types)
+    gemma2 = _get(cfg, "model_type", "") == "gemma2"
+    pattern = 2 if gemma2 else int(_get(cfg, "sliding_window_pattern",
+                                        _get(cfg, "_sliding_window_pattern", None)) or 6)
+    return [SLIDING if (i + 1) % pattern else FULL
+            for i in range(int(_get(cfg, "num_hidden_layers")))]
 
 
 def deepseek_kv_specs(cfg: Any, tp_size: int = 1, mla: str = "absorbed") -> list[KVCacheSpec]:
