@@ -132,6 +132,9 @@ class InputBatch:
         self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
         self.has_bad_words = np.zeros(max_num_reqs, dtype=bool)
         self.has_seed = np.zeros(max_num_reqs, dtype=bool)
+        # Any of the above that changes logits (penalties, bias, allow-list, bad words) or
+        # min_tokens: a step whose rows have none skips their per-row checks at once.
+        self.has_processors = np.zeros(max_num_reqs, dtype=bool)
         # The LoRA adapter id of each row (0 = the base model).
         self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)
         self._columns = (
@@ -139,7 +142,7 @@ class InputBatch:
             self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
             self.frequency_penalty, self.repetition_penalty, self.min_tokens, self.num_logprobs,
             self.has_penalties, self.has_bias, self.has_allowed, self.has_bad_words,
-            self.has_seed, self.lora_id, *self.group_num_blocks[1:])
+            self.has_seed, self.has_processors, self.lora_id, *self.group_num_blocks[1:])
         self.sampling_params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
         self.extras: list[RowSamplingExtras] = []
@@ -181,6 +184,9 @@ class InputBatch:
         self.has_allowed[row] = sp.allowed_token_ids is not None
         self.has_bad_words[row] = bool(sp.bad_words_token_ids)
         self.has_seed[row] = generator is not None
+        self.has_processors[row] = bool(
+            self.has_penalties[row] or self.has_bias[row] or self.has_allowed[row]
+            or self.has_bad_words[row] or sp.min_tokens > 0)
         self.lora_id[row] = data.lora_id or 0
         self.sampling_params.append(sp)
         self.generators.append(generator)

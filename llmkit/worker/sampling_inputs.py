@@ -59,8 +59,9 @@ def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size:
     """Metadata for the step's logits rows (``layout``). ``req_bitmask_rows`` maps a
     constrained request to its first row of ``grammar_bitmask`` (one row per logits
     position)."""
-    lrows = layout.logits_rows
-    offsets = layout.offsets if layout.has_drafts else None
+    drafts = layout.has_drafts
+    lrows = layout.logits_rows if drafts else layout.rows
+    offsets = layout.offsets if drafts else None
     temperature = batch.temperature[lrows]
     random = is_random(temperature)
     any_random = bool(random.any())
@@ -89,6 +90,8 @@ def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size:
                 draft_ids[start:start + len(d)] = d
         spec = SpecDecodeMetadata(draft_token_ids=_tensor(draft_ids, device),
                                   num_logits=layout.num_logits.tolist())
+    # Rows with no logits processor at all (the common case) need none of the four below.
+    processors = bool(batch.has_processors[lrows].any())
     return SamplingMetadata(
         temperature=_tensor(temperature, device),
         all_greedy=not any_random,
@@ -96,10 +99,10 @@ def build_sampling_metadata(batch: InputBatch, layout: LogitsLayout, vocab_size:
         generators=generators,
         grammar_bitmask=_grammar_bitmask(batch, layout, req_bitmask_rows, grammar_bitmask,
                                          vocab_size, device),
-        allowed_token_ids=_allowed(batch, lrows, device),
-        banned_token_ids=_banned(batch, lrows, history, device),
-        logit_bias=_bias(batch, lrows, device),
-        penalties=_penalties(batch, lrows, history, device),
+        allowed_token_ids=_allowed(batch, lrows, device) if processors else None,
+        banned_token_ids=_banned(batch, lrows, history, device) if processors else None,
+        logit_bias=_bias(batch, lrows, device) if processors else None,
+        penalties=_penalties(batch, lrows, history, device) if processors else None,
         max_num_logprobs=max_lp if max_lp >= 0 else None,
         spec=spec,
     )
@@ -110,9 +113,11 @@ class _DraftHistory:
 
     def __init__(self, layout: LogitsLayout, offsets: np.ndarray | None) -> None:
         self.layout, self.offsets = layout, offsets
+        if offsets is None:  # no drafts: nothing precedes any row
+            self.starts = self._owner = None
+            return
         self.starts = np.cumsum(layout.num_logits) - layout.num_logits
-        self._owner = (np.repeat(np.arange(len(layout.rows)), layout.num_logits)
-                       if offsets is not None else None)
+        self._owner = np.repeat(np.arange(len(layout.rows)), layout.num_logits)
 
     def before(self, logits_row: int) -> list[int]:
         if self.offsets is None:
