@@ -21,7 +21,7 @@ from llmkit.config.errors import ConfigError
 from llmkit.config.schema import SchedulerConfig, SloConfig
 from llmkit.cost_model.hardware import load_profile_yaml, shipped_profile_path
 from llmkit.kv_cache import KVCacheManager
-from llmkit.request import Request
+from llmkit.request import Request, RequestStatus
 from llmkit.sampling import SamplingParams
 from llmkit.scheduler.slo import SloScheduler
 from llmkit.scheduler.slo_correction import StepCorrection
@@ -238,3 +238,43 @@ def test_mean_tpot_spends_the_slack_decodes_banked():
 def test_slo_tpot_needs_the_slo_scheduler():
     with pytest.raises(ConfigError, match=r"scheduler\.slo_tpot"):
         cfg_of("scheduler.slo_tpot=mean")
+
+
+# -- admission keeps the running requests' TPOT ---------------------------------------------
+
+def _two_decoding(admission: str, prompt: int) -> SloScheduler:
+    """Two requests decode (50 tokens each, 10 out, the first at 0 s, now 1.3 s; TPOT 50 ms:
+    slack 2.45 - 1.3 - 40 x 12 ms = 0.67 s each), then a prompt of ``prompt`` tokens arrives;
+    a step costs 10 ms + 1 ms a token, so the prompt adds ``prompt`` ms to their steps."""
+    clock = Clock()
+    config = SchedulerConfig(name="slo", max_num_batched_tokens=1024, slo_admission=admission)
+    kv = KVCacheManager(400, 16, enable_prefix_caching=False, max_model_len=4096)
+    sched = SloScheduler(config, kv, max_model_len=4096,
+                         slo=SloConfig(tpot_ms=50, ttft_ms=60000), step_time=true_step,
+                         clock=clock)
+    for i in range(2):
+        sched.add_request(Request(f"d{i}", list(range(100 * i + 5, 100 * i + 13)),
+                                  SamplingParams(max_tokens=50)))
+    for _ in range(10):
+        fake_run(sched, sched.schedule())
+    for r in sched.running:
+        r.times.token_times[:] = [1.3 * k / 9 for k in range(10)]
+    clock.t = 1.3
+    sched.add_request(Request("long", list(range(5000, 5000 + prompt)),
+                              SamplingParams(max_tokens=2), arrival_time=1.3))
+    return sched
+
+
+@pytest.mark.parametrize("admission", ["reject", "defer"])
+def test_a_prompt_that_would_push_decodes_over_tpot_waits(admission):
+    sched = _two_decoding(admission, 800)  # 0.8 s > 0.67 s of slack
+    so = sched.schedule()
+    assert "long" not in so.num_scheduled_tokens and set(so.num_scheduled_tokens) == {"d0", "d1"}
+    assert sched.requests["long"].status == RequestStatus.WAITING
+    assert sched.slo_policy.num_rejected == sched.slo_policy.num_deferred == 0
+    sched = _two_decoding(admission, 600)  # 0.6 s: within the slack
+    assert "long" in sched.schedule().num_scheduled_tokens
+
+
+def test_without_admission_the_prompt_is_admitted():
+    assert "long" in _two_decoding("off", 800).schedule().num_scheduled_tokens

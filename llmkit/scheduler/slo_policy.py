@@ -39,6 +39,16 @@ and mixed step, learned from each step's ``update_from_output(..., step_s=)``):
    its deadline is less than two steps away or past), capped by the room. A TPOT objective that
    leaves no room thus costs the decodes some TPOT rather than letting TTFT grow without bound;
    with ``defer`` or ``reject`` the requests admission gave up on do not raise ``P``.
+5. **Admission keeps the running requests' TPOT** (``slo_admission`` ``defer`` or ``reject``,
+   with ``slo.tpot_ms``): a new prompt's tokens will be computed during the steps of the
+   requests decoding now, lengthening them. Each decoding request with ``max_tokens`` has a
+   slack ``s = tpot·(N − 1) − (now − t_first) − m·d`` (``N`` its max_tokens, ``m`` the tokens
+   it has left, ``d`` the predicted step of the decodes alone) and sees at most ``m·P`` more
+   prompt tokens; a waiting request is admitted only while, for every one of them, the
+   predicted extra time of the prompt tokens committed (running prefills', those admitted
+   before it this step, its own; at most ``m·P``) stays within ``s``. Otherwise it waits
+   (admissions end for the step): later, when decodes have finished, it is admitted, or the
+   TTFT prediction defers or rejects it.
 """
 from __future__ import annotations
 
@@ -108,6 +118,11 @@ class SloPolicy(SchedulerFeature):
         # whether it had prefill tokens, until its measured time comes back
         self._priced: tuple[SchedulerOutput, float, bool] | None = None
         self._decode: list[tuple[int, int, bool]] = []  # this step's decodes, as work
+        # admission's TPOT gate (point 5): per decoding request with max_tokens, its slack and
+        # the prompt tokens its remaining steps can see; the prompt tokens committed so far
+        self._gate: list[tuple[float, int]] | None = None
+        self._committed = 0
+        self._d = 0.0  # this step's decodes alone, predicted
 
     # -- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -117,6 +132,7 @@ class SloPolicy(SchedulerFeature):
         self._size_step(decode_work, prefills)
         self._arrange(sum(r.num_tokens - r.num_computed_tokens for r in prefills))
         self._ttft_floor(decode_work, prefills)
+        self._tpot_gate(prefills)
 
     def step_budget(self, budget: int) -> int:
         return min(budget, self.budget)
@@ -127,7 +143,40 @@ class SloPolicy(SchedulerFeature):
         return min(n, self._prefill_left)
 
     def limit_admission(self, req: Request, start: int, n: int) -> int:
-        return min(n, self._prefill_left) if self._prefill_left > 0 else -1
+        if self._prefill_left <= 0:
+            return -1
+        if self._gate and not req.num_output_tokens:
+            need = req.num_tokens - start
+            w = self._committed + need
+            d = self._d
+            for slack, life in self._gate:
+                x = min(w, life)
+                if x > 0 and self._price(self._decode, x) - d > slack:
+                    return -1  # its prompt would push a decoding request over its mean TPOT
+            self._committed = w
+        return min(n, self._prefill_left)
+
+    def _tpot_gate(self, prefills: list[Request]) -> None:
+        """Each decoding request's TPOT slack and the prompt tokens its remaining steps can
+        see (the module's point 5), and the prompt tokens already committed (running
+        prefills')."""
+        self._gate = None
+        if self.tpot_s is None or self.admission == "off" or not self._decode:
+            return
+        now = self.sched.clock()
+        tpot = self.tpot_s
+        d = self._d = self._price(self._decode, 0)
+        per_step = max(1, self.prefill_room)
+        gate = []
+        for r in self.sched.running:
+            times = r.times.token_times
+            if not times or not _decodes(r) or not r.max_tokens:
+                continue
+            left = r.max_tokens - len(times)
+            slack = tpot * (r.max_tokens - 1) - (now - times[0]) - left * d
+            gate.append((slack, left * per_step))  # (s, tokens its remaining steps see)
+        self._gate = gate
+        self._committed = sum(r.num_tokens - r.num_computed_tokens for r in prefills)
 
     def scheduled(self, req: Request, n: int) -> None:
         if not _decodes(req):
