@@ -36,15 +36,17 @@ def startup_step(what: str, after_s: float = ANNOUNCE_AFTER_S) -> Iterator[None]
     timer = threading.Timer(after_s, announce)
     timer.daemon = True
     timer.start()
+    ended = "stopped after"  # an exception (a failure, an exit) left the step
     try:
         yield
+        ended = "done in"
     finally:
         timer.cancel()
         with lock:
             state["finished"] = True
             announced = state["announced"]
         if announced:
-            logger.info("%s: done in %.1f s", what, time.perf_counter() - start)
+            logger.info("%s: %s %.1f s", what, ended, time.perf_counter() - start)
 
 
 class _CurrentStderrHandler(logging.StreamHandler):

@@ -21,6 +21,20 @@ def test_slow_step_is_announced_with_its_duration(caplog):
     assert len(lines) == 2  # the quick step said nothing
 
 
+def test_a_step_left_by_an_exception_says_stopped_not_done(caplog):
+    """A background compile stopped at exit (or failing) is not reported as done."""
+    with caplog.at_level(logging.INFO, logger="llmkit.startup"):
+        try:
+            with startup_step("compiling", after_s=0.05):
+                time.sleep(0.3)
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmkit.startup"]
+    assert lines[0] == "compiling ..."
+    assert lines[1].startswith("compiling: stopped after ") and lines[1].endswith(" s")
+
+
 def test_terminal_commands_print_the_steps_on_stderr(monkeypatch):
     stream = io.StringIO()
     monkeypatch.setattr(logger, "handlers", [])
