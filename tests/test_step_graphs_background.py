@@ -219,6 +219,53 @@ def test_exit_while_compiling_does_not_hang(tiny_model_dir, tmp_path):
     assert "tokens 3" in proc.stdout
 
 
+def test_exit_while_the_capture_runs_torch_ops_exits_0(tiny_model_dir, tmp_path):
+    """A short run on a cold compile cache ends while the capture thread is inside torch's C++
+    (dynamo's trace and inductor's passes run thousands of ops, each giving the GIL up and
+    taking it back in a noexcept destructor). CPython ended such a daemon thread with
+    pthread_exit there at finalization: "terminate called without an active exception",
+    SIGABRT, exit code 134, after the program's output. The exit must stop the thread first
+    and keep the program's exit code. The trace is stood in for by torch ops that keep the
+    thread in C++ nearly all the time, until it is stopped."""
+    script = textwrap.dedent(f"""
+        import atexit, threading, time
+        import torch
+        from llmkit import LLM, SamplingParams
+        from llmkit.compilation.inductor import InductorStepGraphs
+
+        inside = threading.Event()
+
+        def ops_until_stopped(self, path, inputs):
+            x = torch.ones(1 << 20)
+            inside.set()
+            while True:
+                x.cumsum(0)  # C++, without the GIL
+
+        InductorStepGraphs._trace = ops_until_stopped
+        llm = LLM({str(tiny_model_dir("llama"))!r}, dtype="float32",
+                  compilation={{"mode": "graphs", "cache_dir": {str(tmp_path / "c")!r},
+                               "background": True}})
+        out = llm.generate([[5, 9, 33]], SamplingParams(max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+        pending = llm.engine.executor.runner.pending_graphs
+        assert inside.wait(60) and not pending.done
+        ended = time.perf_counter()
+        # atexit runs after the threading exit hooks, before the interpreter finalizes
+        atexit.register(lambda: print("stopped", pending.done, pending.failed,
+                                      f"{{time.perf_counter() - ended:.1f}}", flush=True))
+        print("tokens", len(out[0].outputs[0].token_ids), flush=True)
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # cold
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens 3" in proc.stdout
+    stopped = proc.stdout.split("stopped ")[1].split()
+    assert stopped[:2] == ["True", "True"], proc.stdout  # ended (failed: not swapped in)
+    assert float(stopped[2]) < 3.0, proc.stdout  # promptly, not after a compile
+
+
 # A sitecustomize for the server's processes: the step graphs' trace waits for a file (the
 # gate) to exist. It patches the module when it is first imported, not at start-up: the CLI
 # sets the OpenMP environment before anything imports torch.

@@ -15,7 +15,9 @@ the engine thread would run through the other thread's tracer and fail: each fx 
 eager step take one lock while a capture runs (:meth:`BackgroundCapture.eager_step`); the
 traces are short, inductor's code generation and C++ build, the long part, run beside eager
 steps. A capture that fails is logged and the engine stays eager; one still running when the
-engine exits dies with the process (a daemon thread).
+program exits is stopped first (:mod:`llmkit.worker.exit_stop`: a thread left inside torch's
+C++ while the interpreter finalizes aborts the process), so the exit is prompt and keeps the
+program's exit code; what it had compiled is lost, the next start compiles again.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from llmkit.compilation.base import StepGraphs
 from llmkit.startup import startup_step
+from llmkit.worker.exit_stop import ExitStop, stop_at_exit
 
 __all__ = ["BackgroundCapture", "capture_now", "compile_step_what", "prepare_step_graphs"]
 
@@ -98,6 +101,7 @@ class BackgroundCapture:
 
     def start(self) -> BackgroundCapture:
         _serialize_fx_traces()
+        stop_at_exit(self._thread)
         self._thread.start()
         return self
 
@@ -107,6 +111,12 @@ class BackgroundCapture:
         return contextlib.nullcontext() if self._done.is_set() else _FX_TRACE_LOCK
 
     def _capture(self) -> None:
+        try:
+            self._compile()
+        except ExitStop:  # the program is exiting (raised once, maybe past _compile's try)
+            self.failed = True
+
+    def _compile(self) -> None:
         _yield_to_the_engine()
         # The trace is Python holding the GIL; an eager step needs it thousands of times. A
         # short switch interval hands it back to the engine thread sooner while this runs.
@@ -116,6 +126,8 @@ class BackgroundCapture:
             # inference mode is per thread: the graphs are traced as the engine runs them
             with torch.inference_mode(), startup_step(compile_step_what(self.graphs, True)):
                 self.graphs.capture(self.block_table_width)
+        except ExitStop:
+            self.failed = True
         except BaseException:  # noqa: BLE001 - any failure leaves the engine eager, running
             self.failed = True
             if not sys.is_finalizing():  # an exit while compiling is no failure to report
