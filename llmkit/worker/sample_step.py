@@ -34,7 +34,11 @@ def sample_step(runner: ModelRunner, so: SchedulerOutput, inputs: StepInputs,
     if not len(layout.rows):
         return {}, logprobs
     batch, proposer, device = runner.batch, runner.proposer, runner.device
-    logits = runner.model.compute_logits(hidden[inputs.logits_indices.to(device)])
+    idx = inputs.logits_indices
+    # Every token samples (a decode step): the logits positions are 0..n-1, the hidden states
+    # as they are (advanced indexing would copy them).
+    at = hidden if len(idx) == hidden.shape[0] else hidden[idx.to(device)]
+    logits = runner.model.compute_logits(at)
     bitmask_rows = None
     if so.grammar_bitmask is not None:
         bitmask_rows = _bitmask_rows(so)
