@@ -431,7 +431,7 @@ def test_cli_generate_and_chat_call_offline(monkeypatch, capsys):
 
 
 def test_cli_config_checks_component_names(capsys):
-    pytest.importorskip("llmkit.engine.components")
+    pytest.importorskip("llmkit.engine.loop.components")
     assert cli.main(["config", "attention.name=nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("llmkit: error: attention.name: got 'nope'; allowed: ")

@@ -161,7 +161,7 @@ def test_sizes_that_do_not_fit_and_unsupported_combinations_are_config_errors(mo
 
 def test_one_engine_core_refuses_data_parallel(tiny_model_dir):
     from llmkit.config.compose import build_config
-    from llmkit.engine.core import EngineCore
+    from llmkit.engine.loop.core import EngineCore
 
     cfg = build_config(str(tiny_model_dir("llama")), dtype="float32",
                        groups={"parallel": {"data_parallel_size": 2}})

@@ -10,7 +10,7 @@ from typing import Protocol
 import pytest
 
 from llmkit.engine.client import EngineClient, EngineProcessClient, SteppedEngineClient
-from llmkit.engine.core import EngineCore
+from llmkit.engine.loop.core import EngineCore
 from llmkit.engine.process.client import MPClient
 from llmkit.engine.dp.client import DPClient
 from llmkit.engine.dp.engine import DataParallelEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmkit import LLM, SamplingParams
-from llmkit.engine import core as core_module
+from llmkit.engine.loop import core as core_module
 from llmkit.engine.observe.observer import BatchSplit, StepEvent
 
 

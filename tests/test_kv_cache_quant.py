@@ -19,7 +19,7 @@ from llmkit import LLM, SamplingParams
 from llmkit.attention.torch_backend import TorchAttentionBackend
 from llmkit.config import compose_config
 from llmkit.config.errors import ConfigError
-from llmkit.engine.components import validate_components
+from llmkit.engine.loop.components import validate_components
 from llmkit.kernels import count_launches
 from llmkit.kernels.kv_quant import (FORMATS, FP8_E4M3, INT8, SCALE_BYTES, dequantize_rows,
                                      fake_quantize, format_of, quantize_rows)

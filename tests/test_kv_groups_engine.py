@@ -101,7 +101,7 @@ def test_start_up_checks_name_the_key(settings, key):
     monkeypatched model.) ngram drafts are refused only beside a recurrent state."""
     from llmkit.attention.kv_spec import RecurrentStateSpec
     from llmkit.config.schema import EngineConfig
-    from llmkit.engine.kv_groups_check import check_kv_cache_groups
+    from llmkit.engine.loop.kv_groups_check import check_kv_cache_groups
     from llmkit.kv_cache.groups import group_kv_cache_specs
 
     config = EngineConfig.model_validate({"model": {"path": "/nowhere"}, **settings})

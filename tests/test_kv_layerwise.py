@@ -90,7 +90,7 @@ def test_layer_loads_overlap_the_forward_in_order(model, monkeypatch):
     expected = {"a": _gen(ref, a), "b": _gen(ref, b)}
     ref.shutdown()
 
-    import llmkit.engine.core_builder as core
+    import llmkit.engine.loop.core_builder as core
 
     LayerGatedConnector.instances.clear()
     real = core.kv_connector_class

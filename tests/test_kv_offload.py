@@ -121,7 +121,7 @@ def test_connector_combinations_refused_at_start(tmp_path):
     the key rather than serving another request's (or adapter's) KV."""
     from llmkit.config import build_config
     from llmkit.config.errors import ConfigError
-    from llmkit.engine.components import validate_components
+    from llmkit.engine.loop.components import validate_components
 
     with pytest.raises(ConfigError, match="speculative=eagle"):
         validate_components(build_config(overrides=[

@@ -1,4 +1,5 @@
-"""The import graph of llmkit: no cycles among its modules, and no arrow up the layers.
+"""The import graph of llmkit: no cycles among its modules (nor among the engine's packages),
+and no arrow up the layers.
 
 Every ``import`` of every module counts, at module level or inside a function (a lazy import
 is still a dependency), and so do a ``Registry.register_lazy`` class path and an
@@ -83,7 +84,7 @@ TOOLS_PUBLIC = {
 TOOLS_REACH: dict[str, set[str]] = {
     # the simulator runs the engine's own core, scheduler and KV cache on a virtual clock: it
     # builds EngineCore with its SimExecutor and feeds it Requests directly
-    "llmkit.tools.sim.replay": {"llmkit.engine.core", "llmkit.platforms", "llmkit.request"},
+    "llmkit.tools.sim.replay": {"llmkit.engine.loop.core", "llmkit.platforms", "llmkit.request"},
     # calibrate times the real scheduler + KV cache manager without a model
     "llmkit.tools.sim.calibrate": {"llmkit.kv_cache", "llmkit.scheduler", "llmkit.request",
                                    "llmkit.platforms", "llmkit.platforms.cpu"},
@@ -114,7 +115,7 @@ ENGINE_PARTS: list[tuple[str, set[str]]] = [
                     "request_tracker"}),
     ("data parallel", {"dp"}),
     ("process hop", {"process"}),
-    ("core loop", {"core", "core_builder", "components", "kv_groups_check"}),
+    ("core loop", {"loop"}),
     ("observers and the engine protocol", {"observe", "client"}),
 ]
 
@@ -218,9 +219,9 @@ def where(module: str) -> str:
 
 def test_the_parser_sees_lazy_and_module_level_imports():
     g = import_graph()
-    assert "llmkit.engine.core" in g["llmkit.tools.sim.replay"]  # inside a function
-    assert "llmkit.scheduler.base" in g["llmkit.engine.core"] or \
-        "llmkit.scheduler" in g["llmkit.engine.core"]
+    assert "llmkit.engine.loop.core" in g["llmkit.tools.sim.replay"]  # inside a function
+    assert "llmkit.scheduler.base" in g["llmkit.engine.loop.core"] or \
+        "llmkit.scheduler" in g["llmkit.engine.loop.core"]
     assert "llmkit.executor.uniproc" in g["llmkit.executor"]  # a register_lazy path
     assert "llmkit.kv_cache.blocks" not in g["llmkit.kv_cache.base"]  # TYPE_CHECKING only
     assert "llmkit.entrypoints.offline" in g["llmkit.entrypoints.cli"]  # importlib, by name
@@ -232,19 +233,20 @@ def test_every_component_has_a_layer():
     assert comps - placed == set(), "place these in LAYERS (tests/test_layering.py)"
 
 
-def test_no_import_cycles():
-    g = import_graph()
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's): each is a set of
+    nodes that import each other, directly or round a loop."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     cycles: list[list[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in g.get(v, ()):
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -261,11 +263,53 @@ def test_no_import_cycles():
             if len(scc) > 1:
                 cycles.append(sorted(scc))
 
-    for v in sorted(g):
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not cycles, "import cycles:\n" + "\n".join(
-        " <-> ".join(c) for c in cycles)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to: itself for a package's ``__init__``, its parent for a
+    plain module, except the root's plain modules (``llmkit.request``, ``llmkit.outputs``...),
+    each its own component (LAYERS places them apart: the facade on top, the rest at the bottom)."""
+    if _module_files()[module].name == "__init__.py":
+        return module
+    parent = module.rpartition(".")[0]
+    return module if parent == "llmkit" else parent
+
+
+def package_graph() -> dict[str, dict[str, tuple[str, str]]]:
+    """package -> {imported package: (module, imported module) of one such import}."""
+    graph: dict[str, dict[str, tuple[str, str]]] = {}
+    for module, deps in import_graph().items():
+        src = package_of(module)
+        edges = graph.setdefault(src, {})
+        for dep in deps:
+            if (dst := package_of(dep)) != src:
+                edges.setdefault(dst, (module, dep))
+    return graph
+
+
+def test_the_engines_packages_import_no_cycle():
+    """Modules without a cycle can still make packages that import each other (a module of
+    ``llmkit.engine`` imports ``llmkit.engine.process``, whose module imports another of
+    ``llmkit.engine``): then neither package can be read, moved or tested without the other.
+    The engine's packages (``llmkit.engine`` and every subpackage) form none."""
+    graph = package_graph()
+    bad = [c for c in import_cycles(graph)
+           if any(p == "llmkit.engine" or p.startswith("llmkit.engine.") for p in c)]
+    lines = []
+    for cycle in bad:
+        lines.append(" <-> ".join(cycle))
+        lines += [f"  {a} -> {b}: {graph[a][b][0]} imports {graph[a][b][1]}"
+                  for a in cycle for b in cycle if b in graph[a]]
+    assert not bad, "the engine's packages import each other:\n" + "\n".join(lines)
 
 
 def test_no_arrow_runs_up_the_layers():

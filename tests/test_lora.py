@@ -392,7 +392,7 @@ def test_cli_generate_runs_with_lora_cli_adapter(llama_llm, capsys):
 
 
 def test_executor_and_scheduler_must_support_lora():
-    from llmkit.engine.core_builder import check_lora_support
+    from llmkit.engine.loop.core_builder import check_lora_support
     from llmkit.scheduler.base import Scheduler
 
     class PlainScheduler(Scheduler):  # no max_loras in its constructor

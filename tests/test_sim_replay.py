@@ -22,7 +22,7 @@ def strip_wall(result: dict) -> dict:
 # --------------------------------------------------------------------------- the same classes
 
 def test_sim_uses_the_real_engine_scheduler_and_kv_manager_classes():
-    from llmkit.engine.core import EngineCore
+    from llmkit.engine.loop.core import EngineCore
     from llmkit.executor import EXECUTORS
     from llmkit.kv_cache import KV_CACHE_MANAGERS
     from llmkit.kv_cache.manager import KVCacheManager
@@ -250,7 +250,7 @@ def test_virtual_clock():
 def test_executor_sim_by_name_in_a_plain_engine_core():
     """``executor=sim`` is an ordinary registered executor: an EngineCore built from config
     alone runs with it (no clock: steps are priced, nothing waits)."""
-    from llmkit.engine.core import EngineCore
+    from llmkit.engine.loop.core import EngineCore
     from llmkit.request import Request
     from llmkit.sampling.params import SamplingParams
 

@@ -32,7 +32,7 @@ def test_same_greedy_tokens_as_the_token_budget_scheduler(tiny_model_dir, caplog
     the decodes (a very different schedule from the token-budget one's)."""
     model_dir = tiny_model_dir("llama")
     _, ref = generate(model_dir)
-    with caplog.at_level(logging.INFO, logger="llmkit.engine.core_builder"):
+    with caplog.at_level(logging.INFO, logger="llmkit.engine.loop.core_builder"):
         llm, outs = generate(model_dir, "scheduler=slo", "slo.tpot_ms=0.001",
                              "slo.ttft_ms=60000")
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

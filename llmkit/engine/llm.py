@@ -12,7 +12,7 @@ from llmkit.config.schema import EngineConfig
 from llmkit.engine.beam_search import (BeamSearchOutput, BeamSearchParams, first_logprobs,
                                        run_beam_search, start_beam_search)
 from llmkit.engine.client import SteppedEngineClient
-from llmkit.engine.core import EngineCore
+from llmkit.engine.loop.core import EngineCore
 from llmkit.engine.frontend import Frontend, FrontendModel, Message, PromptType
 from llmkit.engine.output_processor import RequestOutputKind
 from llmkit.lora.request import LoRARequest

@@ -161,12 +161,12 @@ def parse_args(argv: Sequence[str]) -> CliArgs | None:
 def load_config(args: CliArgs, overrides: Sequence[str] | None = None, *,
                 tool: type | None = None):
     """Compose and validate the config for ``args`` (MODEL + overrides), then check that every
-    component name is registered (``llmkit.engine.components.validate_components``). Without
+    component name is registered (``llmkit.engine.loop.components.validate_components``). Without
     ``tool``: the engine's root (``conf/config.yaml``); with one (``BenchToolConfig``,
     ``SimToolConfig``, ...): the tools' root (``conf/tools/``), as that tool's config with the
     engine's inside."""
     from llmkit.config.compose import build_config
-    from llmkit.engine.components import validate_components
+    from llmkit.engine.loop.components import validate_components
     from llmkit.startup import startup_step
 
     overrides = args.overrides if overrides is None else overrides

@@ -101,7 +101,7 @@ class InprocClient:
     """The engine core in this process: ``add_request`` / ``abort_requests`` / ``step``."""
 
     def __init__(self, config: EngineConfig, **engine_kwargs) -> None:
-        from llmkit.engine.core import EngineCore
+        from llmkit.engine.loop.core import EngineCore
 
         self.core = EngineCore(config, **engine_kwargs)
         self.max_model_len = self.core.max_model_len

@@ -180,7 +180,7 @@ class EngineCoreProc:
 
     def __init__(self, config, input_address: str, output_address: str,
                  parent_pid: int | None = None) -> None:
-        from llmkit.engine.core import EngineCore
+        from llmkit.engine.loop.core import EngineCore
         from llmkit.models.loader import resolve_model_source
 
         self.parent_pid = parent_pid

@@ -62,7 +62,7 @@ def build_sim_engine(cfg: Any, clock: VirtualClock | None = None, *, model: Any 
     ``executor=sim``, the KV pool sized from the hardware unless ``kv_cache.num_blocks`` is
     set."""
     from llmkit.config.errors import ConfigError
-    from llmkit.engine.core import EngineCore
+    from llmkit.engine.loop.core import EngineCore
     from llmkit.platforms import resolve_platform
     from llmkit.tools.sim.executor import SimExecutor
 

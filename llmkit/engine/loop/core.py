@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.core_builder import build_core_parts
+from llmkit.engine.loop.core_builder import build_core_parts
 from llmkit.engine.observe.observer import (KVState, RequestState, StepEvent, StepObserver,
                                             split_prefill_decode)
 from llmkit.engine.observe.step_trace import StepTrace

@@ -1,4 +1,4 @@
-"""What an :class:`~llmkit.engine.core.EngineCore` runs on, built once from its config: the
+"""What an :class:`~llmkit.engine.loop.core.EngineCore` runs on, built once from its config: the
 platform, the executor (and with it the model), the KV pool's size, the KV connector, the KV
 cache manager, the structured-output manager and the scheduler.
 
@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 
 from llmkit.config.errors import ConfigError
 from llmkit.config.schema import EngineConfig
-from llmkit.engine.components import validate_components
+from llmkit.engine.loop.components import validate_components
 from llmkit.executor import Executor, executor_class
-from llmkit.engine.kv_groups_check import check_kv_cache_groups
+from llmkit.engine.loop.kv_groups_check import check_kv_cache_groups
 from llmkit.kv_cache import KV_CACHE_MANAGERS, KVCacheManagerBase
 from llmkit.kv_cache.groups import blocks_per_request, is_single_group
 from llmkit.kv_cache.hybrid import HybridKVCacheManager
