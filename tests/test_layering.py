@@ -109,7 +109,9 @@ TOOLS_IMPORTED_BY = {"llmkit.entrypoints.cli", "llmkit.entrypoints.command_help"
 # subpackage): a part may import its own and those below it. The front ends drive the engine in
 # one of three ways; data parallel is N process hops; the process hop runs the core loop in a
 # child; the loop reports to its observers and implements the protocol the front ends program
-# against.
+# against. ``client.py`` sits beside the front ends in the package ``llmkit.engine``, so the parts
+# below name it under ``if TYPE_CHECKING:`` only: a run-time import would make the packages a
+# cycle (test_the_engines_packages_import_no_cycle).
 ENGINE_PARTS: list[tuple[str, set[str]]] = [
     ("front ends", {"llm", "async_llm", "frontend", "beam_search", "output_processor",
                     "request_tracker"}),
