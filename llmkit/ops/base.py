@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from llmkit.ops.mamba import (RecurrentBatch, causal_conv1d_reference, ssd_scan_reference,
                               ssm_state_update)
 from llmkit.ops.masking import attention
-from llmkit.ops.mla import mla_decode_attention_reference, write_latent_cache
+from llmkit.ops.mla import MLAStepLayout, mla_decode_attention_reference, write_latent_cache
 from llmkit.ops.moe import fused_moe_grouped, fused_topk
 from llmkit.kernels.kv_quant import read_rows, to_cache_rows
 
@@ -145,8 +145,8 @@ class ModelOps:
         write_latent_cache(latent, latent_cache, slot_mapping)
 
     def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
-                             latent_cache: torch.Tensor, metadata, scale: float
-                             ) -> torch.Tensor:
+                             latent_cache: torch.Tensor, metadata: MLAStepLayout,
+                             scale: float) -> torch.Tensor:
         """Absorbed MLA attention over the paged latent cache: ``[T, H, kv_lora_rank]``.
 
         ``q_latent [T, H, kv_lora_rank]`` (``q_nope`` times ``W_UK`` per head),

@@ -12,10 +12,29 @@ softmax-weighted sum of ``c_kv`` rows: one latent row read serves every head.
 """
 from __future__ import annotations
 
+from typing import Any, Hashable, Protocol
+
 import torch
 
 from llmkit.config.errors import ConfigError
 from llmkit.kernels.kv_quant import format_of
+
+
+class MLAStepLayout(Protocol):
+    """What the MLA ops read of a step's batch layout. ``llmkit.attention.base.AttentionMetadata``
+    (a layer's ``attn_metadata.for_layer(i)``) is one; the ops name this protocol, not it, since
+    the attention backends are written over the ops and the arrow runs only that way."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # what the first layer derives from the step for the others (device copies of the tables)
+    derived: dict[Hashable, Any]
 
 
 def check_mla_cache_dtype(storage_dtype: torch.dtype) -> None:
@@ -58,7 +77,8 @@ def _attend(q_latent: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
 
 
 def mla_decode_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor,
-                                   latent_cache: torch.Tensor, metadata, scale: float
+                                   latent_cache: torch.Tensor, metadata: MLAStepLayout,
+                                   scale: float
                                    ) -> torch.Tensor:
     """The torch reference of ``ModelOps.mla_decode_attention`` (float32 math; see there).
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from llmkit import kernels
-from llmkit.attention.base import AttentionMetadata
 from llmkit.ops.base import ModelOps, RotaryTables
+from llmkit.ops.mla import MLAStepLayout
 
 
 class TritonOps(ModelOps):
@@ -54,7 +54,7 @@ class TritonOps(ModelOps):
         kernels.write_latent_cache(latent, latent_cache, slot_mapping)
 
     def mla_decode_attention(self, q_latent: torch.Tensor, q_pe: torch.Tensor,
-                             latent_cache: torch.Tensor, metadata: AttentionMetadata,
+                             latent_cache: torch.Tensor, metadata: MLAStepLayout,
                              scale: float) -> torch.Tensor:
         # Decode-only steps in the kernel; prefill chunks (several causal queries per request)
         # in the reference.
@@ -76,7 +76,7 @@ class TritonOps(ModelOps):
         return out
 
 
-def _on_device(metadata: AttentionMetadata, device: torch.device
+def _on_device(metadata: MLAStepLayout, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's block table and lengths on the cache's device: the runner builds them on the
     host; moved once per step (the first layer's copy kept in ``metadata.derived``)."""
