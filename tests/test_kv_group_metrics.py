@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llmkit.engine.dp.stats import combine_scheduler_stats
 from llmkit.engine.observe.step_summary import StepSummaryPublisher
-from llmkit.entrypoints.metrics import ServerMetrics
+from llmkit.entrypoints.openai.metrics import ServerMetrics
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats

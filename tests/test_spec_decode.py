@@ -588,7 +588,7 @@ class NoDraftScheduler(TokenBudgetScheduler):
 
 
 def test_prometheus_names():
-    from llmkit.entrypoints.metrics import ServerMetrics
+    from llmkit.entrypoints.openai.metrics import ServerMetrics
     from llmkit.scheduler.base import SchedulerStats, SpecDecodeStats
 
     m = ServerMetrics("m")

@@ -117,7 +117,7 @@ def run_server(config: EngineConfig) -> int:
         import uvicorn
 
         from llmkit.engine.async_llm import AsyncLLM
-        from llmkit.entrypoints.metrics import ServerMetrics
+        from llmkit.entrypoints.openai.metrics import ServerMetrics
         from llmkit.entrypoints.openai.server import build_app, served_model_names
 
         from prometheus_client import disable_created_metrics

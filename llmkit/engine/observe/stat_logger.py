@@ -1,5 +1,5 @@
 """The hooks through which ``AsyncLLM`` reports request latencies and the engine's step stats
-(``llmkit.entrypoints.metrics.ServerMetrics`` implements them)."""
+(``llmkit.entrypoints.openai.metrics.ServerMetrics`` implements them)."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -10,7 +10,7 @@ __all__ = ["StatLogger"]
 
 
 class StatLogger(Protocol):
-    """What AsyncLLM reports (``llmkit.entrypoints.metrics.ServerMetrics`` implements it)."""
+    """What AsyncLLM reports (``llmkit.entrypoints.openai.metrics.ServerMetrics`` implements it)."""
 
     def on_scheduler_stats(self, stats: SchedulerStats) -> None: ...
 

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmkit.config.schema import EngineConfig
 from llmkit.engine.async_llm import AsyncLLM
-from llmkit.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from llmkit.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from llmkit.entrypoints.openai import completions
 from llmkit.entrypoints.openai.embeddings import add_embeddings_routes
 from llmkit.entrypoints.openai.engine_restart import keep_engine_running
