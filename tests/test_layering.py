@@ -1,5 +1,5 @@
-"""The import graph of llmkit: no cycles among its modules (nor among the engine's packages),
-and no arrow up the layers.
+"""The import graph of llmkit: no cycles among its modules (nor among its packages), and no
+arrow up the layers.
 
 Every ``import`` of every module counts, at module level or inside a function (a lazy import
 is still a dependency), and so do a ``Registry.register_lazy`` class path and an
@@ -312,6 +312,40 @@ def test_the_engines_packages_import_no_cycle():
         lines += [f"  {a} -> {b}: {graph[a][b][0]} imports {graph[a][b][1]}"
                   for a in cycle for b in cycle if b in graph[a]]
     assert not bad, "the engine's packages import each other:\n" + "\n".join(lines)
+
+
+# Package cycles still standing, each a package and its own subpackage that share one concept;
+# test_no_package_imports_each_other names any other. Remove an entry once its cycle is gone.
+KNOWN_PACKAGE_CYCLES = {
+    # the schema composes the sections, and the sections are built on the package's strict
+    # base model (config.strict: unknown keys are errors): one config, one set of rules
+    frozenset({"llmkit.config", "llmkit.config.sections"}),
+    # a model file builds from models.layers, whose mamba2 layer and the loader name the
+    # model interface (models.base) back; the registry in models/__init__ loads through loader
+    frozenset({"llmkit.models", "llmkit.models.layers", "llmkit.models.loader"}),
+}
+
+
+def test_no_package_imports_each_other():
+    """No two packages of the whole tree import each other (beyond KNOWN_PACKAGE_CYCLES): a
+    cross-package cycle (the ops naming the attention metadata the attention backends built
+    over the ops pass them) or a parent and its child (the server's package importing the
+    CLI's for its metrics) leaves neither readable, movable or testable alone."""
+    graph = package_graph()
+    bad = [c for c in import_cycles(graph) if frozenset(c) not in KNOWN_PACKAGE_CYCLES]
+    lines = []
+    for cycle in bad:
+        lines.append(" <-> ".join(cycle))
+        lines += [f"  {a} -> {b}: {graph[a][b][0]} imports {graph[a][b][1]}"
+                  for a in cycle for b in cycle if b in graph[a]]
+    assert not bad, "packages import each other:\n" + "\n".join(lines)
+
+
+def test_the_known_package_cycles_still_stand():
+    """An entry of KNOWN_PACKAGE_CYCLES that no longer is a cycle goes (the exception list
+    only shrinks)."""
+    cycles = {frozenset(c) for c in import_cycles(package_graph())}
+    assert KNOWN_PACKAGE_CYCLES <= cycles, KNOWN_PACKAGE_CYCLES - cycles
 
 
 def test_no_arrow_runs_up_the_layers():
