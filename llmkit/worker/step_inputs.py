@@ -145,13 +145,17 @@ def prepare_inputs(batch: InputBatch, so: SchedulerOutput, block_size: int,
     spec = so.scheduled_spec_tokens
     req_ids = [b.req_ids[r] for r in rows]
     sample_idx = np.flatnonzero(samples)
-    drafts = [spec.get(req_ids[i], []) for i in sample_idx.tolist()] if spec else \
-        [[] for _ in range(len(sample_idx))]
-    num_logits = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64,
-                             count=len(drafts))
     ends = cu[sample_idx]
-    logits_indices = (np.repeat(ends - num_logits, num_logits)
-                      + LogitsLayout(sample_idx, num_logits, drafts).offsets)
+    if spec:
+        drafts = [spec.get(req_ids[i], []) for i in sample_idx.tolist()]
+        num_logits = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64,
+                                 count=len(drafts))
+        logits_indices = (np.repeat(ends - num_logits, num_logits)
+                          + LogitsLayout(sample_idx, num_logits, drafts).offsets)
+    else:  # one logits row per sampling request: its last token
+        drafts = [[] for _ in range(len(sample_idx))]
+        num_logits = np.ones(len(sample_idx), dtype=np.int64)
+        logits_indices = ends - 1
     metadata = AttentionMetadata(
         num_reqs=len(rows),
         num_actual_tokens=total,
