@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from llmkit.config.strict import _Strict
+from llmkit.config.sections.strict import _Strict
 
 __all__ = ["HardwareConfig", "HardwareEfficiency"]
 

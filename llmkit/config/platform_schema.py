@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from llmkit.config.strict import _Component, _Strict
+from llmkit.config.sections.strict import _Component, _Strict
 
 __all__ = ["CpuDispatchConfig", "PlatformConfig"]
 

@@ -24,7 +24,7 @@ from llmkit.config.sections.scheduling import SchedulerConfig, SloConfig, check_
 from llmkit.config.sections.serving import (ChatConfig, MultiModalConfig, ObservabilityConfig,
                                             SamplingDefaults, ServerConfig)
 from llmkit.config.sections.speculative import SpeculativeConfig
-from llmkit.config.strict import _Strict
+from llmkit.config.sections.strict import _Strict
 
 __all__ = [
     "AttentionConfig", "ChatConfig", "CompilationConfig", "CpuDispatchConfig", "EngineConfig",

@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 # the hardware group's schema sits below the cost model; the tools name it from here too
 from llmkit.config.hardware_schema import HardwareConfig, HardwareEfficiency  # noqa: F401
 from llmkit.config.schema import EngineConfig, SloConfig  # noqa: F401 (slo.*: the engine's too)
-from llmkit.config.strict import _Strict
+from llmkit.config.sections.strict import _Strict
 
 class BenchConfig(_Strict):
     """``llmkit bench serve|throughput|latency|plot`` (definitions:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from llmkit.config.strict import _Component, _Strict
+from llmkit.config.sections.strict import _Component, _Strict
 
 __all__ = [
     "AttentionConfig", "CompilationConfig", "ExecutorConfig", "ParallelConfig", "SamplerConfig",

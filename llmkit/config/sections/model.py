@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from llmkit.config.strict import _Strict
+from llmkit.config.sections.strict import _Strict
 
 __all__ = ["GenerationDefaults", "ModelConfig"]
 

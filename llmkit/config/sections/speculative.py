@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from llmkit.config.strict import _Component
+from llmkit.config.sections.strict import _Component
 
 __all__ = ["SpeculativeConfig"]
 
