@@ -186,6 +186,30 @@ def test_paged_decode_attention_bf16_past_one_sdpa_block(ops):
     assert (out == sdpa).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (64, 8, 1), (80, 4, 2)])
+def test_paged_decode_attention_bf16_gives_the_avx2_bits_on_every_tier(ops, dim, heads,
+                                                                      kv_heads):
+    """The AVX-512 tiers run bf16 decode attention for a KV head's whole group at once, with
+    the rows widened once and 16-lane vectors (head sizes that are multiples of 64), in the
+    same order of operations: every output equals the AVX2 tier's, bit for bit, at every
+    length (a tail past the groups of eight and of four rows, empty, past one 512-row SDPA
+    block), with a window and with a soft cap."""
+    avx2 = load_cpu_kernels("avx2")
+    lens = torch.tensor([1, 7, 8, 9, 17, 100, 250, 0, 513, 1030])
+    table = torch.stack([torch.randperm(70, generator=torch.Generator().manual_seed(i))
+                         for i in range(len(lens))])
+    cache = randn(2, 70, 16, kv_heads, dim, dtype=torch.bfloat16, seed=dim)
+    q = randn(len(lens), heads, dim, dtype=torch.bfloat16, seed=1)
+    for window, cap in ((0, 0.0), (37, 0.0), (0, 30.0)):
+        out = ops.paged_decode_attention(q, cache, table, lens, 0.125, window, cap)
+        assert torch.equal(out, avx2.paged_decode_attention(q, cache, table, lens, 0.125,
+                                                            window, cap)), (window, cap)
+    # one sequence splits its heads over the threads: the same bits again
+    one = ops.paged_decode_attention(q[5:6], cache, table[5:6], lens[5:6], 0.125, 0, 0.0)
+    assert torch.equal(one, avx2.paged_decode_attention(q, cache, table, lens, 0.125, 0,
+                                                        0.0)[5:6])
+
+
 def test_paged_decode_attention_reads_q_from_a_strided_view(ops):
     cache = randn(2, 4, 4, 2, 16, dtype=torch.float32)
     qkv = randn(2, 8 * 16, dtype=torch.float32, seed=1)

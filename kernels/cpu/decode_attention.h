@@ -43,6 +43,33 @@ inline void soft_cap_scores(float* p, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) p[i] = std::tanh(p[i] / cap) * cap;
 }
 
+// *std::max_element(p, p + n) (n >= 1), vectorised: max is exact whatever the order, and the
+// sign of a zero maximum does not reach any output (scores minus it go through exp). Only NaN,
+// where max_element's answer depends on where it lies, takes max_element itself.
+inline float max_score(const float* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(p), nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+    int64_t i = 8;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(p + i);
+      m = _mm256_max_ps(m, x);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float best = lanes[0];
+    for (int l = 1; l < 8; ++l) best = std::max(best, lanes[l]);
+    for (; i < n; ++i) {
+      if (std::isnan(p[i])) return *std::max_element(p, p + n);
+      best = std::max(best, p[i]);
+    }
+    if (_mm256_movemask_ps(nan) == 0) return best;
+  }
+#endif
+  return *std::max_element(p, p + n);
+}
+
 // Vectors of one head's output accumulated in registers at a time (64 floats with AVX2).
 constexpr int64_t kChunk = 8;
 
@@ -87,7 +114,7 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
       for (; l + 8 <= nl; l += 8) scores8_torch_order(qf, krows + n0 + l, dim, scale, p + l);
     for (; l < nl; ++l) p[l] = dot_torch_order(qf, krows[n0 + l], dim, nullptr) * scale;
     soft_cap_scores(p, nl, cap);
-    const float new_max = std::max(*std::max_element(p, p + nl), run_max);
+    const float new_max = std::max(max_score(p, nl), run_max);
     Vec vsum(0.f);
     const int64_t whole = nl - nl % kLanes;
     for (int64_t l = 0; l < whole; l += kLanes) {
@@ -127,6 +154,140 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
     store_n(dst + d, load_n(acc + d, n) * inv, n);
   }
 }
+
+#if defined(LLMKIT_AVX512)
+// decode_head_sdpa_order for a KV head's group of query heads at once, with 512-bit vectors, in
+// the tiers that have them: the same operations on the same values in the same order, so every
+// head gets decode_head_sdpa_order's bits. What changes is the work around them: each 512-row
+// block's K and V rows are widened to float32 once for the whole group (not once per head);
+// the scores of two K rows share a register (row l in lanes 0-7, row l + 1 in lanes 8-15: the
+// eight accumulators of dot_torch_order and their tree are lane-wise), and P.V runs sixteen
+// outputs a vector (each output's four partial sums are its own). dim a multiple of 64.
+// qf [group][dim]; acc [group][dim] and kf, vf (kSdpaKvBlock * dim floats each), p
+// (kSdpaKvBlock floats) are the caller's scratch.
+constexpr int64_t kPrefetchRows = 8;
+
+inline void decode_group_sdpa_order_avx512(const float* qf, const bf16* const* krows,
+                                           const bf16* const* vrows, int64_t len, float scale,
+                                           int64_t dim, int64_t group, float* p, float* acc,
+                                           float* kf, float* vf, float* run_max, float* run_sum,
+                                           bf16* dst, float cap) {
+  const int64_t chunks = dim / 8;  // eight-float chunks of a row
+  std::fill(acc, acc + group * dim, 0.f);  // an empty context's output: zeros
+  for (int64_t g = 0; g < group; ++g) {
+    run_max[g] = -std::numeric_limits<float>::infinity();
+    run_sum[g] = 0.f;
+  }
+  const auto widen16 = [](const bf16* lo, const bf16* hi) {
+    const __m256i b = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  };
+  for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
+    const int64_t nl = std::min(kSdpaKvBlock, len - n0), whole8 = nl & ~int64_t(7);
+    // K rows of the whole groups of eight, in pairs: pair i's chunk c is [row 2i's chunk c |
+    // row 2i + 1's]. V rows as they are, widened.
+    // The rows lie in blocks scattered over the cache: the loads run kPrefetchRows ahead.
+    const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(bf16));
+    const auto prefetch = [&](const bf16* const* rows, int64_t l) {
+      if (l < nl)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[n0 + l]) + b, _MM_HINT_T0);
+    };
+    for (int64_t l = 0; l < whole8; l += 2) {
+      prefetch(krows, l + kPrefetchRows);
+      prefetch(krows, l + 1 + kPrefetchRows);
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(kf + (l * chunks + 2 * c) * 8,
+                         widen16(krows[n0 + l] + 8 * c, krows[n0 + l + 1] + 8 * c));
+    }
+    for (int64_t l = 0; l < nl; ++l) {
+      prefetch(vrows, l + kPrefetchRows);
+      for (int64_t d = 0; d < dim; d += 16)
+        _mm512_storeu_ps(vf + l * dim + d, widen16(vrows[n0 + l] + d, vrows[n0 + l] + d + 8));
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = qf + g * dim;
+      float* a = acc + g * dim;
+      for (int64_t l = 0; l < whole8; l += 8) {
+        Vec v[8];
+        for (int pr = 0; pr < 4; ++pr) {
+          const float* k = kf + (l + 2 * pr) * dim;
+          __m512 s[8];
+          for (int r = 0; r < 8; ++r)
+            s[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + 8 * r)),
+                                   _mm512_loadu_ps(k + 16 * r), _mm512_setzero_ps());
+          for (int64_t j = 64; j < dim; j += 64)
+            for (int r = 0; r < 8; ++r)
+              s[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j + 8 * r)),
+                                     _mm512_loadu_ps(k + 2 * (j + 8 * r)), s[r]);
+          for (int offset = 4; offset >= 1; offset /= 2)  // torch_order_tree
+            for (int r = 0; r < offset; ++r) s[r] = _mm512_add_ps(s[r], s[offset + r]);
+          v[2 * pr] = Vec(_mm512_castps512_ps256(s[0]));
+          v[2 * pr + 1] = Vec(_mm512_extractf32x8_ps(s[0], 1));
+        }
+        store(p + l, (lane_sums8_aten_order(v) + Vec(0.f)) * Vec(scale));
+      }
+      for (int64_t l = whole8; l < nl; ++l)
+        p[l] = dot_torch_order(q, krows[n0 + l], dim, nullptr) * scale;
+      // from here as decode_head_sdpa_order
+      soft_cap_scores(p, nl, cap);
+      const float new_max = std::max(max_score(p, nl), run_max[g]);
+      Vec vsum(0.f);
+      const int64_t whole = nl - nl % kLanes;
+      for (int64_t l = 0; l < whole; l += kLanes) {
+        const Vec e = (load(p + l) - Vec(new_max)).exp_u20();
+        vsum = vsum + e;
+        store(p + l, round_as<bf16>(e));
+      }
+      float block_sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+      for (int64_t l = whole; l < nl; ++l) {
+        const float e = std::exp(p[l] - new_max);
+        block_sum += e;
+        p[l] = static_cast<float>(bf16(e));
+      }
+      const float rescale = std::exp(run_max[g] - new_max);
+      run_max[g] = new_max;
+      if (n0 > 0)
+        for (int64_t d = 0; d < dim; ++d) a[d] = a[d] * rescale;
+      run_sum[g] = run_sum[g] * rescale + block_sum;
+      // P.V: four partial sums per output over rows l % 4 (the tail into the first), each a
+      // product rounded and then added, as the 8-lane code.
+      const int64_t nl4 = nl & ~int64_t(3);
+      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        __m512 s[4][4];
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) s[c][j] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < nl4; l += 4)
+          for (int j = 0; j < 4; ++j) {
+            const __m512 pl = _mm512_set1_ps(p[l + j]);
+            const float* vr = vf + (l + j) * dim + d0;
+            for (int c = 0; c < 4; ++c)
+              s[c][j] = _mm512_add_ps(s[c][j], _mm512_mul_ps(_mm512_loadu_ps(vr + 16 * c), pl));
+          }
+        for (int64_t l = nl4; l < nl; ++l) {
+          const __m512 pl = _mm512_set1_ps(p[l]);
+          const float* vr = vf + l * dim + d0;
+          for (int c = 0; c < 4; ++c)
+            s[c][0] = _mm512_add_ps(s[c][0], _mm512_mul_ps(_mm512_loadu_ps(vr + 16 * c), pl));
+        }
+        for (int c = 0; c < 4; ++c) {
+          const __m512 dotv = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s[c][0], s[c][1]),
+                                                          s[c][2]), s[c][3]);
+          float* ad = a + d0 + 16 * c;
+          _mm512_storeu_ps(ad, n0 > 0 ? _mm512_add_ps(_mm512_loadu_ps(ad), dotv) : dotv);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const Vec inv(len > 0 ? 1.f / run_sum[g] : 0.f);
+    for (int64_t d = 0; d < dim; d += kLanes)
+      store(dst + g * dim + d, load(acc + g * dim + d) * inv);
+  }
+}
+#endif
 
 // The float32 path for one KV head's group of query heads (qf [group, dim]); p holds
 // group * len scores, acc group * dim outputs.
@@ -219,6 +380,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   const int64_t per_part = group / parts;
   at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * dim), scores;
+    std::vector<float> kf, vf, state(2 * per_part);  // the AVX-512 bf16 path's scratch
     std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
@@ -242,6 +404,20 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
       T* dst = op + (b * heads + h0) * dim;
       if constexpr (std::is_same_v<T, bf16>) {
         scores.resize(std::min(len, kSdpaKvBlock));
+#if defined(LLMKIT_AVX512)
+        if (dim % 64 == 0) {
+          const int64_t rows = std::min(len, kSdpaKvBlock) * dim;
+          if (kf.size() < static_cast<size_t>(rows)) {
+            kf.resize(rows);
+            vf.resize(rows);
+          }
+          decode_group_sdpa_order_avx512(qf.data(), krows.data(), vrows.data(), len, scale, dim,
+                                         per_part, scores.data(), acc.data(), kf.data(),
+                                         vf.data(), state.data(), state.data() + per_part, dst,
+                                         cap);
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < per_part; ++g)
           decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
                                  dim, scores.data(), acc.data() + g * dim, dst + g * dim, cap);
