@@ -317,9 +317,10 @@ def test_the_engines_packages_import_no_cycle():
 # Package cycles still standing, a package and its own subpackages that share one concept;
 # test_no_package_imports_each_other names any other. Remove an entry once its cycle is gone.
 KNOWN_PACKAGE_CYCLES = {
-    # a model file builds from models.layers, whose mamba2 layer and the loader name the
-    # model interface (models.base) back; the registry in models/__init__ loads through loader
-    frozenset({"llmkit.models", "llmkit.models.layers", "llmkit.models.loader"}),
+    # the loader builds a model (models.base, registry, max_model_len, default_model), and the
+    # package re-exports the loader's build_model while default_model and pooling_config read
+    # a checkpoint through it: loading is half the models package's concept
+    frozenset({"llmkit.models", "llmkit.models.loader"}),
 }
 
 

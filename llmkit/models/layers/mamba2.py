@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from llmkit.attention.base import AttentionMetadata
-from llmkit.models.base import ModelContext
+from llmkit.models.layers.context import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.ops.mamba import RecurrentBatch
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from llmkit.attention.base import AttentionMetadata
 from llmkit.attention.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec
-from llmkit.models.base import ModelContext
+from llmkit.models.layers.context import ModelContext
 from llmkit.models.layers.linear import Linear
 from llmkit.models.layers.norm import RMSNorm
 from llmkit.models.layers.rotary import rope_parameters
