@@ -116,3 +116,30 @@ def test_no_trace_by_default(model):
     llm = LLM(model, dtype="float32")
     assert not llm.engine.step_observers
     llm.shutdown()
+
+
+@pytest.mark.parametrize("sub,given,want", [
+    ("latency", [], "compilation.background=false"),
+    ("throughput", ["bench.num_requests=2"], "compilation.background=false"),
+    ("latency", ["compilation.background=true"], "compilation.background=true"),
+    ("serve", [], None)])
+def test_offline_benches_wait_for_step_graphs(sub, given, want):
+    """bench latency/throughput time the engine users run: on a cold compile cache the step
+    graphs compile before the timed steps (not beside them), unless the user says otherwise."""
+    from types import SimpleNamespace
+
+    from llmkit.tools.bench.cli import run_bench
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def load_config(args, overrides, tool):
+        seen.append(list(overrides))
+        raise Stop
+
+    with pytest.raises(Stop):
+        run_bench(SimpleNamespace(subcommand=sub, overrides=given, multirun=False), load_config)
+    background = [o for o in seen[0] if o.startswith("compilation.background=")]
+    assert background == ([want] if want else [])
