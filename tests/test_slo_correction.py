@@ -9,6 +9,9 @@ the correction off the same load misses it.
 """
 from __future__ import annotations
 
+from helpers.slo_clock import Clock
+from helpers.slo_clock import linear_step_time as true_step
+
 import logging
 import math
 
@@ -107,17 +110,6 @@ def test_correction_weight_needs_the_slo_scheduler():
 
 # -- prefills never starve ------------------------------------------------------------------
 
-def true_step(work, stream_rate: float = 0.0) -> float:
-    """10 ms per step + 1 ms per token computed."""
-    return 0.010 + 0.001 * sum(q for q, _, _ in work)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def serve(sched, clock, n: int, every_s: float, prompt: int, out: int) -> dict[str, float]:

@@ -2,6 +2,9 @@
 scheduler driver. Each test checks one decision against what the cost model says."""
 from __future__ import annotations
 
+from helpers.slo_clock import Clock
+from helpers.slo_clock import linear_step_time as step_time
+
 import pytest
 from helpers.scheduler_driver import fake_run, req
 
@@ -15,18 +18,6 @@ from llmkit.scheduler import SCHEDULERS, TokenBudgetScheduler
 from llmkit.scheduler.slo import SloScheduler
 
 
-def step_time(work, stream_rate: float = 0.0) -> float:
-    """10 ms per step + 1 ms per token computed (the scheduler's stand-in cost model; the
-    front end's share is left out)."""
-    return 0.010 + 0.001 * sum(q for q, _, _ in work)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(slo: SloConfig, admission: str = "off", *, budget: int = 512, clock=None,
