@@ -8,15 +8,12 @@ from llmkit.models.registry import MODELS, UnsupportedModelError, get_model_clas
 
 
 def __getattr__(name: str):
-    # Light package import: the loader (transformers, gguf) loads on first use.
-    if name in ("ModelSource", "resolve_model_source", "build_model"):
-        from llmkit.models import loader
-        return getattr(loader, name)
     if name == "CausalLM":
         from llmkit.models.base import CausalLM
         return CausalLM
     raise AttributeError(f"module 'llmkit.models' has no attribute {name!r}")
 
 
-__all__ = ["MODELS", "CausalLM", "ModelSource", "UnsupportedModelError", "build_model",
-           "get_model_class", "resolve_model_source"]
+# The loader (ModelSource, resolve_model_source, build_model) is imported from
+# llmkit.models.loader: it builds on this package, which therefore does not re-export it.
+__all__ = ["MODELS", "CausalLM", "UnsupportedModelError", "get_model_class"]

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if path.suffix.lower() == ".gguf":
         # Convert its config and tokenizer now too (cached), so the first run starts fast.
-        from llmkit.models.loader.gguf import load_gguf_config, load_gguf_tokenizer
+        from llmkit.models.gguf_metadata import load_gguf_config, load_gguf_tokenizer
         load_gguf_config(path)
         load_gguf_tokenizer(path)
     print(path)

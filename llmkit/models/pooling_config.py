@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from llmkit.config.schema import ModelConfig
     from llmkit.models.loader import ModelSource
 
-__all__ = ["PoolingSpec", "engine_pooling", "resolve_pooling", "resolve_runner"]
+__all__ = ["PoolingSpec", "resolve_pooling", "resolve_runner"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,16 +138,3 @@ def _st_pooling_mode(pooling_dir: Path, modules_file: Path) -> PoolingType:
                           f"a Pooling module with one of {', '.join(sorted(_ST_MODES))} set "
                           f"({cfg_file} sets {', '.join(on) or 'none'})")
     return _ST_MODES[on[0]]
-
-
-
-def engine_pooling(model_config: "ModelConfig",
-                   source: "ModelSource | None") -> PoolingSpec | None:
-    """``resolve_pooling`` for the engine core, which may not hold the source yet (read only
-    when ``model.runner`` is not ``generate``)."""
-    if model_config.runner == "generate":
-        return None
-    if source is None:
-        from llmkit.models.loader import resolve_model_source
-        source = resolve_model_source(model_config)
-    return resolve_pooling(model_config, source)

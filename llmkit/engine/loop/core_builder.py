@@ -25,7 +25,7 @@ from llmkit.kv_cache.hybrid import HybridKVCacheManager
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_ids
 from llmkit.kv_transfer import KVConnectorBase, KVConnectorRole, KVLayout, kv_connector_class
 from llmkit.kv_transfer.fingerprint import kv_fingerprint
-from llmkit.models.pooling_config import engine_pooling
+from llmkit.models.pooling_config import resolve_pooling
 from llmkit.platforms import resolve_platform
 from llmkit.platforms.base import Platform
 from llmkit.scheduler import SCHEDULERS, Scheduler
@@ -95,8 +95,14 @@ def build_core_parts(config: EngineConfig, *, executor: Executor | None = None,
     # Pooling that needs every prompt token's hidden state (mean, CLS) cannot start behind a
     # prefix-cache hit, which skips computing them (llmkit/worker/pooling.py).
     # (The simulator computes nothing, and may stand for a model whose files are not here.)
-    pooling = None if config.executor.name == "sim" else engine_pooling(config.model,
-                                                                        model_source)
+    # (Only a pooling runner reads the model's files here: the core may not hold them yet.)
+    pooling = None
+    if config.executor.name != "sim" and config.model.runner != "generate":
+        source = model_source
+        if source is None:
+            from llmkit.models.loader import resolve_model_source
+            source = resolve_model_source(config.model)
+        pooling = resolve_pooling(config.model, source)
     prefix_caching = kv_cfg.enable_prefix_caching and (pooling is None
                                                        or not pooling.needs_every_token)
     if groups and not is_single_group(groups):

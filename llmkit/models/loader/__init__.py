@@ -66,7 +66,7 @@ class ModelSource:
             if self.tokenizer is not None:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
             elif self.is_gguf:
-                from llmkit.models.loader.gguf import load_gguf_tokenizer
+                from llmkit.models.gguf_metadata import load_gguf_tokenizer
                 self._tokenizer = load_gguf_tokenizer(self.path)
             else:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
@@ -97,7 +97,7 @@ def resolve_model_source(model_config: "ModelConfig") -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model.path {str(path)!r} is a file but not a .gguf file; give a "
                              "Hugging Face model folder or a .gguf file")
-        from llmkit.models.loader.gguf import load_gguf_config
+        from llmkit.models.gguf_metadata import load_gguf_config
         hf_config = load_gguf_config(path)
     else:
         if not (path / "config.json").is_file():
