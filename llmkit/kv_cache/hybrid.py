@@ -23,9 +23,8 @@ from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.group_managers import (GroupManager, RecurrentStateGroup,
                                             SlidingWindowGroup, make_group_manager)
 from llmkit.kv_cache.groups import KVCacheGroup
-from llmkit.kv_cache.hashing import extend_block_hashes
+from llmkit.kv_cache.hashing import PrefixCacheCounters, extend_block_hashes
 from llmkit.kv_cache.integrity import check_pool, count_held
-from llmkit.kv_cache.prefix_counters import PrefixCacheCounters
 
 if TYPE_CHECKING:
     from llmkit.request import Request

@@ -16,10 +16,9 @@ from llmkit.kv_cache.base import KVCacheManagerBase, PrefixCacheStats
 from llmkit.kv_cache.block_pool import BlockPool
 from llmkit.kv_cache.blocks import KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
-from llmkit.kv_cache.hashing import extend_block_hashes
+from llmkit.kv_cache.hashing import PrefixCacheCounters, extend_block_hashes
 from llmkit.kv_cache.integrity import check_pool, count_held
 from llmkit.kv_cache.pinned_prefixes import pinned_prefix_hashes
-from llmkit.kv_cache.prefix_counters import PrefixCacheCounters
 
 if TYPE_CHECKING:  # the manager reads a Request's attributes; it needs no import at run time
     from llmkit.request import Request
