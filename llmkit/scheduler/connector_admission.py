@@ -22,7 +22,7 @@ from llmkit.scheduler.hooks import SchedulerFeature
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
     from llmkit.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
-    from llmkit.scheduler.policies import WaitingQueue
+    from llmkit.scheduler.step_phases import WaitingQueue
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from llmkit.kv_cache.blocks import KVCacheBlock
     from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
     from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
-    from llmkit.scheduler.policies import WaitingQueue
+    from llmkit.scheduler.step_phases import WaitingQueue
 
 # ``pass_over`` verdicts for a waiting request.
 ADMIT, PASS_OVER, PASS_OVER_AND_STOP = 0, 1, 2

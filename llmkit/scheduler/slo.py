@@ -21,7 +21,7 @@ from llmkit.config.schema import SchedulerConfig, SloConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.scheduler.base import SchedulerOutput
-from llmkit.scheduler.policies import WaitingQueue
+from llmkit.scheduler.step_phases import WaitingQueue
 from llmkit.scheduler.slo_policy import SloPolicy, StepTime
 from llmkit.scheduler.slo_queue import ArrangedQueue
 from llmkit.scheduler.token_budget import TokenBudgetScheduler

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from llmkit.request import Request
-from llmkit.scheduler.policies import WaitingQueue
+from llmkit.scheduler.step_phases import WaitingQueue
 
 __all__ = ["ArrangedQueue"]
 

@@ -1,5 +1,6 @@
-"""After a step ran: its sampled tokens join their requests, stop conditions end them, and
-each request that got tokens gets its output."""
+"""After a step ran: its sampled tokens join their requests, stop conditions end them
+(``stop_status``: the sampling parameters' stop conditions and the length caps,
+``max_tokens`` and ``max_model_len``), and each request that got tokens gets its output."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,7 +8,6 @@ from typing import TYPE_CHECKING
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
 from llmkit.scheduler.base import SchedulerOutput
-from llmkit.scheduler.stop_checks import stop_status
 
 if TYPE_CHECKING:
     from llmkit.scheduler.token_budget import TokenBudgetScheduler
@@ -117,3 +117,19 @@ def append_tokens(sched: TokenBudgetScheduler, req: Request, new_tokens: list[in
             sched.finish(req, status)
             return new_tokens[:j + 1]
     return list(new_tokens)
+
+
+def stop_status(req: Request, tok: int, max_model_len: int) -> RequestStatus | None:
+    """The status ``req`` ends with now that ``tok`` was appended (None: it goes on); a stop
+    token is recorded as its ``stop_reason``."""
+    sp = req.sampling_params
+    n_out = len(req.output_token_ids)
+    if n_out >= sp.min_tokens:
+        if tok == req.eos_token_id and not sp.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if tok in sp.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+    if n_out >= req.max_tokens or len(req.all_token_ids) >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

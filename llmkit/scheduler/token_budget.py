@@ -19,7 +19,6 @@ from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmkit.request import Request, RequestStatus
-from llmkit.scheduler.admission import admit_waiting
 from llmkit.scheduler.base import (CachedRequestData, NewRequestData, Scheduler,
                                    SchedulerOutput, SchedulerStats)
 from llmkit.scheduler.connector_admission import KVConnectorAdmission
@@ -30,10 +29,9 @@ from llmkit.scheduler.grammar_admission import GrammarAdmission
 from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
 from llmkit.scheduler.kv_group_usage import KVGroupUsage
 from llmkit.scheduler.lora_slots import LoRASlots
-from llmkit.scheduler.policies import WAITING_QUEUES, WaitingQueue
-from llmkit.scheduler.running_phase import schedule_running
-from llmkit.scheduler.step_results import apply_step_results
-from llmkit.scheduler.stop_checks import stop_status
+from llmkit.scheduler.step_phases import (WAITING_QUEUES, WaitingQueue, admit_waiting,
+                                          schedule_running)
+from llmkit.scheduler.step_results import apply_step_results, stop_status
 
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
