@@ -139,9 +139,12 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
     from llmkit.engine.llm import LLM
 
     log = log or (lambda s: None)
-    # prefix caching gives each decode batch its shared context without recomputing it
-    engine_cfg = cfg.engine.model_copy(update={"kv_cache": cfg.engine.kv_cache.model_copy(
-        update={"enable_prefix_caching": True})})
+    # prefix caching gives each decode batch its shared context without recomputing it; the
+    # step graphs are waited for (a served engine runs them: on a cold compile cache they would
+    # otherwise compile beside the timed steps, which would time eager steps, slower)
+    engine_cfg = cfg.engine.model_copy(update={
+        "kv_cache": cfg.engine.kv_cache.model_copy(update={"enable_prefix_caching": True}),
+        "compilation": cfg.engine.compilation.model_copy(update={"background": False})})
     t_load = time.perf_counter()
     llm = LLM.from_config(engine_cfg)
     load_s = time.perf_counter() - t_load
