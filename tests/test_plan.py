@@ -195,7 +195,8 @@ def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsy
     shutil.copy(REPO / "conf" / "tools" / "hardware" / "cpu-local.yaml", profile)
     out = tmp_path / "plan"
     rc = cli.main(["plan", str(model), "kv_cache.num_blocks=256",
-                   f"sim.calibrate_output={profile}", "plan.verify_top=1", "plan.max_num_seqs=[2,4]",
+                   f"sim.calibrate_output={profile}", "plan.max_profile_error=null",
+                   "plan.verify_top=1", "plan.max_num_seqs=[2,4]",
                    "plan.max_num_batched_tokens=[64]", "plan.speculative=[none]",
                    "bench.num_requests=4", "bench.rate=inf", "bench.input_len=16",
                    "bench.output_len=6", "slo.ttft_ms=60000", "bench.warmup_requests=0",
@@ -214,9 +215,10 @@ def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsy
 
 # --------------------------------------------------------------------------- calibration
 
+# (the check of a cached profile is tested in tests/test_plan_profile_check.py)
 TINY = ["plan.verify_top=0", "plan.max_num_seqs=[2]", "plan.max_num_batched_tokens=[64]",
         "plan.speculative=[none]", "bench.num_requests=3", "bench.input_len=16",
-        "bench.output_len=4", "kv_cache.num_blocks=64"]
+        "bench.output_len=4", "kv_cache.num_blocks=64", "plan.max_profile_error=null"]
 
 
 def test_an_uncalibrated_machine_is_calibrated_first_in_a_child(tiny_model_dir, tmp_path,

@@ -214,6 +214,14 @@ class PlanConfig(_Strict):
     # hardware=cpu-local with no calibrated profile: run `llmkit sim calibrate engine` first
     # (cached) instead of simulating the shipped placeholder
     calibrate: bool = True
+    # before the search, a short check times a few steps of the real engine (seconds) against
+    # the cached profile's prediction (hardware=cpu-local): off by more than this fraction
+    # (predicted / measured - 1, geometric mean over the step shapes), the profile is stale
+    # (calibrated on a machine or build that ran differently); null = no check
+    max_profile_error: float | None = Field(default=0.2, gt=0)
+    # a stale profile: recalibrate (`llmkit sim calibrate engine`, unless plan.calibrate=false),
+    # refuse (stop, naming the command), or warn (plan on it, saying so)
+    stale_profile: Literal["recalibrate", "refuse", "warn"] = "recalibrate"
     # recipe.yaml, table.txt, plan.png, plan.json (and verify/ with bench serve's results)
     output_dir: str = "plan_results"
     # where the chosen recipe goes (null: <output_dir>/recipe.yaml)

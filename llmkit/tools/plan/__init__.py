@@ -5,9 +5,11 @@ against a calibrated cost model), ranks the candidates by goodput then cost, ser
 and measures them with ``bench serve`` on the same workload, and writes the chosen config as a
 recipe (``recipe=PATH`` loads it). Modules:
 
+- ``profile_check``: this machine's hardware profile, calibrated when missing, checked
+  against a few timed steps of the real engine when cached (recalibrated when stale);
 - ``space``: the candidates (``plan.*`` lists), pruned to what the cores allow;
 - ``runner``: one candidate simulated (``Prediction``); ``rank``: the order;
 - ``verify``: a candidate served by ``llmkit serve`` and measured by ``bench serve``;
 - ``recipe``: the recipe YAML with the figures as comments; ``report``: the table and plot;
-- ``cli``: the command.
+- ``cli``: the command (``errors``: its one-line failures).
 """

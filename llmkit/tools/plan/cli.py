@@ -4,7 +4,8 @@
                  plan.trace=FILE | bench.*=...] [slo.*=...] [plan.*=...] [engine keys]
 
 Without ``hardware=`` it plans for this machine (``hardware=cpu-local``), calibrating the
-engine first (``llmkit sim calibrate engine``, cached) when no calibrated profile exists.
+engine first (``llmkit sim calibrate engine``, cached) when no calibrated profile exists, and
+checking a cached one against a few timed engine steps (``profile_check``).
 Progress goes to stderr; the table, the verification's agreement line and the files written go
 to stdout. Engine keys on the command line apply to every candidate (the searched keys aside)
 and to the verification servers.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmkit.config.errors import ConfigError
+from llmkit.tools.plan.errors import PlanError
 from llmkit.tools.schema import TOOL_SECTIONS, PlanToolConfig
 
 if TYPE_CHECKING:
@@ -33,14 +35,6 @@ WORKLOAD_KEYS = ("endpoint", "dataset", "dataset_path", "num_requests", "input_l
 
 # plan.<key> that stand for bench.<key> (API.md's short form of a workload)
 SHORT_WORKLOAD_KEYS = ("rate", "num_requests", "input_len", "output_len")
-
-
-class PlanError(Exception):
-    """A plan failure that is the user's to fix: one line."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _key(override: str) -> str:
@@ -89,61 +83,6 @@ def without_unserved_slo(space: SearchSpace, slo: Any) -> SearchSpace:
     return SearchSpace(kept, varied, skipped)
 
 
-def _ensure_calibrated(cfg: PlanToolConfig, model: str | None, engine_overrides: list[str],
-                       log: Callable[[str], None]) -> None:
-    """``hardware=cpu-local`` with no calibrated profile, or with ``sim.calibrate_trace`` (a
-    served run's step trace: calibrate again, so that the profile prices the front end's share
-    of the cores as the server will): ``llmkit sim calibrate`` for the model, in a child
-    process (the engine it times leaves nothing behind in this one), its lines relayed to
-    ``log``."""
-    import os
-    import subprocess
-
-    from llmkit.cost_model.hardware import CALIBRATED_NAME, default_calibration_path
-
-    if cfg.hardware is None or cfg.hardware.name != CALIBRATED_NAME:
-        return
-    out = cfg.sim.calibrate_output
-    path = Path(out).expanduser() if out else default_calibration_path()
-    trace = cfg.sim.calibrate_trace
-    if path.is_file() and not trace:
-        log(f"hardware: this machine's calibrated profile {path}")
-        return
-    if not cfg.plan.calibrate:
-        if path.is_file():
-            log(f"warning: plan.calibrate=false: sim.calibrate_trace={trace} is not used; "
-                f"planning on the profile {path} as it is")
-        else:
-            log(f"warning: no calibrated profile for this machine ({path}) and plan.calibrate="
-                "false: planning on the shipped placeholder figures")
-        return
-    if trace:
-        log(f"calibrating this machine with the served trace {trace}: running `llmkit sim "
-            f"calibrate engine sim.calibrate_trace=...` first (cached in {path})")
-    else:
-        log(f"no calibrated profile for this machine ({path}): running `llmkit sim calibrate "
-            "engine` first (cached there for later plans)")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.75 * (cfg.plan.cores or os.cpu_count() or 1):
-        log(f"warning: the machine is busy (load average {load:.1f}): the profile will be "
-            "slower than this machine is alone, and so will the predictions")
-    cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "sim", "calibrate",
-           model or "engine", f"sim.calibrate_output={path}", *engine_overrides]
-    if trace:
-        cmd.append(f"sim.calibrate_trace={Path(trace).expanduser().resolve()}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        log("  " + line.rstrip())
-    rc = proc.wait()
-    if not path.is_file():
-        raise PlanError(f"llmkit sim calibrate failed (exit {rc}) and wrote no profile: "
-                        f"{' '.join(cmd[3:])}", code=1)
-    if rc != 0:
-        log(f"warning: llmkit sim calibrate exited with {rc} after writing {path}")
-
-
 def _describe_workload(b: Any) -> str:
     spread = f" (+-{100 * b.range_ratio:.0f}%)" if b.range_ratio else ""
     what = (f"{b.dataset_path}" if b.dataset == "jsonl" else
@@ -161,8 +100,10 @@ def _describe_slo(slo: Any) -> str:
 def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None,
                      err: Any = None) -> int:
     """Run ``llmkit plan``: search, rank, verify, write (see the package's docstring)."""
-    from llmkit.tools.plan.rank import rank
-    from llmkit.tools.plan.recipe import agreement_line, figures_line, write_recipe
+    from llmkit.tools.plan.profile_check import ensure_profile
+    from llmkit.tools.plan.rank import rank, rank_measured
+    from llmkit.tools.plan.recipe import (agreement_line, figures_line, verified_line,
+                                          write_recipe)
     from llmkit.tools.plan.report import format_table, plot_plan
     from llmkit.tools.plan.runner import SimContext, run_search
     from llmkit.tools.plan.space import build_space, usable_cores
@@ -196,7 +137,7 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
     engine_overrides = [o for o in overrides
                         if _key(o).partition(".")[0] not in TOOL_SECTIONS
                         and _key(o) not in searched]
-    _ensure_calibrated(cfg, args.model, engine_overrides, log)
+    profile_notes = ensure_profile(cfg, args.model, engine_overrides, log)
     model_name = (cfg.sim.model or args.model or cfg.engine.model.path
                   or cfg.engine.model.name)
     try:
@@ -246,11 +187,17 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
             raise PlanError(str(e), code=1) from None
         measured[i] = result["summary"]
         log(f"{name}: measured {figures_line(result['summary'])}")
-    chosen = max(measured, key=lambda i: (measured[i]["goodput"], -i)) if measured else 0
+    # the verified ones by what was measured (goodput, then cost): the recipe is the best
+    by_measure = rank_measured(ranked, measured)
+    chosen = by_measure[0] if by_measure else 0
     best = ranked[chosen]
+    verified = [verified_line(i + 1, ranked[i].candidate, ranked[i].summary, measured[i])
+                for i in by_measure]
     recipe_path = Path(plan.output) if plan.output else out_dir / "recipe.yaml"
+    notes = profile_notes + (["verified, best measured first (predicted vs measured):"]
+                             + [f"  {v}" for v in verified] if verified else [])
     recipe = write_recipe(recipe_path, best.candidate, predicted=best.summary,
-                          measured=measured.get(chosen), **common)
+                          measured=measured.get(chosen), notes=notes, **common)
     knobs = space.varied
     table = format_table(ranked, knobs, measured)
     (out_dir / "table.txt").write_text(table + "\n")
@@ -260,10 +207,16 @@ def run_plan_command(args: Any, load_config: Callable[..., Any], out: Any = None
            "candidates": [{"rank": i + 1, **p.candidate.values(), "error": p.error,
                            "tokens_per_core_s": p.tokens_per_core_s, "predicted": p.summary,
                            "measured": measured.get(i)} for i, p in enumerate(ranked)],
-           "chosen": chosen + 1}
+           "chosen": chosen + 1, "verified_order": [i + 1 for i in by_measure],
+           "profile": profile_notes}
     (out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=str))
     print(table, file=out)
-    print(f"chosen: #{chosen + 1} {best.candidate.label()}", file=out)
+    if len(verified) > 1:
+        print("verified, best measured first:", file=out)
+        for v in verified:
+            print(f"  {v}", file=out)
+    why = " (the best measured)" if len(verified) > 1 else ""
+    print(f"chosen: #{chosen + 1}{why} {best.candidate.label()}", file=out)
     print(f"  predicted: {figures_line(best.summary)}", file=out)
     if chosen in measured:
         print(f"  measured:  {figures_line(measured[chosen])}", file=out)

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 
 from llmkit.tools.plan.space import Candidate
 
-__all__ = ["GOODPUT_TOLERANCE", "agreement_line", "figures_line", "recipe_text", "write_recipe"]
+__all__ = ["GOODPUT_TOLERANCE", "agreement_line", "figures_line", "recipe_text",
+           "verified_line", "write_recipe"]
 
 # predicted vs measured goodput: the plan says whether they agree within this fraction
 GOODPUT_TOLERANCE = 0.20
@@ -28,8 +29,9 @@ def figures_line(summary: Mapping[str, Any]) -> str:
             f"mean TPOT {mean('tpot_ms')}")
 
 
-def agreement_line(predicted: float, measured: float) -> str:
-    """Predicted vs measured goodput, and whether they agree within the tolerance."""
+def agreement_line(predicted: float, measured: float, advice: bool = True) -> str:
+    """Predicted vs measured goodput, and whether they agree within the tolerance (``advice``:
+    and what to do when they do not)."""
     tol = GOODPUT_TOLERANCE
     if measured > 0:
         err = (predicted - measured) / measured
@@ -38,9 +40,10 @@ def agreement_line(predicted: float, measured: float) -> str:
     else:
         ok = predicted <= 0
         rel = "measured 0"
-    verdict = (f"within {100 * tol:.0f}%" if ok else
-               f"NOT within {100 * tol:.0f}%: the simulator's prediction does not hold for "
-               "this config here (recalibrate: llmkit sim calibrate engine)")
+    verdict = f"within {100 * tol:.0f}%" if ok else f"NOT within {100 * tol:.0f}%"
+    if not ok and advice:
+        verdict += (": the simulator's prediction does not hold for this config here "
+                    "(recalibrate: llmkit sim calibrate engine)")
     return (f"predicted vs measured goodput: {predicted:.3f} vs {measured:.3f} req/s ({rel}): "
             f"{verdict}")
 
@@ -71,11 +74,20 @@ def recipe_text(cand: Candidate, *, header: Sequence[str] = (),
     return "\n".join(lines) + "\n"
 
 
+def verified_line(rank: int, cand: Candidate, predicted: Mapping[str, Any],
+                  measured: Mapping[str, Any]) -> str:
+    """One verified candidate: its predicted rank and config, predicted vs measured goodput."""
+    agreement = agreement_line(predicted["goodput"], measured["goodput"], advice=False)
+    return f"verified #{rank} {cand.label()}: {agreement}"
+
+
 def write_recipe(path: str | Path, cand: Candidate, *, model: str, hardware: str,
                  workload: str, slo: str, predicted: Mapping[str, Any],
                  measured: Mapping[str, Any] | None = None, extra_overrides: Sequence[str] = (),
-                 objectives: Mapping[str, Any] | None = None) -> Path:
-    """Write ``cand`` as a recipe at ``path`` with the figures as comments."""
+                 objectives: Mapping[str, Any] | None = None,
+                 notes: Sequence[str] = ()) -> Path:
+    """Write ``cand`` as a recipe at ``path`` with the figures (and ``notes``: the hardware
+    profile's check, the verified candidates) as comments."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     when = datetime.datetime.now().isoformat(timespec="seconds")
@@ -88,5 +100,6 @@ def write_recipe(path: str | Path, cand: Candidate, *, model: str, hardware: str
                    agreement_line(predicted["goodput"], measured["goodput"])]
     else:
         header.append("measured: not verified (plan.verify_top=0, or a model shape)")
+    header += list(notes)
     path.write_text(recipe_text(cand, header=header, objectives=objectives))
     return path
