@@ -8,6 +8,7 @@ A quantized cache's rows hold ``head_dim`` codes and their float32 scale
 from __future__ import annotations
 
 import logging
+import mmap
 
 import numpy as np
 import torch
@@ -25,13 +26,24 @@ logger = logging.getLogger(__name__)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU, numpy's calloc maps zero pages lazily: a 4 GiB KV pool costs
-    nothing until used, where torch.zeros would write every byte at start-up (seconds)."""
+    """A zeroed tensor. On the CPU, an anonymous mapping's zero pages are mapped lazily: a 4 GiB
+    KV pool costs nothing until used, where torch.zeros would write every byte at start-up
+    (seconds).
+
+    Its pages are small ones (``MADV_NOHUGEPAGE``): numpy's ``zeros`` asks for transparent huge
+    pages, and then the first K/V row a step writes into each 2 MiB costs a fault that zeroes
+    (and may first compact) 2 MiB: on a VM, milliseconds inside the step, several times a
+    prefill step's whole K/V copy (``docs/cpu-speed.md``). Small pages fault only what a step
+    writes, and decode attention, which reads the blocks back, measured no slower on them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    nbytes = int(np.prod(shape)) * itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    # the tensor holds the mapping (frombuffer keeps its buffer alive)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 def check_row_alignment(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend
@@ -38,6 +37,7 @@ from llmkit.kernels.kv_quant import cache_row_width
 from llmkit.kernels.kv_quant import format_of as kv_quant_format_of
 from llmkit.kv_cache.groups import (KVCacheGroup, describe_groups, group_kv_cache_specs,
                                     is_single_group)
+from llmkit.worker import kv_cache_pool
 
 logger = logging.getLogger(__name__)
 
@@ -197,11 +197,9 @@ def _plan(groups: list[KVCacheGroup], block_size: int, page_bytes: int,
 
 
 def _zeros_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Zeroed raw bytes (lazily on the CPU: numpy's calloc maps zero pages as touched). Zero,
+    """Zeroed raw bytes (lazily on the CPU, in small pages: ``kv_cache_pool.zeros``). Zero,
     not empty: a window's null block is read (and masked) but never written."""
-    if device.type != "cpu":
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+    return kv_cache_pool.zeros((nbytes,), torch.uint8, device)
 
 
 def allocate_kv_caches(plan: KVCachePlan, num_blocks: int, backend: AttentionBackend,
