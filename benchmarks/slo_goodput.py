@@ -1,17 +1,26 @@
-"""Goodput under an SLO: the default config vs ``scheduler=slo`` (and its admission modes, and a
-recipe ``llmkit plan`` wrote), each served by ``llmkit serve`` and loaded by ``llmkit bench
-serve`` with the same workload (issue 34's load: 48 requests, Poisson arrivals at 1 req/s, 256
-tokens in / 128 out, ignore_eos; SLO TTFT <= 1.5 s, TPOT <= 80 ms).
+"""Goodput under an SLO: the default config vs ``scheduler=slo`` (and its admission modes, a
+recipe ``llmkit plan`` wrote, and llama.cpp's ``llama-server`` on the same GGUF), each served in
+turn and loaded by ``llmkit bench serve`` with the same workload (issue 34's load: 48 requests,
+Poisson arrivals at 1 req/s, 256 tokens in / 128 out, ignore_eos; SLO TTFT <= 1.5 s, TPOT <= 80
+ms).
 
 For each config (one server each, started in turn, alone on the machine) and each rate, prints
 goodput, SLO attainment per objective (TTFT, TPOT, E2EL, all), p99 TTFT and mean TPOT; writes
-every ``bench serve`` result into ``--out`` with the config and the rate as its sweep, so that
-``llmkit bench plot OUT`` draws goodput and attainment against the rate, one line per config
-(the script runs it at the end: ``OUT/sweep.png``).
+every ``bench serve`` result into ``--out`` with the config and the rate as its sweep, and draws
+goodput and attainment against the rate, one line per config (``llmkit bench plot``'s figure:
+``--png``, default ``OUT/sweep.png``); ``--markdown PATH`` writes the table (and goodput by rate
+and config) as markdown.
+
+``llama-server``: the binary ``--llama-server`` (default: llama.cpp's build under
+``~/.cache/llamacpp-peer``, ``shared/bench/llamacpp_setup.sh``) serving ``--gguf`` (default: the
+default model's GGUF) with ``--llama-threads`` threads (2) and ``--llama-parallel`` slots (16),
+measured by the same client through its OpenAI endpoint (``bench.base_url``; the prompts' token
+ids are the same model's tokenizer's).
 
     python benchmarks/slo_goodput.py [MODEL] [--rates 1] [--configs default,slo,slo-defer]
         [--recipe plan_results/recipe.yaml] [--out slo_goodput_results]
-    python benchmarks/slo_goodput.py --rates 0.5,1,2,4      # the issue's rate sweep
+    python benchmarks/slo_goodput.py --rates 0.5,1,2,4 --configs default,llama-server \
+        --recipe plan_results/recipe.yaml --markdown docs/slo_sweep.md --png docs/slo_sweep.png
 
 A quick check that it runs (a tiny load; the figures mean nothing):
 
@@ -32,6 +41,18 @@ from llmkit.executor.multiproc import free_port
 from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
 
 REPO = Path(__file__).resolve().parents[1]
+LLAMACPP = Path.home() / ".cache" / "llamacpp-peer"
+# the AVX-512 build the other llama.cpp comparisons use (docs/cpu-speed.md), else the native one
+LLAMA_SERVERS = (LLAMACPP / "build-noamx" / "bin" / "llama-server",
+                 LLAMACPP / "build" / "bin" / "llama-server")
+LLAMA_SERVER = "llama-server"
+LABELS = {"default": "llmkit default (token budget)",
+          "slo": "llmkit `scheduler=slo`",
+          "slo-defer": "llmkit `scheduler=slo`, defer",
+          "slo-reject": "llmkit `scheduler=slo`, reject",
+          "slo-reject-mean": "llmkit `scheduler=slo`, reject, `slo_tpot=mean`",
+          "plan-recipe": "llmkit, `llmkit plan`'s recipe",
+          LLAMA_SERVER: "llama-server (llama.cpp)"}
 
 
 def configs(slo: list[str], recipe: str | None) -> dict[str, list[str]]:
@@ -47,21 +68,53 @@ def configs(slo: list[str], recipe: str | None) -> dict[str, list[str]]:
     }
     if recipe:
         out["plan-recipe"] = [f"recipe={Path(recipe).resolve()}"]
+    out[LLAMA_SERVER] = []  # not llmkit: started by llama_server_cmd
     return out
+
+
+def default_llama_server() -> str | None:
+    return next((str(p) for p in LLAMA_SERVERS if p.is_file()), None)
+
+
+def default_gguf(model: str | None) -> str:
+    """``model`` when it is a GGUF file, else the GGUF the default preset serves."""
+    if model and model.lower().endswith(".gguf"):
+        return str(Path(model).expanduser().resolve())
+    if model:
+        raise SystemExit(f"llama-server needs a GGUF: MODEL {model!r} is not one; pass --gguf")
+    from llmkit.config.compose import build_config
+    from llmkit.models.default_model import resolve_default_model
+
+    return str(resolve_default_model(build_config(None).model))
+
+
+def llama_server_cmd(binary: str, gguf: str, port: int, *, threads: int, parallel: int,
+                     ctx_per_slot: int) -> list[str]:
+    """llama-server on ``gguf``: ``threads`` threads (batch and decode), ``parallel`` slots of
+    ``ctx_per_slot`` tokens each (continuous batching is on by default)."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
+            "-c", str(parallel * ctx_per_slot), "--no-webui"]
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmkit.entrypoints.cli", *args]
 
 
-def serve(model: list[str], overrides: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def serve(model: list[str], overrides: list[str], log: Path,
+          cmd: list[str] | None = None, port: int | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """``llmkit serve`` with ``overrides`` (or ``cmd``, listening on ``port``); waits for
+    ``/health``."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     f = open(log, "wb")
-    p = subprocess.Popen(_cli("serve", *model, "server.host=127.0.0.1", f"server.port={port}",
-                              *overrides), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+    cmd = cmd or _cli("serve", *model, "server.host=127.0.0.1", f"server.port={port}",
+                      *overrides)
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wait_healthy(p, url, lambda: log.read_text()[-3000:], timeout=900, interval=0.5)
+    wait_healthy(p, url, lambda: log.read_text(errors="replace")[-3000:], timeout=900,
+                 interval=0.5)
     return p, url
 
 
@@ -86,12 +139,41 @@ def bench(model: list[str], url: str, rate: float, args: argparse.Namespace, slo
     return json.loads((out / f"{name}.json").read_text())
 
 
+def _pct(att: dict, k: str) -> str:
+    v = att.get(k)
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def markdown(results: list[tuple[str, float, dict]], header: str) -> str:
+    """The sweep as markdown: goodput by rate and config, then every run's figures."""
+    names = list(dict.fromkeys(n for n, _, _ in results))
+    rates = sorted({r for _, r, _ in results})
+    by = {(n, r): s for n, r, s in results}
+    lines = [header, "", "Goodput (req/s: requests that met every objective, per second):", "",
+             "| rate req/s | " + " | ".join(LABELS.get(n, n) for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for r in rates:
+        cells = [f"{by[(n, r)]['goodput']:.3f}" if (n, r) in by else "" for n in names]
+        lines.append(f"| {r:g} | " + " | ".join(cells) + " |")
+    lines += ["", "| config | rate req/s | goodput req/s | TTFT met | TPOT met | all met "
+              "| p99 TTFT ms | mean TPOT ms | answered |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, r, s in results:
+        att = s.get("slo_attainment_by_metric") or {}
+        ttft = (s.get("ttft_ms") or {}).get("p99")
+        tpot = (s.get("tpot_ms") or {}).get("mean")
+        lines.append(
+            f"| {LABELS.get(n, n)} | {r:g} | {s['goodput']:.3f} | {_pct(att, 'ttft')} | "
+            f"{_pct(att, 'tpot')} | {_pct(att, 'all')} | "
+            f"{'-' if ttft is None else f'{ttft:,.0f}'} | "
+            f"{'-' if tpot is None else f'{tpot:.0f}'} | {s['completed']}/{s['num_requests']} |")
+    return "\n".join(lines) + "\n"
+
+
 def row(name: str, rate: float, summary: dict) -> str:
     att = summary.get("slo_attainment_by_metric") or {}
 
     def pct(k: str) -> str:
-        v = att.get(k)
-        return "-" if v is None else f"{100 * v:.0f}%"
+        return _pct(att, k)
 
     ttft = (summary.get("ttft_ms") or {}).get("p99")
     tpot = (summary.get("tpot_ms") or {}).get("mean")
@@ -108,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="1", help="comma-separated request rates (req/s)")
     ap.add_argument("--configs", default="default,slo,slo-defer",
                     help="default, slo, slo-defer, slo-reject, slo-reject-mean, plan-recipe "
-                    "(with --recipe)")
+                    "(with --recipe), llama-server")
     ap.add_argument("--recipe", help="a recipe llmkit plan wrote (config plan-recipe)")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=256)
@@ -119,6 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-override", action="append", default=[],
                     help="an override for every server (repeatable)")
     ap.add_argument("--out", default="slo_goodput_results")
+    ap.add_argument("--markdown", help="write the table as markdown to this file")
+    ap.add_argument("--png", help="the figure's path (default: OUT/sweep.png)")
+    ap.add_argument("--llama-server", default=default_llama_server(),
+                    help="llama-server binary (config llama-server; default: "
+                    f"{' or '.join(map(str, LLAMA_SERVERS))})")
+    ap.add_argument("--gguf", help="the GGUF llama-server serves (default: MODEL if a .gguf, "
+                    "else the default preset's)")
+    ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     slo = [f"slo.ttft_ms={args.ttft_ms:g}", f"slo.tpot_ms={args.tpot_ms:g}"]
@@ -129,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; known: {', '.join(table)}")
+    if LLAMA_SERVER in names and not (args.llama_server and Path(args.llama_server).is_file()):
+        ap.error(f"config llama-server: no binary {args.llama_server or ''} (--llama-server; "
+                 "shared/bench/llamacpp_setup.sh builds it)")
     model = [args.model] if args.model else []
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -137,10 +231,23 @@ def main(argv: list[str] | None = None) -> int:
              f"{'all':>6} {'p99 TTFT':>9} {'mean TPOT':>9} done",
              f"{'':<12} {'req/s':>5} {'req/s':>8} {'(SLO attainment, % of requests)':>27} "
              f"{'ms':>9} {'ms':>9}"]
+    results: list[tuple[str, float, dict]] = []
     for name in names:
-        print(f"== {name}: llmkit serve {' '.join(model + table[name] + args.serve_override)}",
-              flush=True)
-        proc, url = serve(model, table[name] + args.serve_override, logs / f"{name}.log")
+        cmd = port = None
+        if name == LLAMA_SERVER:
+            port = free_port()
+            # a slot holds a whole request (prompt + output) with some room, in the multiple
+            # of 256 tokens llama.cpp pads a slot's context to
+            slot = -(-(args.input_len + args.output_len + 64) // 256) * 256
+            cmd = llama_server_cmd(args.llama_server, args.gguf or default_gguf(args.model),
+                                   port, threads=args.llama_threads,
+                                   parallel=args.llama_parallel, ctx_per_slot=slot)
+            print(f"== {name}: {' '.join(cmd)}", flush=True)
+        else:
+            print(f"== {name}: llmkit serve "
+                  f"{' '.join(model + table[name] + args.serve_override)}", flush=True)
+        proc, url = serve(model, table[name] + args.serve_override, logs / f"{name}.log",
+                          cmd=cmd, port=port)
         try:
             for rate in rates:
                 point = f"{name}_rate{rate:g}"
@@ -149,14 +256,23 @@ def main(argv: list[str] | None = None) -> int:
                 doc["config"]["sweep"] = {"bench.rate": rate, "config": name}
                 (out / f"{point}.json").write_text(json.dumps(doc, indent=1, default=str))
                 lines.append(row(name, rate, doc["summary"]))
+                results.append((name, rate, doc["summary"]))
                 print(lines[-1], flush=True)
         finally:
             stop(proc)
-    print("\n".join(["", f"SLO: TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms; "
-                     f"{args.num_requests} requests, {args.input_len} in / {args.output_len} "
-                     f"out, Poisson arrivals; server logs in {logs}", *lines]))
-    plot = subprocess.run(_cli("bench", "plot", str(out)), cwd=REPO)
-    return plot.returncode
+    load = (f"SLO: TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms; "
+            f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, "
+            "Poisson arrivals, ignore_eos")
+    print("\n".join(["", f"{load}; server logs in {logs}", *lines]))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, f"{load}; `llmkit bench serve` "
+                                                f"against each server in turn (seed {args.seed})."))
+        print(f"wrote {args.markdown}")
+    from llmkit.tools.bench.plot import plot_sweep
+
+    png, _ = plot_sweep(out, args.png)
+    print(f"wrote {png}")
+    return 0
 
 
 if __name__ == "__main__":
