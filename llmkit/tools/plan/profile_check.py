@@ -60,7 +60,7 @@ class ProfileCheck:
         return abs(self.error) > self.tolerance
 
     def summary(self) -> str:
-        verdict = "stale" if self.stale else "holds"
+        verdict = "is stale" if self.stale else "holds"
         return (f"the profile predicts this machine's steps {100 * self.error:+.0f}% "
                 f"(geometric mean over {len(self.groups)} step shapes; plan.max_profile_error="
                 f"{self.tolerance:g}): it {verdict}")
