@@ -156,7 +156,7 @@ def test_engine_batch_invariance(engine):
 def test_sampler_step_timings():
     from llmkit.scheduler.base import NewRequestData
     from llmkit.worker.input_batch import InputBatch
-    from llmkit.worker.sampling_inputs import LogitsLayout, build_sampling_metadata
+    from llmkit.worker.sample_step import LogitsLayout, build_sampling_metadata
 
     rows, vocab = (256, 151_936) if DEVICE.type == "cuda" else (64, 32_000)
     g = torch.Generator().manual_seed(0)

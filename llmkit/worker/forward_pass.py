@@ -21,7 +21,7 @@ from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.lora.manager import LoRAManager
 from llmkit.worker import kv_connector_step
 from llmkit.worker.group_metadata import build_group_metadata
-from llmkit.worker.step_inputs import StepInputs
+from llmkit.worker.input_batch import StepInputs
 
 if TYPE_CHECKING:
     from llmkit.worker.model_runner import ModelRunner

@@ -6,13 +6,17 @@ with one group never comes here.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from llmkit.attention.base import AttentionBackend, AttentionMetadata
-from llmkit.worker.input_batch import InputBatch
 from llmkit.worker.kv_cache_setup import KVCachePlan
+
+if TYPE_CHECKING:
+    # annotation only: the batch module builds its steps' metadata here
+    from llmkit.worker.input_batch import InputBatch
 
 __all__ = ["build_group_metadata", "group_kv_metadata"]
 

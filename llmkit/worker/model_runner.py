@@ -2,8 +2,8 @@
 
 One step (``execute_model``) in the order it runs, each part in its own module:
 
-1. ``step_inputs``: the persistent batch (``input_batch``) follows the scheduler's output,
-   and the step's tensors are read from it;
+1. ``input_batch``: the persistent batch follows the scheduler's output, and the step's
+   tensors are read from it;
 2. ``forward_pass``: the model's forward, through a step graph or eagerly, a KV connector's
    calls around it (``kv_connector_step``), images encoded before it (``mm_inputs``);
 3. ``sample_step`` (or ``pooling`` for ``model.runner=pooling``): logits, sampling, the new
@@ -30,9 +30,9 @@ from llmkit.outputs import ModelRunnerOutput
 from llmkit.sampling.sampler import Sampler
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
-from llmkit.worker import kv_cache_pool, kv_connector_step, prompt_logprobs, step_inputs
+from llmkit.worker import input_batch, kv_cache_pool, kv_connector_step, prompt_logprobs
 from llmkit.worker.forward_pass import forward
-from llmkit.worker.input_batch import InputBatch
+from llmkit.worker.input_batch import InputBatch, StepInputs
 from llmkit.worker.kv_cache_setup import (allocate_kv_caches, first_attention_cache,
                                           plan_kv_cache)
 from llmkit.worker.mm_inputs import MultimodalInputs
@@ -41,7 +41,6 @@ from llmkit.worker.pooling import PoolingRunner
 from llmkit.worker.prompt_logprobs import PromptLogprobsState
 from llmkit.worker.sample_step import sample_step
 from llmkit.worker.step_graph_capture import BackgroundCapture, prepare_step_graphs
-from llmkit.worker.step_inputs import StepInputs
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -162,13 +161,13 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        step_inputs.update_states(so, self.batch, device=self.device,
+        input_batch.update_states(so, self.batch, device=self.device,
                                   generators=self._generators,
                                   prompt_logprobs=self._prompt_logprobs, mm=self.mm,
                                   mrope=self._mrope)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        return step_inputs.prepare_inputs(self.batch, so, self.block_size, self.kv_plan,
+        return input_batch.prepare_inputs(self.batch, so, self.block_size, self.kv_plan,
                                           self._mrope)
 
     @torch.inference_mode()

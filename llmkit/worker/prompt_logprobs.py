@@ -18,8 +18,7 @@ from llmkit.sampling.logprobs import compute_logprobs
 
 if TYPE_CHECKING:
     from llmkit.lora.manager import LoRAManager
-    from llmkit.worker.input_batch import InputBatch
-    from llmkit.worker.step_inputs import StepInputs
+    from llmkit.worker.input_batch import InputBatch, StepInputs
 
 # Rows of logits computed at a time: bounds memory to SLICE x vocab floats for long prompts.
 _SLICE = 512
