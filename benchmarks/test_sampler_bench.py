@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
+from llmkit.sampling.sampler import PenaltyInputs, SamplingMetadata
 from llmkit.sampling.sampler import TorchSampler
 
 CUDA = torch.cuda.is_available()

@@ -10,10 +10,10 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from llmkit.sampling import SamplingParams, TorchSampler
 from llmkit.sampling.logits_processors import apply_penalties, apply_token_constraints
-from llmkit.sampling.metadata import PenaltyInputs
+from llmkit.sampling.sampler import PenaltyInputs
 from llmkit.scheduler.base import NewRequestData
 from llmkit.worker.input_batch import InputBatch
-from llmkit.worker.sampling_inputs import (LogitsLayout, build_sampling_metadata,
+from llmkit.worker.sample_step import (LogitsLayout, build_sampling_metadata,
                                           record_sampled_tokens)
 
 V = 50

@@ -8,9 +8,13 @@ then penalties (repetition, frequency, presence).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from llmkit.sampling.metadata import PenaltyInputs, SamplingMetadata
+if TYPE_CHECKING:
+    # annotations only: the sampler, which defines them, calls these processors
+    from llmkit.sampling.sampler import PenaltyInputs, SamplingMetadata
 
 _NEG_INF = float("-inf")
 
