@@ -58,6 +58,20 @@ def test_bfloat16_in_float32_matches_bfloat16_gemm():
             assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not has_native_bf16(), reason="oneDNN packs bf16 only with native bf16")
+def test_bfloat16_packed_weight_gives_f_linears_bits():
+    """Where the tier computes bf16 natively, bf16 layers past the C++ linear's rows run oneDNN
+    on a copy packed once instead of the plain weight that oneDNN reorders on every call: the
+    same kernel on the same blocks, so F.linear's bits."""
+    layer = make_layer(CpuLinearMethod(load_cpu_kernels(), pack_bf16=True), torch.bfloat16,
+                       out=600, inp=576)
+    assert layer.method.packed_weight is not None and not layer.method.widen_bf16
+    g = torch.Generator().manual_seed(2)
+    for rows in (9, 64, 200):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 def test_merged_layer_loads_each_shard_into_its_rows():
     layer = MergedLinear("qkv", 8, {"q": 4, "k": 2, "v": 2}, bias=False, dtype=torch.float32,
                          linear_method=lambda s: TorchLinearMethod())
@@ -77,6 +91,7 @@ def test_cpu_platform_picks_its_method_per_layer(dtype):
     method = CpuPlatform(PlatformConfig(name="cpu")).linear_method_factory(dtype)(spec)
     assert isinstance(method, CpuLinearMethod) and method.kernels is not None
     assert method.widen_bf16 == (dtype == torch.bfloat16 and not has_native_bf16())
+    assert method.pack_bf16 == (dtype == torch.bfloat16 and has_native_bf16())
     off = CpuPlatform(PlatformConfig(name="cpu", native_kernels="off", packed_linear=False))
     plain = off.linear_method_factory(dtype)(spec)
     assert plain.kernels is None and not plain.pack and not plain.widen_bf16

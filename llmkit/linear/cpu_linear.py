@@ -7,6 +7,11 @@
   weight, faster than MKL on the plain layout for decoding-sized batches;
 - beyond (prefill-sized batches): MKL on the plain weight, ~10% faster there.
 
+bf16 weights are packed too where the tier computes bf16 natively (``pack_bf16``: AVX512-BF16,
+AMX): oneDNN's bf16 GEMM on the plain weight reorders it into its blocked layout on every call
+(the whole LM head at every decode step); the packed copy is reordered once. Both run the same
+oneDNN kernel on the same blocks, so they give the same bits for the same batch.
+
 With ``widen_bf16`` (bf16 models on CPUs without native bf16, where torch emulates bf16 GEMMs
 5-8x slower than float32) the GEMM paths keep a float32 copy of the bf16 weight (exact: every
 bf16 value is a float32 value), widen the input and round the output back to bf16: the same
@@ -32,7 +37,7 @@ class CpuLinearMethod(LinearMethod):
     name = "cpu"
 
     def __init__(self, kernels=None, *, pack: bool = True, widen_bf16: bool = False,
-                 dispatch: CpuDispatch | None = None) -> None:
+                 pack_bf16: bool = False, dispatch: CpuDispatch | None = None) -> None:
         self.kernels = kernels  # torch.ops.llmkit_cpu, or None
         dispatch = dispatch if dispatch is not None else CpuDispatch()
         #: Rows up to which the C++ small-batch linear runs.
@@ -40,6 +45,8 @@ class CpuLinearMethod(LinearMethod):
         #: Rows up to which the packed oneDNN weight is used (MKL on the plain one above).
         self.packed_max_rows = dispatch.linear_packed_max_rows
         self.pack = pack
+        #: bf16 weights get a packed oneDNN copy too (only where oneDNN computes bf16 natively).
+        self.pack_bf16 = pack_bf16
         self.widen_bf16 = widen_bf16
         self.packed_weight: torch.Tensor | None = None
         # widen_bf16: float32 copies of weight and bias for the GEMM paths
@@ -55,7 +62,8 @@ class CpuLinearMethod(LinearMethod):
                 self.bias_float32 = layer.bias.detach().float()
         else:
             self.widen_bf16 = False
-        if self.pack and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        packable = w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and self.pack_bf16)
+        if self.pack and packable and torch.backends.mkldnn.is_available():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

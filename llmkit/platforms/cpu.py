@@ -89,9 +89,10 @@ class CpuPlatform(Platform):
         kernels = self.native_kernels(dtype)
         pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
         widen = pack and dtype == torch.bfloat16 and not has_native_bf16(self.isa)
+        pack_bf16 = pack and dtype == torch.bfloat16 and has_native_bf16(self.isa)
         dispatch = self.dispatch
         return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen,
-                                            dispatch=dispatch)
+                                            pack_bf16=pack_bf16, dispatch=dispatch)
 
     def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
                                         ) -> LinearMethodFactory | str:
