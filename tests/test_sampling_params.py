@@ -7,7 +7,7 @@ import pytest
 
 from llmkit.sampling import SamplingParams
 from llmkit.sampling.bad_words import banned_next_tokens, tokenize_bad_words
-from llmkit.sampling.parallel import ParentRequest, child_params
+from llmkit.engine.output_processor import ParentRequest, child_params
 from llmkit.sampling.params import RequestOutputKind
 from llmkit.sampling.stop_strings import find_stop_string, holdback_chars
 
