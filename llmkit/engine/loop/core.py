@@ -204,7 +204,7 @@ class EngineCore:
                                             self._num_steps, t0, t1 - t0, split, perf() - t2,
                                             c0))
                 self._num_steps += 1
-                if len(queue) < self._max_batches and not so.is_empty:
+                if len(queue) < self._max_batches and so.total_num_scheduled_tokens:
                     return []  # room for another batch: schedule it before waiting on this one
         if not queue:
             return []
@@ -212,7 +212,7 @@ class EngineCore:
 
     def _send(self, so: SchedulerOutput) -> StepFuture | None:
         """Hand the step to the executor; None when it has nothing to do."""
-        if so.is_empty:
+        if not so.total_num_scheduled_tokens:  # is_empty, read as the field: a call less a step
             if self.kv_connector is not None:
                 # Nothing to compute, but transfers to start or to poll; do not spin flat out.
                 if so.kv_connector_metadata is None:
