@@ -73,6 +73,42 @@ inline Vec round_to(const Vec& v, bf16*) {
 }
 #endif
 
+#if defined(LLMKIT_AVX512)
+// Sixteen float32 lanes, in the tiers with 512-bit vectors, for element-wise kernels (no sum
+// whose order the 8-lane Vec fixes): loads widen, stores round as the 8-lane ones do. The
+// masked forms read and write only the lanes in m (the others load as 0).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i b = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+// float32 bits rounded to the nearest even bfloat16, in the high half (NaN -> 0x7fc0).
+inline __m512i rounded_bits16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc00000));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline __m256i bf16_halves16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits16(v), 16));
+}
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_halves16(v));
+}
+inline void store16(bf16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, bf16_halves16(v));
+}
+#endif
+
 // A full vector when n == kLanes (the fast path), else a partial one.
 template <typename T>
 inline Vec load_n(const T* p, int64_t n) { return n == kLanes ? load(p) : load(p, n); }
