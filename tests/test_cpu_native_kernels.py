@@ -157,8 +157,10 @@ def test_paged_decode_attention(ops, dtype, table_dtype, heads, kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64])
 def test_paged_decode_attention_one_sequence_gives_its_bits_in_a_batch(ops, dtype, lens_dtype):
-    """One sequence splits its work per query head (3 KV heads would leave a thread idle);
-    a batch splits per KV head. Same math per head, so the same bits."""
+    """One sequence splits its work per query head (3 KV heads would leave a thread idle) or,
+    where a KV head's group runs at once (AVX-512 bf16), keeps its groups whole, on the calling
+    thread while its context is short; a batch splits per KV head. Same math per head, so the
+    same bits."""
     lens = torch.tensor([300, 37, 90, 5], dtype=lens_dtype)
     table = torch.stack([torch.randperm(24, generator=torch.Generator().manual_seed(i))
                          for i in range(4)])
@@ -204,10 +206,13 @@ def test_paged_decode_attention_bf16_gives_the_avx2_bits_on_every_tier(ops, dim,
         out = ops.paged_decode_attention(q, cache, table, lens, 0.125, window, cap)
         assert torch.equal(out, avx2.paged_decode_attention(q, cache, table, lens, 0.125,
                                                             window, cap)), (window, cap)
-    # one sequence splits its heads over the threads: the same bits again
-    one = ops.paged_decode_attention(q[5:6], cache, table[5:6], lens[5:6], 0.125, 0, 0.0)
-    assert torch.equal(one, avx2.paged_decode_attention(q, cache, table, lens, 0.125, 0,
-                                                        0.0)[5:6])
+    # one sequence, short (its groups on the calling thread) and long (over the threads):
+    # the same bits again
+    for b in (5, 9):
+        one = ops.paged_decode_attention(q[b:b + 1], cache, table[b:b + 1], lens[b:b + 1],
+                                         0.125, 0, 0.0)
+        assert torch.equal(one, avx2.paged_decode_attention(q, cache, table, lens, 0.125, 0,
+                                                            0.0)[b:b + 1])
 
 
 def test_paged_decode_attention_reads_q_from_a_strided_view(ops):

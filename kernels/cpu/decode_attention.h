@@ -355,6 +355,26 @@ inline void decode_group_float32(const float* qf, const float* const* krows,
   }
 }
 
+// A batch whose context rows (summed over its sequences, within the window) are at most this
+// runs its few KV-head tasks on the calling thread (see paged_decode_impl): one sequence of up
+// to 256 tokens. Which thread runs a task changes none of its bits.
+constexpr int64_t kSerialDecodeRows = 256;
+
+inline int64_t context_rows(const int64_t* lens, int64_t batch, int64_t window) {
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) rows += window > 0 ? std::min(lens[b], window) : lens[b];
+  return rows;
+}
+
+// ``f(0, n)`` here, or split over the threads by at::parallel_for (a task each at least).
+template <typename F>
+void run_decode_tasks(int64_t n, bool serial, const F& f) {
+  if (serial)
+    f(0, n);
+  else
+    at::parallel_for(0, n, 1, f);
+}
+
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
@@ -370,10 +390,19 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   // A task is one KV head's group of query heads (they share every K/V row loaded) -- or, with
   // too few of those to keep the threads evenly busy (one sequence: 3 KV heads on 2 threads),
-  // one query head. Each head's math is the same either way.
-  const int64_t parts = batch * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
+  // one query head. Each head's math is the same either way, so neither choice changes a bit.
+  // Where a group runs at once (bf16 on the AVX-512 tiers: its K/V rows widened once, not per
+  // head), splitting it costs more than the idle thread gains: few groups stay whole, and run
+  // on the calling thread while their context is short (waking a thread costs more).
+  bool grouped = false;
+#if defined(LLMKIT_AVX512)
+  grouped = std::is_same_v<T, bf16> && dim % 64 == 0;
+#endif
+  const bool few = batch * kv_heads < 2 * at::get_num_threads();
+  const int64_t parts = few && !grouped ? group : 1;
   const int64_t per_part = group / parts;
-  at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+  const bool serial = few && grouped && context_rows(lens, batch, window) <= kSerialDecodeRows;
+  run_decode_tasks(batch * kv_heads * parts, serial, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * dim), scores;
     std::vector<float> kf, vf, state(2 * per_part);  // the AVX-512 bf16 path's scratch
     std::vector<const T*> krows, vrows;
