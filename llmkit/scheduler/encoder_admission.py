@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmkit.request import Request
-from llmkit.scheduler.base import SchedulerOutput
+from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.hooks import SchedulerFeature
 
@@ -85,6 +85,11 @@ class EncoderAdmission(SchedulerFeature):
         if req.mm_features:
             self.cache.free(req)
         return free_blocks
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        # Until the first image arrives (this feature joins then) the cache is untouched and
+        # the stats' default (all zero) is its snapshot: text-only steps never make one.
+        stats.encoder_cache = self.cache.snapshot()
 
     def check_request(self, request: Request) -> None:
         """Refuse a request with an image that no step could ever encode."""
