@@ -9,7 +9,7 @@ from llmkit.entrypoints.openai.metrics import ServerMetrics
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
-from llmkit.scheduler.kv_group_usage import MIN_INTERVAL_S, KVGroupUsage
+from llmkit.scheduler.token_budget import MIN_INTERVAL_S, KVGroupUsage
 from llmkit.tools.sim.replay import build_sim_engine
 
 from helpers.sim_config import cfg_of

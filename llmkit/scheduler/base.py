@@ -162,7 +162,7 @@ class SchedulerStats:
     # KV connector counters (llmkit/kv_transfer), when one is configured.
     kv_connector: KVConnectorStats | None = None
     # Per KV-cache group ("<index>:<spec>", e.g. "0:full"): the fraction of the pool its
-    # requests hold (one group: kv_usage; llmkit.scheduler.kv_group_usage).
+    # requests hold (one group: kv_usage; llmkit.scheduler.token_budget.KVGroupUsage).
     kv_usage_by_group: dict[str, float] = field(default_factory=dict)
     # scheduler=slo: requests its admission rejected / deferred since start-up (each once)
     slo_rejected_total: int = 0

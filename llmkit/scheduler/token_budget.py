@@ -13,7 +13,7 @@ the step below walks no code of a feature that is off.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache.base import KVCacheManagerBase
@@ -27,7 +27,6 @@ from llmkit.scheduler.encoder_admission import EncoderAdmission
 from llmkit.scheduler.encoder_cache import EncoderCacheManager
 from llmkit.scheduler.grammar_admission import GrammarAdmission
 from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
-from llmkit.scheduler.kv_group_usage import KVGroupUsage
 from llmkit.scheduler.lora_slots import LoRASlots
 from llmkit.scheduler.step_phases import (WAITING_QUEUES, WaitingQueue, admit_waiting,
                                           schedule_running)
@@ -280,8 +279,36 @@ class TokenBudgetScheduler(Scheduler):
             prefix_cache_hits=pc.hits,
             step_num_scheduled_tokens=self._step_tokens,
             step_num_preemptions=self._step_preemptions,
-            encoder_cache=self.encoder_cache.snapshot(),
         )
         for fill in self.hooks.fill_stats:
             fill(stats)
         return stats
+
+
+# -- the stats' per-group KV usage ---------------------------------------------------------
+# Per KV-cache group usage for the stats snapshot (``SchedulerStats.kv_usage_by_group``).
+#
+# The manager's ``kv_usage_by_group()`` maps each group (``"<index>:<spec>"``, e.g. ``"0:full"``)
+# to the fraction of the pool its requests hold. With one group that is the pool's usage (O(1));
+# with several it walks the blocks held, so it is recomputed at most every
+# ``MIN_INTERVAL_S`` of wall time and the last figures are reported in between: the snapshot is
+# made every step, its readers (``/metrics``, the engine page) look a few times a second.
+MIN_INTERVAL_S = 0.25
+
+
+class KVGroupUsage:
+    def __init__(self, kv: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kv = kv
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._at = -float("inf")
+
+    def __call__(self) -> dict[str, float]:
+        kv = self.kv
+        by_group = kv.kv_usage_by_group
+        if kv.num_groups <= 1:
+            return by_group()
+        now = self.clock()
+        if now - self._at >= MIN_INTERVAL_S:
+            self._last, self._at = by_group(), now
+        return dict(self._last)
