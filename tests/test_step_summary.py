@@ -7,9 +7,8 @@ import asyncio
 
 import msgspec
 
-from llmkit.engine.observe.step_feed import EngineStepFeed
-from llmkit.engine.observe.step_summary import (EngineSnapshotQuery, EngineStepSummary,
-                                                StepSummaryPublisher)
+from llmkit.engine.observe.step_summary import (EngineSnapshotQuery, EngineStepFeed,
+                                                EngineStepSummary, StepSummaryPublisher)
 from llmkit.engine.observe.observer import BatchSplit, KVState, RequestState, StepEvent
 from llmkit.outputs import ModelRunnerOutput
 from llmkit.scheduler.base import CachedRequestData, SchedulerOutput, SchedulerStats

@@ -63,8 +63,7 @@ from llmkit.engine.output_processor import OutputProcessor, RequestOutputKind
 from llmkit.engine.request_tracker import RequestStream, RequestTracker, SLORejectedError
 from llmkit.engine.observe.stat_logger import StatLogger
 from llmkit.lora.request import LoRARequest
-from llmkit.engine.observe.step_feed import EngineStepFeed
-from llmkit.engine.observe.step_summary import EngineStepSummary
+from llmkit.engine.observe.step_summary import EngineStepFeed, EngineStepSummary
 from llmkit.outputs import EmbeddingRequestOutput, RequestOutput
 from llmkit.sampling.params import SamplingParams
 from llmkit.scheduler.base import SchedulerStats
