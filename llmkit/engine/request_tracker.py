@@ -45,7 +45,9 @@ def _slo_rejection(ro: RequestOutput | EmbeddingRequestOutput) -> SLORejectedErr
     raises (None otherwise). A pooling request's output holds one embedding, no samples."""
     if not isinstance(ro, RequestOutput):
         return None
-    if ro.outputs and all(is_slo_rejection(c.finish_reason, c.stop_reason) and not c.token_ids
+    # (finish_reason first: an output that did not abort costs no call)
+    if ro.outputs and all(c.finish_reason == "abort" and not c.token_ids
+                          and is_slo_rejection(c.finish_reason, c.stop_reason)
                           for c in ro.outputs):
         return SLORejectedError(str(ro.outputs[0].stop_reason))
     return None
