@@ -33,7 +33,7 @@ TINY = ["plan.verify_top=0", "plan.max_num_seqs=[2]", "plan.max_num_batched_toke
         "bench.output_len=4", "kv_cache.num_blocks=64"]
 # the check's step shapes: (new tokens, context after the step, samples) per request
 STEPS = {"prefill 64": [(64, 64, True)], "prefill 256": [(256, 256, True)],
-         "decode b=1 ctx=256": [(1, 258, True)], "decode b=8 ctx=256": [(1, 258, True)] * 8}
+         "decode b=1 ctx=128": [(1, 130, True)], "decode b=4 ctx=128": [(1, 130, True)] * 4}
 
 
 def fake_timer(model_dir: Path, truth: Path, scale: float = 1.0):
@@ -113,6 +113,36 @@ def test_the_check_compares_the_profile_with_the_steps_timed(tiny_model_dir, tmp
                                            measure=fake_timer(model, truth)).stale
 
 
+def test_the_steps_timed_at_calibration_are_the_reference_where_the_profile_has_them(
+        tiny_model_dir, tmp_path):
+    """A profile whose fit is 2.5x off on these shapes, but whose calibration timed them as
+    they take now, holds (a fresh profile is not stale for its fit's error); one whose
+    calibration timed them 2x slower is stale, whatever its fit."""
+    model = tiny_model_dir("llama")
+    truth = tmp_path / "truth.yaml"
+    shutil.copy(PLACEHOLDER, truth)
+    timer = fake_timer(model, truth)
+    times = {f"{label} n={len(work)} T={sum(q for q, _, _ in work)}": 1e3 * s
+             for label, work, s in ((smp.phase, smp.work, smp.seconds)
+                                    for smp in timer(None).samples)}
+    profile = doctored(tmp_path / "fit-off.yaml", 2.5)
+    d = yaml.safe_load(profile.read_text())
+    d["engine_steps_ms"] = {k: 1.05 * v for k, v in times.items()}
+    profile.write_text(yaml.safe_dump(d))
+    res = profile_check.check_profile(None, profile, tolerance=0.2, measure=timer)
+    assert res.basis == "the steps timed when it was calibrated" and len(res.groups) == 4
+    assert res.error == pytest.approx(0.05) and not res.stale
+    d["engine_steps_ms"] = {k: 2 * v for k, v in times.items()}
+    profile.write_text(yaml.safe_dump(d))
+    res = profile_check.check_profile(None, profile, tolerance=0.2, measure=timer)
+    assert res.error == pytest.approx(1.0) and res.stale
+    # a bad profile fails naming the key
+    d["engine_steps_ms"] = {"prefill 64 n=1 T=64": "fast"}
+    profile.write_text(yaml.safe_dump(d))
+    with pytest.raises(Exception, match="engine_steps_ms"):
+        profile_check.check_profile(None, profile, tolerance=0.2, measure=timer)
+
+
 def test_a_fresh_profile_is_kept(tiny_model_dir, tmp_path, monkeypatch, fake_calibrate,
                                  capsys):
     model = tiny_model_dir("llama")
@@ -126,8 +156,8 @@ def test_a_fresh_profile_is_kept(tiny_model_dir, tmp_path, monkeypatch, fake_cal
     err = capsys.readouterr().err
     assert len(timer.calls) == 1 and fake_calibrate == []
     assert "checking the profile on this machine now" in err and "it holds" in err
-    assert f"# hardware profile {profile}: the profile predicts" in (out / "recipe.yaml") \
-        .read_text()
+    assert f"# hardware profile {profile}: the profile (its cost model) puts" in \
+        (out / "recipe.yaml").read_text()
     assert ", kept" in (out / "recipe.yaml").read_text()
     # plan.max_profile_error=null: no check
     assert cli.main(["plan", str(model), f"sim.calibrate_output={profile}", *TINY,
@@ -175,19 +205,29 @@ def test_a_stale_profile_is_recalibrated_refused_or_used_with_a_warning(
     assert len(fake_calibrate) == 1 and "warning: plan.calibrate=false" in capsys.readouterr().err
 
 
-def test_the_check_times_the_real_engine(tiny_model_dir, tmp_path):
-    """The check's shapes on the real (tiny) engine: every one timed and priced."""
+def test_the_check_times_the_real_engine_as_the_calibration_did(tiny_model_dir, tmp_path):
+    """The check's shapes on the real (tiny) engine: every one timed and priced by the shipped
+    profile's cost model; and after `llmkit sim calibrate engine`, every one is among the steps
+    the calibration timed (its engine_steps_ms), which are then the reference."""
     from llmkit.tools.compose import build_tool_config
     from llmkit.tools.schema import PlanToolConfig
+    from llmkit.tools.sim.calibrate import run_engine_calibrate
 
     model = tiny_model_dir("llama")
-    cfg = build_tool_config(PlanToolConfig, str(model), overrides=["kv_cache.num_blocks=128"])
+    out = tmp_path / "calibrated.yaml"
+    cfg = build_tool_config(PlanToolConfig, str(model), overrides=[
+        "kv_cache.num_blocks=128", f"sim.calibrate_output={out}",
+        "sim.calibrate_gemm_size=128", "sim.calibrate_buffer_mib=8"])
     res = profile_check.check_profile(cfg, PLACEHOLDER, tolerance=0.2)
     labels = {g.label for g in res.groups}
-    assert {"prefill 64", "prefill 256"} <= labels
-    assert any(lb.startswith("decode b=8") for lb in labels)
+    assert {"prefill 64", "prefill 256", "decode b=1 ctx=128", "decode b=4 ctx=128"} <= labels
+    assert res.basis == "its cost model"
     assert all(g.seconds > 0 for g in res.groups) and all(p > 0 for p in res.predicted_s)
-    assert -1.0 < res.error < 1e6
+    run_engine_calibrate(cfg)
+    res = profile_check.check_profile(cfg, out, tolerance=0.2)
+    timed = yaml.safe_load(out.read_text())["engine_steps_ms"]
+    assert res.basis == "the steps timed when it was calibrated"
+    assert len(res.groups) == res.timed >= 4 and all(g.key in timed for g in res.groups)
 
 
 # --------------------------------------------------------------------------- verification

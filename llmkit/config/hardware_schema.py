@@ -56,6 +56,10 @@ class HardwareConfig(_Strict):
     default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Set by `llmkit sim calibrate` (measured on this machine); informational.
     calibrated_at: str | None = None
+    # Set by `llmkit sim calibrate engine`: each timed step shape's lower-median time in ms,
+    # keyed "<phase> n=<requests> T=<tokens>" ("decode b=4 ctx=128 n=4 T=4"); `llmkit plan`
+    # times a few of them again to tell whether the profile still describes this machine.
+    engine_steps_ms: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("peak_tflops")
     @classmethod

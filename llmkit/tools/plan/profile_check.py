@@ -6,10 +6,14 @@ describes the machine and engine build it was measured on; a VM moved to other h
 busy neighbour during the calibration or a faster engine build make its predictions wrong, and
 a plan on it ranks the candidates for a machine that is not this one. So before the search the
 plan times a few steps of the real engine now (``CHECK_SHAPES``: two prefills and two decode
-batches, seconds after the model loads) and compares them with what the profile predicts for
-the same steps (the simulator's cost model, ``CostModel.step``). Off by more than
-``plan.max_profile_error`` (predicted / measured - 1 on the geometric mean of the shapes'
-ratios, the sign of ``agreement_line``'s), the profile is stale: ``plan.stale_profile`` says
+batches, a subset of the calibration's shapes; seconds after the model loads) and compares them
+with what the profile expects of the same steps: the times its calibration measured for them
+(``engine_steps_ms``, which ``llmkit sim calibrate engine`` writes), else, for a profile without
+them, what its cost model predicts (``CostModel.step``). (The measured times, because a fresh
+profile's fit can be 40-60% off on a few shapes while right on average: compared with the fit,
+a profile just calibrated could read as stale.) Off by more than ``plan.max_profile_error``
+(expected / measured - 1 on the geometric mean of the shapes' ratios, the sign of
+``agreement_line``'s), the profile is stale: ``plan.stale_profile`` says
 whether to calibrate again (in a child process, as a missing profile is), to stop with the
 command to run, or to plan on it with a warning. What was decided goes to the progress output
 and into the recipe's comments (``notes``).
@@ -25,27 +29,32 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llmkit.tools.plan.errors import PlanError
+from llmkit.tools.sim.engine_measure import DECODE_STEPS, PREFILL_REPS
 
 __all__ = ["CHECK_SHAPES", "ProfileCheck", "check_profile", "ensure_profile", "measure_check"]
 
 # the steps the check times: a short prompt and one as long as a serving workload's, decode
-# alone and in a batch (measure_engine's phases, without the mixed one)
-CHECK_SHAPES: dict[str, Any] = dict(prefill_lens=(64, 256), decode_batches=(1, 8),
-                                    decode_contexts=(256,), decode_steps=4, prefill_reps=2,
-                                    mixed=False, budget_s=60.0)
+# alone and in a batch; measure_engine's phases as the calibration runs them (the same labels,
+# repetitions and decode steps), so that the profile's engine_steps_ms has each of them
+CHECK_SHAPES: dict[str, Any] = dict(prefill_lens=(64, 256), decode_batches=(1, 4),
+                                    decode_contexts=(128,), decode_steps=DECODE_STEPS,
+                                    prefill_reps=PREFILL_REPS, mixed=False, budget_s=60.0)
 
 Log = Callable[[str], None]
 
 
 @dataclass
 class ProfileCheck:
-    """The check's steps (``groups``: ``StepGroup``, measured now) and the profile's prediction
-    for each (``predicted_s``)."""
+    """The check's steps (``groups``: ``StepGroup``, measured now) and what the profile
+    expects of each (``predicted_s``: the calibration's time of the shape, or the cost model's
+    prediction: ``basis``)."""
 
     path: Path
     groups: list[Any]
     predicted_s: list[float]
     tolerance: float
+    basis: str = "its cost model"
+    timed: int = 0  # shapes timed now (``groups``: those compared)
 
     @property
     def error(self) -> float:
@@ -61,12 +70,13 @@ class ProfileCheck:
 
     def summary(self) -> str:
         verdict = "is stale" if self.stale else "holds"
-        return (f"the profile predicts this machine's steps {100 * self.error:+.0f}% "
-                f"(geometric mean over {len(self.groups)} step shapes; plan.max_profile_error="
-                f"{self.tolerance:g}): it {verdict}")
+        return (f"the profile ({self.basis}) puts this machine's steps at "
+                f"{100 * self.error:+.0f}% of what they take now (geometric mean over "
+                f"{len(self.groups)} step shapes; plan.max_profile_error={self.tolerance:g}): "
+                f"it {verdict}")
 
     def lines(self) -> list[str]:
-        return [f"{g.label:<20} n={g.num_seqs:<2} T={g.num_tokens:<4}: measured "
+        return [f"{g.label:<20} n={g.num_seqs:<2} T={g.num_tokens:<4}: now "
                 f"{1e3 * g.seconds:7.2f} ms, profile {1e3 * p:7.2f} ms "
                 f"({100 * (p / g.seconds - 1):+.0f}%)"
                 for g, p in zip(self.groups, self.predicted_s)]
@@ -83,18 +93,26 @@ def measure_check(cfg: Any) -> Any:
 
 def check_profile(cfg: Any, path: Path, *, tolerance: float,
                   measure: Callable[[Any], Any] | None = None) -> ProfileCheck:
-    """Time ``CHECK_SHAPES`` on ``cfg``'s engine (``measure``: ``measure_check``) and price the
-    same steps with the profile at ``path``."""
-    from llmkit.cost_model.hardware import load_profile
+    """Time ``CHECK_SHAPES`` on ``cfg``'s engine (``measure``: ``measure_check``) and compare
+    them with the profile at ``path``: with the times its calibration measured for the shapes
+    it has (``engine_steps_ms``; at least two of them), else with its cost model's prediction."""
+    from llmkit.cost_model.hardware import load_profile, load_profile_yaml
     from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.sim.engine_fit import group_samples
 
+    profile = load_profile(path)  # validated: a bad file fails here, naming the key
     meas = (measure or measure_check)(cfg)
     groups = group_samples(meas.samples)
     if not groups:
         raise ValueError("the profile check timed no engine steps")
-    model = CostModel(meas.shape, load_profile(path), meas.dtype)
-    return ProfileCheck(path, groups, [model.step(g.work).total_s for g in groups], tolerance)
+    timed = load_profile_yaml(path).get("engine_steps_ms") or {}
+    known = [g for g in groups if g.key in timed]
+    if len(known) >= 2:
+        return ProfileCheck(path, known, [timed[g.key] / 1e3 for g in known], tolerance,
+                            basis="the steps timed when it was calibrated", timed=len(groups))
+    model = CostModel(meas.shape, profile, meas.dtype)
+    return ProfileCheck(path, groups, [model.step(g.work).total_s for g in groups], tolerance,
+                        timed=len(groups))
 
 
 def _calibrate(cfg: Any, path: Path, model: str | None, engine_overrides: Sequence[str],

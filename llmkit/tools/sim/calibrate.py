@@ -272,6 +272,9 @@ def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None,
     lines += [f"default_dtype: {m['default_dtype']}", f"calibrated_at: '{when}'"]
     if engine is not None:
         meas, fit = engine
+        # what `llmkit plan` times again to tell whether this profile still holds here
+        lines.append("engine_steps_ms:   # each shape's lower-median step, as timed here")
+        lines += [f'  "{g.key}": {1e3 * g.seconds:.6g}' for g in fit.groups]
         lines.append(f"# Engine steps, each shape's lower-median time vs this profile "
                      f"(n requests, T tokens, C context; {meas.measure_s:.0f} s):")
         lines += [f"#   {row}" for row in fit.table()]

@@ -68,6 +68,11 @@ class StepGroup:
     def context(self) -> int:
         return sum(c for _, c, _ in self.work)
 
+    @property
+    def key(self) -> str:
+        """The shape's name in a profile's ``engine_steps_ms``."""
+        return f"{self.label} n={self.num_seqs} T={self.num_tokens}"
+
 
 @dataclass
 class EngineFit:
