@@ -108,6 +108,17 @@ def test_the_check_compares_the_profile_with_the_steps_timed(tiny_model_dir, tmp
     res = profile_check.check_profile(cfg, fast, tolerance=0.2,
                                       measure=fake_timer(model, truth))
     assert res.error == pytest.approx(-0.5, rel=0.02) and res.stale
+    # the median shape decides: one shape timed 3x slower (a neighbour's burst) does not
+    noisy = fake_timer(model, truth, 1.1)
+
+    def burst(cfg):
+        m = noisy(cfg)
+        m.samples = [StepSample(s.phase, s.work, s.seconds * (3 if s.phase == "prefill 64"
+                                                              else 1)) for s in m.samples]
+        return m
+    res = profile_check.check_profile(cfg, truth, tolerance=0.2, measure=burst)
+    assert res.error == pytest.approx(1 / 1.1 - 1) and not res.stale
+    assert "expects this machine's steps 9% faster than they run now" in res.summary()
     # the tolerance is the key's: 2x off passes a tolerance of 2
     assert not profile_check.check_profile(cfg, slow, tolerance=2.0,
                                            measure=fake_timer(model, truth)).stale
@@ -156,7 +167,7 @@ def test_a_fresh_profile_is_kept(tiny_model_dir, tmp_path, monkeypatch, fake_cal
     err = capsys.readouterr().err
     assert len(timer.calls) == 1 and fake_calibrate == []
     assert "checking the profile on this machine now" in err and "it holds" in err
-    assert f"# hardware profile {profile}: the profile (its cost model) puts" in \
+    assert f"# hardware profile {profile}: the profile (its cost model) expects" in \
         (out / "recipe.yaml").read_text()
     assert ", kept" in (out / "recipe.yaml").read_text()
     # plan.max_profile_error=null: no check

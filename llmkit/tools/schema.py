@@ -216,7 +216,7 @@ class PlanConfig(_Strict):
     calibrate: bool = True
     # before the search, a short check times a few steps of the real engine (seconds) against
     # the cached profile's prediction (hardware=cpu-local): off by more than this fraction
-    # (predicted / measured - 1, geometric mean over the step shapes), the profile is stale
+    # (expected / measured - 1 of the median step shape), the profile is stale
     # (calibrated on a machine or build that ran differently); null = no check
     max_profile_error: float | None = Field(default=0.2, gt=0)
     # a stale profile: recalibrate (`llmkit sim calibrate engine`, unless plan.calibrate=false),

@@ -12,8 +12,8 @@ with what the profile expects of the same steps: the times its calibration measu
 them, what its cost model predicts (``CostModel.step``). (The measured times, because a fresh
 profile's fit can be 40-60% off on a few shapes while right on average: compared with the fit,
 a profile just calibrated could read as stale.) Off by more than ``plan.max_profile_error``
-(expected / measured - 1 on the geometric mean of the shapes' ratios, the sign of
-``agreement_line``'s), the profile is stale: ``plan.stale_profile`` says
+(expected / measured - 1 of the median shape, the sign of ``agreement_line``'s), the profile is
+stale: ``plan.stale_profile`` says
 whether to calibrate again (in a child process, as a missing profile is), to stop with the
 command to run, or to plan on it with a warning. What was decided goes to the progress output
 and into the recipe's comments (``notes``).
@@ -58,11 +58,15 @@ class ProfileCheck:
 
     @property
     def error(self) -> float:
-        """predicted / measured - 1, on the geometric mean of the shapes' ratios (each shape
-        counts once: a long prefill does not outweigh the decode steps serving is made of)."""
-        logs = [math.log(p / g.seconds) for p, g in zip(self.predicted_s, self.groups)
-                if p > 0 and g.seconds > 0]
-        return math.exp(sum(logs) / len(logs)) - 1.0 if logs else 0.0
+        """expected / measured - 1 of the median shape (each shape counts once, so a long
+        prefill does not outweigh the decode steps serving is made of; the median, so that a
+        neighbour's burst of CPU use during one shape's few steps does not decide)."""
+        logs = sorted(math.log(p / g.seconds) for p, g in zip(self.predicted_s, self.groups)
+                      if p > 0 and g.seconds > 0)
+        if not logs:
+            return 0.0
+        mid = len(logs) // 2
+        return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2) - 1.0
 
     @property
     def stale(self) -> bool:
@@ -70,8 +74,9 @@ class ProfileCheck:
 
     def summary(self) -> str:
         verdict = "is stale" if self.stale else "holds"
-        return (f"the profile ({self.basis}) puts this machine's steps at "
-                f"{100 * self.error:+.0f}% of what they take now (geometric mean over "
+        way = "slower" if self.error > 0 else "faster"
+        return (f"the profile ({self.basis}) expects this machine's steps "
+                f"{100 * abs(self.error):.0f}% {way} than they run now (the median of "
                 f"{len(self.groups)} step shapes; plan.max_profile_error={self.tolerance:g}): "
                 f"it {verdict}")
 
@@ -145,6 +150,10 @@ def _check(cfg: Any, path: Path, model: str | None, engine_overrides: Sequence[s
            log: Log, measure: Callable[[Any], Any] | None) -> list[str]:
     """The check of an existing profile and what follows from it; the recipe's notes."""
     plan = cfg.plan
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.75 * (plan.cores or os.cpu_count() or 1):
+        log(f"warning: the machine is busy (load average {load:.1f}): the steps timed now will "
+            "be slower than this machine is alone, and the check may call the profile stale")
     log(f"checking the profile on this machine now: {len(CHECK_SHAPES['prefill_lens'])} "
         f"prefills and {len(CHECK_SHAPES['decode_batches'])} decode batches of the real engine "
         "(plan.max_profile_error=null skips it)")
