@@ -318,15 +318,17 @@ void linear(const QuantizedActivations& a, const uint8_t* packed, int64_t n_out,
         for (int64_t t = tc; t < tc_end; ++t) {
           tile16<F>(x, t, b.data(), dw.data(), mw.data(), res);
           const int64_t i0 = t * kTileRows, mr = std::min(kTileRows, rows - i0);
+          // as quant_linear_impl's emit: the output's scale, then the bias, then T (the
+          // sixteen outputs one vector: the same float operations and rounding lane by lane)
+          const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+          const __m512 sv = scales != nullptr ? _mm512_maskz_loadu_ps(m, scales + o)
+                                              : _mm512_setzero_ps();
+          const __m512 bv = bias != nullptr ? load16(bias + o, m) : _mm512_setzero_ps();
           for (int64_t i = 0; i < mr; ++i) {
-            // as quant_linear_impl's emit: the row's scale, then the bias, then T
-            T* y = out + (i0 + i) * n_out + o;
-            for (int64_t r = 0; r < n; ++r) {
-              float v = res[i][r];
-              if (scales != nullptr) v *= scales[o + r];
-              if (bias != nullptr) v += static_cast<float>(bias[o + r]);
-              y[r] = static_cast<T>(v);
-            }
+            __m512 v = _mm512_loadu_ps(res[i]);
+            if (scales != nullptr) v = _mm512_mul_ps(v, sv);
+            if (bias != nullptr) v = _mm512_add_ps(v, bv);
+            store16(out + (i0 + i) * n_out + o, v, m);
           }
         }
       }
