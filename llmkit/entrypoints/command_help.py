@@ -91,9 +91,12 @@ COMMAND_HELP: dict[str, CommandHelp] = {
         "llmkit plan [MODEL] [hardware=NAME] [key=value ...]",
         "Search engine configs (plan.* lists) in the simulator for a workload (bench.*, or "
         "plan.trace=RESULT.json; or plan.rate, plan.num_requests, plan.input_len, plan.output_len) and an SLO (slo.*), rank by goodput then tokens per "
-        "core-second, verify the best plan.verify_top with bench serve on a real server, and "
+        "core-second, verify the best plan.verify_top with bench serve on a real server (the "
+        "best measured wins), and "
         "write plan.output (default plan.output_dir/recipe.yaml) (recipe=PATH loads it), a table and a plot. Default "
-        "hardware: cpu-local (calibrated first when it is not).",
+        "hardware: cpu-local (calibrated first when it is not; a cached profile is checked "
+        "against a few timed engine steps and recalibrated when stale: plan.max_profile_error, "
+        "plan.stale_profile).",
         ("llmkit plan bench.rate=1 bench.num_requests=48 bench.input_len=256 "
          "bench.output_len=128 slo.ttft_ms=1500 slo.tpot_ms=80",
          "llmkit plan llama-3-8b hardware=h100-sxm plan.verify_top=0 "
