@@ -29,8 +29,7 @@ from llmkit.scheduler.grammar_admission import GrammarAdmission
 from llmkit.scheduler.hooks import FeatureHooks, SchedulerFeature
 from llmkit.scheduler.lora_slots import LoRASlots
 from llmkit.scheduler.step_phases import (WAITING_QUEUES, WaitingQueue, admit_waiting,
-                                          schedule_running)
-from llmkit.scheduler.step_results import apply_step_results, stop_status
+                                          apply_step_results, schedule_running, stop_status)
 
 if TYPE_CHECKING:
     from llmkit.kv_transfer.base import KVConnectorBase
