@@ -6,17 +6,16 @@ describes the machine and engine build it was measured on; a VM moved to other h
 busy neighbour during the calibration or a faster engine build make its predictions wrong, and
 a plan on it ranks the candidates for a machine that is not this one. So before the search the
 plan times a few steps of the real engine now (``CHECK_SHAPES``: two prefills and two decode
-batches, a subset of the calibration's shapes; seconds after the model loads) and compares them
+batches, a subset of the calibration's shapes, once the model is loaded) and compares them
 with what the profile expects of the same steps: the times its calibration measured for them
 (``engine_steps_ms``, which ``llmkit sim calibrate engine`` writes), else, for a profile without
 them, what its cost model predicts (``CostModel.step``). (The measured times, because a fresh
-profile's fit can be 40-60% off on a few shapes while right on average: compared with the fit,
-a profile just calibrated could read as stale.) Off by more than ``plan.max_profile_error``
+profile's fit can be far off on a few shapes while right on average: compared with the fit, a
+profile just calibrated could read as stale.) Off by more than ``plan.max_profile_error``
 (expected / measured - 1 of the median shape, the sign of ``agreement_line``'s), the profile is
-stale: ``plan.stale_profile`` says
-whether to calibrate again (in a child process, as a missing profile is), to stop with the
-command to run, or to plan on it with a warning. What was decided goes to the progress output
-and into the recipe's comments (``notes``).
+stale: ``plan.stale_profile`` says whether to calibrate again (in a child process, as a missing
+profile is), to stop with the command to run, or to plan on it with a warning. What was decided
+goes to the progress output and into the recipe's comments (``notes``).
 """
 from __future__ import annotations
 
