@@ -216,6 +216,10 @@ def _register_fakes(lib: str) -> None:
     def _linear(x, weight, bias):
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    @fake(f"{lib}::bf16_tile_linear")
+    def _bf16_tile_linear(x, packed, out_features, bias):
+        return x.new_empty(x.shape[0], out_features)
+
     @fake(f"{lib}::rotary_embedding_")
     def _rotary(x, cos_sin):
         return None

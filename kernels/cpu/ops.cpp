@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "activation.h"
+#include "amx_bf16_linear.h"
 #include "cache.h"
 #include "decode_attention.h"
 #include "linear.h"
@@ -26,6 +27,9 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // The amx tier's bf16 linear on AMX tiles (amx_bf16_linear.h): the weight repacked once.
+  m.def("bf16_tile_pack(Tensor weight) -> Tensor");
+  m.def("bf16_tile_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("rotary_embedding_(Tensor(a!) x, Tensor cos_sin) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "Tensor slot_mapping) -> ()");
@@ -63,6 +67,8 @@ TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {
   m.impl("fused_add_rms_norm", &llmkit_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &llmkit_cpu::silu_and_mul);
   m.impl("linear", &llmkit_cpu::linear);
+  m.impl("bf16_tile_pack", &llmkit_cpu::amx_bf16::pack);
+  m.impl("bf16_tile_linear", &llmkit_cpu::amx_bf16::linear);
   m.impl("rotary_embedding_", &llmkit_cpu::rotary_embedding_);
   m.impl("reshape_and_cache", &llmkit_cpu::reshape_and_cache);
   m.impl("paged_decode_attention", &llmkit_cpu::paged_decode_attention);

@@ -41,6 +41,7 @@ class PlatformConfig(_Component):
     # CPU: add a copy of each linear weight in oneDNN's blocked layout after loading (faster
     # GEMMs at decode batch sizes; a second copy of the weights in memory). bf16 models on CPUs
     # without native bf16 also compute their linears in float32 (bf16 GEMMs are emulated there).
+    # In the amx tier bf16 weights get a copy in AMX tile order instead (llmkit's tile linear).
     packed_linear: bool = True
     # CPU: llmkit's C++ kernels (fused norms, SiLU, rotary, KV writes, paged decode attention),
     # built on first use and cached. auto: use them if they build here (warn and use torch ops

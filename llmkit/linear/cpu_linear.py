@@ -12,6 +12,12 @@ AMX): oneDNN's bf16 GEMM on the plain weight reorders it into its blocked layout
 (the whole LM head at every decode step); the packed copy is reordered once. Both run the same
 oneDNN kernel on the same blocks, so they give the same bits for the same batch.
 
+In the amx tier (``bf16_tiles``) bf16 layers of up to ``linear_packed_max_rows`` rows, one
+decode row included, run llmkit's AMX-BF16 tile linear (``kernels/cpu/amx_bf16_linear.h``) on
+a copy of the weight repacked once in tile order: a row's bits do not depend on how many rows
+share its step (oneDNN's do), and it streams the weight faster than oneDNN and the C++ linear
+at decode batches. Past those rows (prefill) oneDNN's bf16 GEMM on the plain weight.
+
 With ``widen_bf16`` (bf16 models on CPUs without native bf16, where torch emulates bf16 GEMMs
 5-8x slower than float32) the GEMM paths keep a float32 copy of the bf16 weight (exact: every
 bf16 value is a float32 value), widen the input and round the output back to bf16: the same
@@ -37,7 +43,8 @@ class CpuLinearMethod(LinearMethod):
     name = "cpu"
 
     def __init__(self, kernels=None, *, pack: bool = True, widen_bf16: bool = False,
-                 pack_bf16: bool = False, dispatch: CpuDispatch | None = None) -> None:
+                 pack_bf16: bool = False, bf16_tiles: bool = False,
+                 dispatch: CpuDispatch | None = None) -> None:
         self.kernels = kernels  # torch.ops.llmkit_cpu, or None
         dispatch = dispatch if dispatch is not None else CpuDispatch()
         #: Rows up to which the C++ small-batch linear runs.
@@ -48,6 +55,9 @@ class CpuLinearMethod(LinearMethod):
         #: bf16 weights get a packed oneDNN copy too (only where oneDNN computes bf16 natively).
         self.pack_bf16 = pack_bf16
         self.widen_bf16 = widen_bf16
+        #: bf16 weights run the AMX tile linear (the amx tier's kernels only).
+        self.bf16_tiles = bf16_tiles
+        self.tile_weight: torch.Tensor | None = None
         self.packed_weight: torch.Tensor | None = None
         # widen_bf16: float32 copies of weight and bias for the GEMM paths
         self.weight_float32: torch.Tensor | None = None
@@ -55,6 +65,10 @@ class CpuLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.detach()
+        if self.bf16_tiles and self.kernels is not None and w.dtype == torch.bfloat16:
+            # instead of oneDNN's packed copy: one extra copy of the weight, not two
+            self.tile_weight = self.kernels.bf16_tile_pack(w)
+            return
         widen = self.widen_bf16 and w.dtype == torch.bfloat16
         if widen:
             w = self.weight_float32 = w.float()
@@ -69,6 +83,11 @@ class CpuLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         weight = layer.weight
+        if self.tile_weight is not None and x.dtype == torch.bfloat16:
+            if rows <= self.packed_max_rows:
+                return self.kernels.bf16_tile_linear(x, self.tile_weight, weight.shape[0],
+                                                     layer.bias)
+            return F.linear(x, weight, layer.bias)
         if (self.kernels is not None and rows <= self.small_batch_max_rows
                 and x.dtype == weight.dtype):
             return self.kernels.linear(x, weight, layer.bias)
@@ -89,6 +108,8 @@ class CpuLinearMethod(LinearMethod):
 
     def describe(self) -> str:
         parts = [self.name]
+        if self.tile_weight is not None:
+            return f"{self.name}+amx-bf16<={self.packed_max_rows}"
         if self.kernels is not None:
             parts.append(f"c++<={self.small_batch_max_rows}")
         if self.packed_weight is not None:

@@ -90,9 +90,12 @@ class CpuPlatform(Platform):
         pack = self.config.packed_linear and torch.backends.mkldnn.is_available()
         widen = pack and dtype == torch.bfloat16 and not has_native_bf16(self.isa)
         pack_bf16 = pack and dtype == torch.bfloat16 and has_native_bf16(self.isa)
+        # the amx tier: bf16 layers on llmkit's AMX-BF16 tiles (a row's bits at any batch)
+        tiles = pack and kernels is not None and dtype == torch.bfloat16 and self.isa == "amx"
         dispatch = self.dispatch
         return lambda spec: CpuLinearMethod(kernels, pack=pack, widen_bf16=widen,
-                                            pack_bf16=pack_bf16, dispatch=dispatch)
+                                            pack_bf16=pack_bf16, bf16_tiles=tiles,
+                                            dispatch=dispatch)
 
     def quantized_linear_method_factory(self, dtype: torch.dtype, mode: str
                                         ) -> LinearMethodFactory | str:
