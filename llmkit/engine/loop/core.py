@@ -25,7 +25,7 @@ from llmkit.engine.observe.observer import (KVState, RequestState, StepEvent, St
                                             split_prefill_decode)
 from llmkit.engine.observe.step_trace import StepTrace
 from llmkit.executor import BackendInfo, Executor, ModelFacts
-from llmkit.executor.base import DoneFuture, StepFuture
+from llmkit.executor.base import StepFuture
 from llmkit.lora.adapters import AdapterTable, configured_adapters
 from llmkit.lora.request import LoRARequest
 from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -40,7 +40,8 @@ class _InFlightBatch:
     """A batch sent to the executor whose output has not been taken yet (with one step at a
     time: the step just run)."""
 
-    future: StepFuture
+    # its output when it ran as it was sent (one step at a time), else its future
+    result: ModelRunnerOutput | StepFuture
     scheduler_output: SchedulerOutput
     step: int
     start_s: float
@@ -197,10 +198,10 @@ class EngineCore:
             split = (split_prefill_decode(so, self.scheduler.get_request)
                      if self._observers else None)
             t2 = perf()
-            future = self._send(so)
+            result = self._send(so)
             # Nothing to compute with batches in flight: take the oldest instead.
-            if future is not None or not queue:
-                queue.append(_InFlightBatch(future or DoneFuture(_nothing_computed()), so,
+            if result is not None or not queue:
+                queue.append(_InFlightBatch(_nothing_computed() if result is None else result, so,
                                             self._num_steps, t0, t1 - t0, split, perf() - t2,
                                             c0))
                 self._num_steps += 1
@@ -210,7 +211,7 @@ class EngineCore:
             return []
         return self._finish(queue.popleft())
 
-    def _send(self, so: SchedulerOutput) -> StepFuture | None:
+    def _send(self, so: SchedulerOutput) -> ModelRunnerOutput | StepFuture | None:
         """Hand the step to the executor; None when it has nothing to do."""
         if not so.total_num_scheduled_tokens:  # is_empty, read as the field: a call less a step
             if self.kv_connector is not None:
@@ -222,13 +223,14 @@ class EngineCore:
                 return None
         if self._max_batches > 1:
             return self.executor.execute_model(so, non_block=True)
-        return DoneFuture(self.executor.execute_model(so))
+        return self.executor.execute_model(so)
 
     def _finish(self, batch: _InFlightBatch) -> list[EngineCoreOutput]:
         """Take a batch's output and update from it (then tell the observers)."""
         perf = time.perf_counter
         t2 = perf()
-        runner_output = batch.future.result()
+        result = batch.result
+        runner_output = result if isinstance(result, ModelRunnerOutput) else result.result()
         t3 = perf()
         so = batch.scheduler_output
         # The step's measured time, as its requests see it between two tokens: from the last
