@@ -15,6 +15,7 @@ from llmkit.config.cpu_isa import supported_tiers
 from llmkit.config.schema import PlatformConfig
 from llmkit.kernels import cpu_native
 from llmkit.kernels.cpu_native import CpuKernelBuildError, load_cpu_kernels
+from llmkit.ops.base import paged_decode_attention_reference
 from llmkit.platforms import CpuPlatform, CudaPlatform
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -188,31 +189,48 @@ def test_paged_decode_attention_bf16_past_one_sdpa_block(ops):
     assert (out == sdpa).float().mean() >= 0.75
 
 
+AVX512_TIERS = ("avx512", "avx512_vnni", "avx512_bf16", "amx")
+
+
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (64, 8, 1), (80, 4, 2)])
-def test_paged_decode_attention_bf16_gives_the_avx2_bits_on_every_tier(ops, dim, heads,
-                                                                      kv_heads):
-    """The AVX-512 tiers run bf16 decode attention for a KV head's whole group at once, with
-    the rows widened once and 16-lane vectors (head sizes that are multiples of 64), in the
-    same order of operations: every output equals the AVX2 tier's, bit for bit, at every
-    length (a tail past the groups of eight and of four rows, empty, past one 512-row SDPA
-    block), with a window and with a soft cap."""
+def test_paged_decode_attention_bf16_on_every_tier(ops, dim, heads, kv_heads):
+    """bf16 decode attention at every length (a tail past the tiles of 16 rows and the pairs
+    of rows, empty, past one 512-row SDPA block), with a window and with a soft cap. The AVX2
+    tiers run torch's flash-SDPA order: the AVX2 tier's bits. The AVX-512 tiers run bf16 dot
+    products of their own (head sizes that are multiples of 32; others the AVX2 bits): each
+    output within bf16 accuracy of the float32 reference (the P rounded to bf16 as SDPA's),
+    most bit-equal to torch's bf16 SDPA, the same bits on all four AVX-512 tiers (the tiers
+    without AVX512-BF16 emulate its products exactly on these inputs), and one sequence's
+    bits alone equal to its bits in the batch."""
     avx2 = load_cpu_kernels("avx2")
     lens = torch.tensor([1, 7, 8, 9, 17, 100, 250, 0, 513, 1030])
     table = torch.stack([torch.randperm(70, generator=torch.Generator().manual_seed(i))
                          for i in range(len(lens))])
     cache = randn(2, 70, 16, kv_heads, dim, dtype=torch.bfloat16, seed=dim)
     q = randn(len(lens), heads, dim, dtype=torch.bfloat16, seed=1)
+    own_bits = ops.name.endswith(AVX512_TIERS) and dim % 32 == 0
+    first = load_cpu_kernels(AVX512_TIERS[0]) if own_bits else avx2
     for window, cap in ((0, 0.0), (37, 0.0), (0, 30.0)):
         out = ops.paged_decode_attention(q, cache, table, lens, 0.125, window, cap)
-        assert torch.equal(out, avx2.paged_decode_attention(q, cache, table, lens, 0.125,
-                                                            window, cap)), (window, cap)
+        assert torch.equal(out, first.paged_decode_attention(q, cache, table, lens, 0.125,
+                                                             window, cap)), (window, cap)
+        if own_bits:
+            ref = paged_decode_attention_reference(q.float(), cache.float(), table, lens, 0.125,
+                                                   window or None, cap or None)
+            some = lens > 0
+            torch.testing.assert_close(out[some].float(), ref[some], rtol=2 ** -6, atol=2 ** -9)
+            assert not out[~some].any()
+    if own_bits:
+        sdpa = sdpa_reference(q, cache, table, lens, 0.125, torch.bfloat16)
+        out = ops.paged_decode_attention(q, cache, table, lens, 0.125)
+        assert (out == sdpa)[lens > 0].float().mean() >= 0.85
     # one sequence, short (its groups on the calling thread) and long (over the threads):
-    # the same bits again
+    # its bits in the batch again
     for b in (5, 9):
         one = ops.paged_decode_attention(q[b:b + 1], cache, table[b:b + 1], lens[b:b + 1],
                                          0.125, 0, 0.0)
-        assert torch.equal(one, avx2.paged_decode_attention(q, cache, table, lens, 0.125, 0,
-                                                            0.0)[b:b + 1])
+        assert torch.equal(one, first.paged_decode_attention(q, cache, table, lens, 0.125, 0,
+                                                             0.0)[b:b + 1])
 
 
 def test_paged_decode_attention_reads_q_from_a_strided_view(ops):

@@ -4,9 +4,11 @@
 // window is read (a freed window's table entries may hold anything). A soft cap c > 0 maps the
 // scaled scores to c * tanh(s / c) before the softmax (Gemma 2). One task per (sequence, KV
 // head), or per query head when those are too few to fill the threads: the block table is read
-// once into the head's row pointers, and a task's query heads share every K/V row they load. bf16 follows torch's bf16 flash SDPA step by step
-// (decode_head_sdpa_order); float32 is plain float32 math (scores, an exact max-subtracted
-// softmax, the weighted sum of V).
+// once into the head's row pointers, and a task's query heads share every K/V row they load.
+// bf16 follows torch's bf16 flash SDPA step by step (decode_head_sdpa_order) in the AVX2
+// tiers and for head sizes that are not a multiple of 32; the AVX-512 tiers run their own
+// bf16 dot products instead (decode_attention_avx512.h: other bits, fixed per tier). float32
+// is plain float32 math (scores, an exact max-subtracted softmax, the weighted sum of V).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -103,7 +105,7 @@ inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t d
 // bf16 outputs bit-equal (the rest one step apart) vs 57-73% for float32 math throughout.
 // krows / vrows: the context's K and V rows of this head, in order.
 // exp(p - max) over a block of scores, each rounded to bf16 as SDPA's P is; their sum (before
-// rounding). One source for the per-head and the grouped paths.
+// rounding).
 inline float exp_scores_bf16(float* p, int64_t nl, float new_max) {
   Vec vsum(0.f);
   const int64_t whole = nl - nl % kLanes;
@@ -162,127 +164,12 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
   }
 }
 
-#if defined(LLMKIT_AVX512)
-// decode_head_sdpa_order for a KV head's group of query heads at once, with 512-bit vectors, in
-// the tiers that have them: the same operations on the same values in the same order, so every
-// head gets decode_head_sdpa_order's bits. What changes is the work around them: each 512-row
-// block's K and V rows are widened to float32 once for the whole group (not once per head);
-// the scores of two K rows share a register (row l in lanes 0-7, row l + 1 in lanes 8-15: the
-// eight accumulators of dot_torch_order and their tree are lane-wise), and P.V runs sixteen
-// outputs a vector (each output's four partial sums are its own). dim a multiple of 64.
-// qf [group][dim]; acc [group][dim] and kf, vf (kSdpaKvBlock * dim floats each), p
-// (kSdpaKvBlock floats) are the caller's scratch.
-constexpr int64_t kPrefetchRows = 8;
+}  // namespace llmkit_cpu
 
-inline void decode_group_sdpa_order_avx512(const float* qf, const bf16* const* krows,
-                                           const bf16* const* vrows, int64_t len, float scale,
-                                           int64_t dim, int64_t group, float* p, float* acc,
-                                           float* kf, float* vf, float* run_max, float* run_sum,
-                                           bf16* dst, float cap) {
-  const int64_t chunks = dim / 8;  // eight-float chunks of a row
-  std::fill(acc, acc + group * dim, 0.f);  // an empty context's output: zeros
-  for (int64_t g = 0; g < group; ++g) {
-    run_max[g] = -std::numeric_limits<float>::infinity();
-    run_sum[g] = 0.f;
-  }
-  const auto widen16 = [](const bf16* lo, const bf16* hi) {
-    const __m256i b = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-  };
-  for (int64_t n0 = 0; n0 < len; n0 += kSdpaKvBlock) {
-    const int64_t nl = std::min(kSdpaKvBlock, len - n0), whole8 = nl & ~int64_t(7);
-    // K rows of the whole groups of eight, in pairs: pair i's chunk c is [row 2i's chunk c |
-    // row 2i + 1's]. V rows as they are, widened.
-    // The rows lie in blocks scattered over the cache: the loads run kPrefetchRows ahead.
-    const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(bf16));
-    const auto prefetch = [&](const bf16* const* rows, int64_t l) {
-      if (l < nl)
-        for (int64_t b = 0; b < row_bytes; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[n0 + l]) + b, _MM_HINT_T0);
-    };
-    for (int64_t l = 0; l < whole8; l += 2) {
-      prefetch(krows, l + kPrefetchRows);
-      prefetch(krows, l + 1 + kPrefetchRows);
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(kf + (l * chunks + 2 * c) * 8,
-                         widen16(krows[n0 + l] + 8 * c, krows[n0 + l + 1] + 8 * c));
-    }
-    for (int64_t l = 0; l < nl; ++l) {
-      prefetch(vrows, l + kPrefetchRows);
-      for (int64_t d = 0; d < dim; d += 16)
-        _mm512_storeu_ps(vf + l * dim + d, widen16(vrows[n0 + l] + d, vrows[n0 + l] + d + 8));
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const float* q = qf + g * dim;
-      float* a = acc + g * dim;
-      for (int64_t l = 0; l < whole8; l += 8) {
-        Vec v[8];
-        for (int pr = 0; pr < 4; ++pr) {
-          const float* k = kf + (l + 2 * pr) * dim;
-          __m512 s[8];
-          for (int r = 0; r < 8; ++r)
-            s[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + 8 * r)),
-                                   _mm512_loadu_ps(k + 16 * r), _mm512_setzero_ps());
-          for (int64_t j = 64; j < dim; j += 64)
-            for (int r = 0; r < 8; ++r)
-              s[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + j + 8 * r)),
-                                     _mm512_loadu_ps(k + 2 * (j + 8 * r)), s[r]);
-          for (int offset = 4; offset >= 1; offset /= 2)  // torch_order_tree
-            for (int r = 0; r < offset; ++r) s[r] = _mm512_add_ps(s[r], s[offset + r]);
-          v[2 * pr] = Vec(_mm512_castps512_ps256(s[0]));
-          v[2 * pr + 1] = Vec(_mm512_extractf32x8_ps(s[0], 1));
-        }
-        store(p + l, (lane_sums8_aten_order(v) + Vec(0.f)) * Vec(scale));
-      }
-      for (int64_t l = whole8; l < nl; ++l)
-        p[l] = dot_torch_order(q, krows[n0 + l], dim, nullptr) * scale;
-      // from here as decode_head_sdpa_order
-      soft_cap_scores(p, nl, cap);
-      const float new_max = std::max(max_score(p, nl), run_max[g]);
-      const float block_sum = exp_scores_bf16(p, nl, new_max);
-      const float rescale = std::exp(run_max[g] - new_max);
-      run_max[g] = new_max;
-      if (n0 > 0)
-        for (int64_t d = 0; d < dim; ++d) a[d] = a[d] * rescale;
-      run_sum[g] = run_sum[g] * rescale + block_sum;
-      // P.V: four partial sums per output over rows l % 4 (the tail into the first), each a
-      // product rounded and then added, as the 8-lane code.
-      const int64_t nl4 = nl & ~int64_t(3);
-      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-        __m512 s[4][4];
-        for (int c = 0; c < 4; ++c)
-          for (int j = 0; j < 4; ++j) s[c][j] = _mm512_setzero_ps();
-        for (int64_t l = 0; l < nl4; l += 4)
-          for (int j = 0; j < 4; ++j) {
-            const __m512 pl = _mm512_set1_ps(p[l + j]);
-            const float* vr = vf + (l + j) * dim + d0;
-            for (int c = 0; c < 4; ++c)
-              s[c][j] = _mm512_add_ps(s[c][j], _mm512_mul_ps(_mm512_loadu_ps(vr + 16 * c), pl));
-          }
-        for (int64_t l = nl4; l < nl; ++l) {
-          const __m512 pl = _mm512_set1_ps(p[l]);
-          const float* vr = vf + l * dim + d0;
-          for (int c = 0; c < 4; ++c)
-            s[c][0] = _mm512_add_ps(s[c][0], _mm512_mul_ps(_mm512_loadu_ps(vr + 16 * c), pl));
-        }
-        for (int c = 0; c < 4; ++c) {
-          const __m512 dotv = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s[c][0], s[c][1]),
-                                                          s[c][2]), s[c][3]);
-          float* ad = a + d0 + 16 * c;
-          _mm512_storeu_ps(ad, n0 > 0 ? _mm512_add_ps(_mm512_loadu_ps(ad), dotv) : dotv);
-        }
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const Vec inv(len > 0 ? 1.f / run_sum[g] : 0.f);
-    for (int64_t d = 0; d < dim; d += kLanes)
-      store(dst + g * dim + d, load(acc + g * dim + d) * inv);
-  }
-}
-#endif
+// The AVX-512 tiers' own bf16 path (decode_group_bf16_avx512), after the helpers it shares.
+#include "decode_attention_avx512.h"
+
+namespace llmkit_cpu {
 
 // The float32 path for one KV head's group of query heads (qf [group, dim]); p holds
 // group * len scores, acc group * dim outputs.
@@ -391,20 +278,20 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   // A task is one KV head's group of query heads (they share every K/V row loaded) -- or, with
   // too few of those to keep the threads evenly busy (one sequence: 3 KV heads on 2 threads),
   // one query head. Each head's math is the same either way, so neither choice changes a bit.
-  // Where a group runs at once (bf16 on the AVX-512 tiers: its K/V rows widened once, not per
+  // Where a group runs at once (bf16 on the AVX-512 tiers: its K/V rows loaded once, not per
   // head), splitting it costs more than the idle thread gains: few groups stay whole, and run
   // on the calling thread while their context is short (waking a thread costs more).
   bool grouped = false;
 #if defined(LLMKIT_AVX512)
-  grouped = std::is_same_v<T, bf16> && dim % 64 == 0;
+  grouped = std::is_same_v<T, bf16> && dim % 32 == 0 && dim <= 512;  // decode_group_bf16_avx512
 #endif
   const bool few = batch * kv_heads < 2 * at::get_num_threads();
   const int64_t parts = few && !grouped ? group : 1;
   const int64_t per_part = group / parts;
   const bool serial = few && grouped && context_rows(lens, batch, window) <= kSerialDecodeRows;
   run_decode_tasks(batch * kv_heads * parts, serial, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per_part * dim), acc(per_part * dim), scores;
-    std::vector<float> kf, vf, state(2 * per_part);  // the AVX-512 bf16 path's scratch
+    std::vector<float> qf(per_part * dim), acc(per_part * dim), scores, sums(per_part);
+    std::vector<uint16_t> probs;  // the AVX-512 bf16 path's bf16 probabilities
     std::vector<const T*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
@@ -412,36 +299,45 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       const int64_t len = lens[b] - first;  // the rows read: positions first .. lens[b] - 1
       const I* blocks = table + b * table_stride;
-      for (int64_t g = 0; g < per_part; ++g) {
-        const T* src = qp + b * qs0 + (h0 + g) * qs1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
-      }
-      krows.resize(len);
-      vrows.resize(len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = first + t;
+      // Rows past len (up to a multiple of 16) repeat the first row: the AVX-512 path reads
+      // whole tiles and pairs of rows, and gives them probability 0.
+      const int64_t padded = (len + 15) / 16 * 16;
+      krows.resize(padded);
+      vrows.resize(padded);
+      // Block by block: no division per row.
+      for (int64_t t = 0, pos = first; t < len;) {
+        const int64_t in_block = pos % block_size, n = std::min(block_size - in_block, len - t);
         const int64_t at = static_cast<int64_t>(blocks[pos / block_size]) * block +
-                           (pos % block_size) * row + kvh * dim;
-        krows[t] = kc + at;
-        vrows[t] = vc + at;
+                           in_block * row + kvh * dim;
+        for (int64_t i = 0; i < n; ++i, ++t) {
+          krows[t] = kc + at + i * row;
+          vrows[t] = vc + at + i * row;
+        }
+        pos += n;
       }
+      for (int64_t t = len; t < padded; ++t) {
+        krows[t] = krows[0];
+        vrows[t] = vrows[0];
+      }
+      const T* qsrc = qp + b * qs0 + h0 * qs1;
       T* dst = op + (b * heads + h0) * dim;
       if constexpr (std::is_same_v<T, bf16>) {
-        scores.resize(std::min(len, kSdpaKvBlock));
 #if defined(LLMKIT_AVX512)
-        if (dim % 64 == 0) {
-          const int64_t rows = std::min(len, kSdpaKvBlock) * dim;
-          if (kf.size() < static_cast<size_t>(rows)) {
-            kf.resize(rows);
-            vf.resize(rows);
-          }
-          decode_group_sdpa_order_avx512(qf.data(), krows.data(), vrows.data(), len, scale, dim,
-                                         per_part, scores.data(), acc.data(), kf.data(),
-                                         vf.data(), state.data(), state.data() + per_part, dst,
-                                         cap);
+        if (dim % 32 == 0 && dim <= 512) {
+          scores.resize(per_part * padded);
+          probs.resize(per_part * padded);
+          decode_group_bf16_avx512(qsrc, qs1, krows.data(), vrows.data(), len, scale, dim,
+                                   per_part, scores.data(), probs.data(), acc.data(),
+                                   sums.data(), dst, cap);
           continue;
         }
 #endif
+      }
+      for (int64_t g = 0; g < per_part; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          qf[g * dim + d] = static_cast<float>(qsrc[g * qs1 + d]);
+      if constexpr (std::is_same_v<T, bf16>) {
+        scores.resize(std::min(len, kSdpaKvBlock));
         for (int64_t g = 0; g < per_part; ++g)
           decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
                                  dim, scores.data(), acc.data() + g * dim, dst + g * dim, cap);
