@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <type_traits>
+
 #include "vec.h"
 
 namespace llmkit_cpu {
@@ -30,6 +32,23 @@ inline void rotary_embedding_(at::Tensor& x, const at::Tensor& cos_sin) {
         const scalar_t* cs = cache + t * dim;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* p = xp + t * ts + h * hs;
+#if defined(LLMKIT_AVX512)
+          // sixteen lanes where the tier has them: element-wise, the same bits
+          constexpr bool kBf16 = std::is_same_v<scalar_t, bf16>;
+          const auto round = [](__m512 v) {
+            return kBf16 ? _mm512_castsi512_ps(rounded_bits16(v)) : v;
+          };
+          for (int64_t i = 0; i < half; i += 16) {
+            const int64_t n = std::min<int64_t>(16, half - i);
+            const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+            const __m512 x1 = load16(p + i, m), x2 = load16(p + half + i, m);
+            const __m512 c = load16(cs + i, m), s = load16(cs + half + i, m);
+            store16(p + i, _mm512_sub_ps(round(_mm512_mul_ps(x1, c)),
+                                         round(_mm512_mul_ps(x2, s))), m);
+            store16(p + half + i, _mm512_add_ps(round(_mm512_mul_ps(x2, c)),
+                                                round(_mm512_mul_ps(x1, s))), m);
+          }
+#else
           for (int64_t i = 0; i < half; i += kLanes) {
             const int64_t n = std::min<int64_t>(kLanes, half - i);
             Vec x1 = load_n(p + i, n), x2 = load_n(p + half + i, n);
@@ -37,6 +56,7 @@ inline void rotary_embedding_(at::Tensor& x, const at::Tensor& cos_sin) {
             store_n(p + i, round_as<scalar_t>(x1 * c) - round_as<scalar_t>(x2 * s), n);
             store_n(p + half + i, round_as<scalar_t>(x2 * c) + round_as<scalar_t>(x1 * s), n);
           }
+#endif
         }
       }
     });
