@@ -243,9 +243,11 @@ inline void decode_group_float32(const float* qf, const float* const* krows,
 }
 
 // A batch whose context rows (summed over its sequences, within the window) are at most this
-// runs its few KV-head tasks on the calling thread (see paged_decode_impl): one sequence of up
-// to 256 tokens. Which thread runs a task changes none of its bits.
-constexpr int64_t kSerialDecodeRows = 256;
+// runs its few KV-head tasks on the calling thread (see paged_decode_impl). Off: measured alone,
+// a batch-1 decode step was slower with one sequence's tasks on the calling thread than spread
+// over the threads (docs/cpu-speed.md); under load, with the other core busy, it had looked
+// faster. Which thread runs a task changes none of its bits.
+constexpr int64_t kSerialDecodeRows = 0;
 
 inline int64_t context_rows(const int64_t* lens, int64_t batch, int64_t window) {
   int64_t rows = 0;
@@ -279,8 +281,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   // too few of those to keep the threads evenly busy (one sequence: 3 KV heads on 2 threads),
   // one query head. Each head's math is the same either way, so neither choice changes a bit.
   // Where a group runs at once (bf16 on the AVX-512 tiers: its K/V rows loaded once, not per
-  // head), splitting it costs more than the idle thread gains: few groups stay whole, and run
-  // on the calling thread while their context is short (waking a thread costs more).
+  // head), splitting it costs more than the idle thread gains: few groups stay whole.
   bool grouped = false;
 #if defined(LLMKIT_AVX512)
   grouped = std::is_same_v<T, bf16> && dim % 32 == 0 && dim <= 512;  // decode_group_bf16_avx512
