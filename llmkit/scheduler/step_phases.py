@@ -316,9 +316,7 @@ def apply_step_results(sched: TokenBudgetScheduler, scheduler_output: SchedulerO
             if kept is not None:
                 break
         times = req.times
-        if kept is not None:
-            pass
-        elif len(new_tokens) == 1:  # the common case, without a call per token
+        if kept is None and len(new_tokens) == 1:  # the common case, without a call per token
             tok = new_tokens[0]
             out_ids, all_ids = req.output_token_ids, req.all_token_ids
             out_ids.append(tok)
@@ -333,7 +331,7 @@ def apply_step_results(sched: TokenBudgetScheduler, scheduler_output: SchedulerO
                 if status is not None:
                     sched.finish(req, status)
             kept = [tok]
-        else:
+        elif kept is None:
             kept = append_tokens(sched, req, new_tokens, now, max_model_len)
         if times.first_token is None:
             times.first_token = now
