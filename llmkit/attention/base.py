@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Protocol
 
+import numpy as np
 import torch
 
 from llmkit.ops.base import ModelOps
@@ -59,6 +60,28 @@ class AttentionMetadata:
     # metadata made from another (a group's, a backend's) may hold other tensors.
     derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False,
                                          compare=False)
+
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                  block_table: np.ndarray, slot_mapping: np.ndarray, max_query_len: int,
+                  block_size: int) -> "AttentionMetadata":
+        """A step's metadata from the host arrays a batch is translated into (the runner's
+        step, a draft forward's): ``query_start_loc`` ``[R + 1]`` from 0, ``seq_lens`` ``[R]``,
+        ``block_table`` int32 ``[R, >= blocks used]``, ``slot_mapping`` int64 ``[T]``. The
+        tensors share the arrays' memory where the dtype allows."""
+        return cls(
+            num_reqs=len(seq_lens),
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=torch.from_numpy(block_table),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_size=block_size,
+        )
 
     def base_fields(self) -> dict[str, Any]:
         """The :class:`AttentionMetadata` fields a backend's metadata built from this one

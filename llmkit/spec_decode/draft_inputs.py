@@ -42,19 +42,9 @@ def build_draft_inputs(batch: ProposerBatch, rows: np.ndarray, starts: np.ndarra
     seq_lens = starts + counts
     query_start_loc = np.concatenate(([0], cu))
     max_blocks = int(batch.num_blocks[rows].max())
-    metadata = AttentionMetadata(
-        num_reqs=len(rows),
-        num_actual_tokens=total,
-        max_query_len=int(counts.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]),
-        slot_mapping=torch.from_numpy(slot_mapping),
-        query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        block_size=block_size,
-    )
+    metadata = AttentionMetadata.from_host(query_start_loc, seq_lens,
+                                           batch.block_table[rows, :max_blocks], slot_mapping,
+                                           int(counts.max()), block_size)
     return DraftInputs(torch.from_numpy(input_ids).to(device),
                        torch.from_numpy(positions).to(device),
                        backend.build_metadata(metadata), cu - 1)

@@ -415,19 +415,9 @@ def prepare_inputs(batch: InputBatch, so: SchedulerOutput, block_size: int,
         drafts = [[] for _ in range(len(sample_idx))]
         num_logits = np.ones(len(sample_idx), dtype=np.int64)
         logits_indices = ends - 1
-    metadata = AttentionMetadata(
-        num_reqs=len(rows),
-        num_actual_tokens=total,
-        max_query_len=int(num_sched.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-        block_table=torch.from_numpy(b.block_table[rows, :max_blocks]),
-        slot_mapping=torch.from_numpy(slot_mapping),
-        query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        block_size=block_size,
-    )
+    metadata = AttentionMetadata.from_host(query_start_loc, seq_lens,
+                                           b.block_table[rows, :max_blocks], slot_mapping,
+                                           int(num_sched.max()), block_size)
     if b.num_groups > 1:
         group_kv_metadata(metadata, kv_plan, b, rows, req_idx, positions)
     rope_positions = None
