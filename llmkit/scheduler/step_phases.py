@@ -336,8 +336,9 @@ def apply_step_results(sched: TokenBudgetScheduler, scheduler_output: SchedulerO
         if times.first_token is None:
             times.first_token = now
         if req.status is _RUNNING:
+            cached_toks = req.num_cached_tokens  # max(.., 0) without the call, per request
             out = EngineCoreOutput(req_id, kept, None, req.stop_reason,
-                                   max(req.num_cached_tokens, 0))
+                                   cached_toks if cached_toks > 0 else 0)
         else:
             stopped = True
             out = sched.make_output(req, kept)
