@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llmkit.config.schema import SchedulerConfig
 from llmkit.kv_cache import KVCacheManager
+from llmkit.outputs import ModelRunnerOutput
 from llmkit.request import Request
 from llmkit.sampling import SamplingParams
 from llmkit.scheduler.hooks import _HOOKS, FeatureHooks, SchedulerFeature
@@ -55,3 +56,19 @@ def test_hooks_run_in_feature_order_whatever_the_order_turned_on():
                           "drafts": Probe("drafts")})
     assert [h.__self__.name for h in hooks.scheduled] == ["lora", "drafts", "connector"]
     assert hooks.end_step == ()
+
+
+def test_lora_slots_running_request_without_a_slot_sits_the_step_out():
+    # Three adapters running (admitted while three slots were allowed), then two slots: the
+    # running phase schedules the first two adapters' requests and skips the third's.
+    sched = make(max_loras=3)
+    for i, lora in enumerate((1, 2, 3, 1)):
+        sched.add_request(Request(f"r{i}", list(range(8)), SamplingParams(max_tokens=8),
+                                  lora_id=lora))
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    ids = list(out.num_scheduled_tokens)
+    sched.update_from_output(out, ModelRunnerOutput(ids, [[5] for _ in ids]))
+    sched._features["lora"].max_loras = 2
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"r0", "r1", "r3"}

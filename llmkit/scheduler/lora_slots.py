@@ -34,7 +34,11 @@ class LoRASlots(SchedulerFeature):
         self._step_loras = set()
 
     def limit_running(self, req: Request, n: int) -> int:
-        return n if self._fits(req) else 0
+        # _fits inlined: this runs for every running request of every step
+        lora = req.lora_id
+        if lora is None or lora in self._step_loras or len(self._step_loras) < self.max_loras:
+            return n
+        return 0
 
     def pass_over(self, req: Request) -> int:
         if self._fits(req):
