@@ -1,11 +1,12 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-One step (``execute_model``) in the order it runs, each part in its own module:
+One step (``execute_model``) in the order it runs:
 
 1. ``input_batch``: the persistent batch follows the scheduler's output, and the step's
    tensors are read from it;
-2. ``forward_pass``: the model's forward, through a step graph or eagerly, a KV connector's
-   calls around it (``kv_connector_step``), images encoded before it (``mm_inputs``);
+2. the model's forward (here, ``_forward``), through a step graph or eagerly, a KV
+   connector's calls around it (``kv_connector_step``), images encoded before it
+   (``mm_inputs``);
 3. ``sample_step`` (or ``pooling`` for ``model.runner=pooling``): logits, sampling, the new
    tokens recorded; ``prompt_logprobs`` scores prompts;
 4. the proposer drafts the next step's speculative tokens.
@@ -15,6 +16,7 @@ or ``kv_cache_setup`` (other layer kinds); the step graphs then (``step_graph_ca
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
@@ -31,7 +33,7 @@ from llmkit.sampling.sampler import Sampler
 from llmkit.scheduler.base import SchedulerOutput
 from llmkit.spec_decode.base import Proposer, StepContext
 from llmkit.worker import input_batch, kv_cache_pool, kv_connector_step, prompt_logprobs
-from llmkit.worker.forward_pass import forward
+from llmkit.worker.group_metadata import build_group_metadata
 from llmkit.worker.input_batch import InputBatch, StepInputs
 from llmkit.worker.kv_cache_setup import (allocate_kv_caches, first_attention_cache,
                                           plan_kv_cache)
@@ -213,7 +215,7 @@ class ModelRunner:
                 inputs_embeds = mm.embeddings(
                     self.model, inputs.input_ids, inputs.req_ids, inputs.computed,
                     inputs.num_scheduled, inputs.query_starts)
-        hidden = forward(self, inputs, inputs_embeds, intermediate_tensors)
+        hidden = self._forward(inputs, inputs_embeds, intermediate_tensors)
         if isinstance(hidden, IntermediateTensors):
             return hidden  # a pipeline stage before the last: nothing samples here
         if conn is not None:
@@ -245,3 +247,90 @@ class ModelRunner:
             kv_connector_output=(conn.get_finished(so.finished_req_ids) if conn is not None
                                  else None),
         )
+
+    # -- the forward -------------------------------------------------------------------------
+    # Through a step graph where one computes the step, else eagerly with the attention
+    # backend's metadata; a KV connector's per-layer calls inside or around it
+    # (``kv_connector_step``); pipeline stages after the first continue from the previous
+    # stage's tensors. The step graphs (``compilation.mode=graphs``, made in
+    # ``step_graph_capture``) are decode steps of up to ``max_rows`` rows with one block-table
+    # row and one sequence length per row. They compute a decode-only step, and decoding rows
+    # verifying drafts: each draft token is then a decode row over its context up to itself
+    # (every K/V is written before attention).
+    def _forward(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None = None,
+                 intermediate_tensors: IntermediateTensors | None = None
+                 ) -> torch.Tensor | IntermediateTensors:
+        """The model's hidden states (or, before the last pipeline stage, the tensors the next
+        stage continues from)."""
+        graph = (inputs_embeds is None and intermediate_tensors is None
+                 and _graph_computes(self.step_graphs, self.lora_manager, inputs))
+        pending = self.pending_graphs
+        # While graphs compile in the background, an eager step waits out any torch.fx trace
+        # (step_graph_capture explains why).
+        with (pending.eager_step() if pending is not None else contextlib.nullcontext()):
+            conn = self.kv_connector
+            if conn is None:
+                return self._forward_once(inputs, inputs_embeds, intermediate_tensors,
+                                          graph, False)
+            return kv_connector_step.forward_with_connector(
+                conn, self.kv_caches,
+                lambda hooked: self._forward_once(inputs, inputs_embeds,
+                                                  intermediate_tensors, graph, hooked),
+                layer_hook=not graph and self.model.supports_kv_layer_hook)
+
+    def _forward_once(self, inputs: StepInputs, inputs_embeds: torch.Tensor | None,
+                      intermediate_tensors: IntermediateTensors | None, graph: bool,
+                      hooked: bool) -> torch.Tensor | IntermediateTensors:
+        device = self.device
+        md = inputs.attn_metadata
+        ids, positions = inputs.input_ids.to(device), inputs.positions.to(device)
+        rope = positions if inputs.rope_positions is None else inputs.rope_positions.to(device)
+        if graph:
+            return _run_graph(self.step_graphs, self.batch.block_table, inputs, ids,
+                              positions, rope, device)
+        built = self.attn_backend.build_metadata(md) if not md.group_metadata else \
+            build_group_metadata(self.attn_backend, md, self.kv_plan)
+        if hooked:
+            built.kv_layer_hook = self.kv_connector
+        model, kv_caches = self.model, self.kv_caches
+        if intermediate_tensors is not None:  # a later pipeline stage (no step graphs)
+            return model(None, rope, kv_caches, built,
+                         intermediate_tensors=intermediate_tensors)
+        if inputs_embeds is not None:
+            return model(None, rope, kv_caches, built, inputs_embeds)
+        return model(ids, rope, kv_caches, built)
+
+
+def _graph_computes(graphs: StepGraphs | None, lora_manager: LoRAManager | None,
+                   inputs: StepInputs) -> bool:
+    """Whether a step graph computes this step: a decode-only step it covers, or decoding
+    rows verifying drafts (with one position row: M-RoPE prompts run eagerly)."""
+    md = inputs.attn_metadata
+    if graphs is None or not graphs.covers(md.num_actual_tokens) or not (
+            lora_manager is None or lora_manager.step_graphs_allowed):
+        return False
+    if inputs.rope_positions is not None and inputs.rope_positions.dim() > 1:
+        return False
+    if md.num_actual_tokens == md.num_reqs:
+        return True
+    layout = inputs.logits
+    return len(layout.rows) == len(inputs.rows) and bool(
+        (layout.num_logits == inputs.num_scheduled).all())
+
+
+def _run_graph(graphs: StepGraphs, block_table: np.ndarray, inputs: StepInputs,
+              ids: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor,
+              device: torch.device) -> torch.Tensor:
+    """The step's hidden states through the graphs (``_graph_computes`` held); ``ids``,
+    ``positions`` and ``rope`` already on ``device``; ``block_table`` the batch's."""
+    md = inputs.attn_metadata
+    rows = inputs.rows
+    if md.num_actual_tokens == md.num_reqs:
+        return graphs.run(ids, rope, md.slot_mapping.to(device),
+                          torch.from_numpy(block_table[rows]).to(device),
+                          md.seq_lens.to(device))
+    # Verifying drafts: one block-table row and length per token.
+    per_token = np.repeat(rows, inputs.num_scheduled)
+    return graphs.run(ids, rope, md.slot_mapping.to(device),
+                      torch.from_numpy(block_table[per_token]).to(device),
+                      (positions + 1).to(torch.int32))
