@@ -16,7 +16,6 @@ from llmkit.attention.kv_spec import KVCacheSpec, SlidingWindowSpec
 from llmkit.distributed.pipeline import IntermediateTensors
 from llmkit.models.base import CausalLM, ModelContext
 from llmkit.models.kv_specs import llama_kv_specs
-from llmkit.models.layers.activation import SiluAndMul
 from llmkit.models.layers.embedding import VocabEmbedding
 from llmkit.models.layers.linear import Linear, MergedLinear
 from llmkit.models.layers.moe import FusedMoE
@@ -161,18 +160,21 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated MLP, ``intermediate_size`` wide (default: the config's); ``reduce_results``
     False leaves a tensor-parallel down projection's partial sums to the caller's all-reduce
-    (a MoE block's shared expert); ``act_fn`` replaces SiLU's gate (Gemma's GeGLU)."""
+    (a MoE block's shared expert); ``act_fn`` replaces SiLU's gate (Gemma's GeGLU).
+
+    SiLU's gate is the platform op itself (``ops.silu_and_mul``): a module around it would hold
+    no weights and only forward the call, once per layer and step."""
 
     def __init__(self, config, prefix: str, ctx: ModelContext,
                  intermediate_size: int | None = None, reduce_results: bool = True,
-                 act_fn: nn.Module | None = None) -> None:
+                 act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         if act_fn is None:
             act = getattr(config, "hidden_act", "silu")
             if act not in ("silu", "swish"):
                 raise ValueError(f"hidden_act {act!r} is not supported by the Llama family "
                                  "implementation (only silu)")
-            act_fn = SiluAndMul(ctx.ops)
+            act_fn = ctx.ops.silu_and_mul
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(f"{prefix}.gate_up_proj", config.hidden_size,
