@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmkit.kv_cache import BlockPool, KVCacheManager
+from llmkit.kv_cache import BlockPool, KVCacheManager, make_eviction_policy
 from llmkit.request import Request
 from llmkit.sampling import SamplingParams
 
@@ -32,7 +32,7 @@ PROMPT = [(31 * t + 7) % 32000 for t in range(1024)]
 @pytest.mark.benchmark(group="kv-pool-empty")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_pool_alloc_free_empty(benchmark, policy):
-    pool = BlockPool(4 * N, enable_caching=True, eviction_policy=policy)
+    pool = BlockPool(4 * N, enable_caching=True, eviction_policy=make_eviction_policy(policy))
 
     def cycle():
         blocks = pool.get_new_blocks(N)
@@ -45,7 +45,7 @@ def test_pool_alloc_free_empty(benchmark, policy):
 @pytest.mark.benchmark(group="kv-pool-evict")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_pool_evict_cycle(benchmark, policy):
-    pool = BlockPool(N, enable_caching=True, eviction_policy=policy)
+    pool = BlockPool(N, enable_caching=True, eviction_policy=make_eviction_policy(policy))
     counter = iter(range(1 << 62))
 
     def fill_and_free():

@@ -15,6 +15,7 @@ from llmkit.kv_cache import (
     FreeBlockQueue,
     KVCacheBlock,
     KVCacheManager,
+    LRUEvictionPolicy,
     PrefixCacheStats,
     hash_block_tokens,
 )
@@ -100,7 +101,7 @@ def test_free_queue_order_and_o1_middle_removal():
 
 
 def test_block_pool_basics():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4, enable_caching=True, eviction_policy=LRUEvictionPolicy())
     got = pool.get_new_blocks(3)
     assert [b.block_id for b in got] == [0, 1, 2] and all(b.ref_cnt == 1 for b in got)
     assert pool.usage == pytest.approx(0.75) and pool.num_free_blocks == 1

@@ -8,7 +8,7 @@ import pytest
 from llmkit.kv_cache import (EVICTION_POLICIES, BlockPool, EvictionPolicy, KVCacheManager,
                              LFUEvictionPolicy, LRUEvictionPolicy, PrefixCacheStats)
 from llmkit.kv_cache.base import KVCacheIntegrityError
-from llmkit.kv_cache.blocks import FreeBlockQueue, KVCacheBlock
+from llmkit.kv_cache.block_pool import FreeBlockQueue, KVCacheBlock
 from llmkit.request import Request
 from llmkit.sampling.params import SamplingParams
 
@@ -339,7 +339,7 @@ def test_integrity_detects_a_corrupt_lfu_bucket():
 
 def test_block_pool_uses_a_given_policy_instance():
     pol = LFUEvictionPolicy()
-    pool = BlockPool(4, eviction_policy=pol)
+    pool = BlockPool(4, enable_caching=True, eviction_policy=pol)
     assert pool.evictor is pol
 
 

@@ -225,7 +225,7 @@ def test_the_parser_sees_lazy_and_module_level_imports():
     assert "llmkit.scheduler.base" in g["llmkit.engine.loop.core"] or \
         "llmkit.scheduler" in g["llmkit.engine.loop.core"]
     assert "llmkit.executor.uniproc" in g["llmkit.executor"]  # a register_lazy path
-    assert "llmkit.kv_cache.blocks" not in g["llmkit.kv_cache.base"]  # TYPE_CHECKING only
+    assert "llmkit.kv_cache.block_pool" not in g["llmkit.kv_cache.base"]  # TYPE_CHECKING only
     assert "llmkit.entrypoints.offline" in g["llmkit.entrypoints.cli"]  # importlib, by name
 
 

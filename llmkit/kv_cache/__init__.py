@@ -1,7 +1,6 @@
 """Paged KV cache management with prefix caching (see ``base.KVCacheManagerBase``)."""
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
-from llmkit.kv_cache.block_pool import BlockPool
-from llmkit.kv_cache.blocks import FreeBlockQueue, KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from llmkit.kv_cache.eviction import (EVICTION_POLICIES, EvictionPolicy, LFUEvictionPolicy,
                                       LRUEvictionPolicy, make_eviction_policy)
 from llmkit.kv_cache.hashing import hash_block_tokens

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import msgspec
 
 if TYPE_CHECKING:
-    from llmkit.kv_cache.blocks import KVCacheBlock
+    from llmkit.kv_cache.block_pool import KVCacheBlock
     from llmkit.request import Request
 
 

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from typing import Iterator, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError
-from llmkit.kv_cache.blocks import FreeBlockQueue, KVCacheBlock
+from llmkit.kv_cache.block_pool import FreeBlockQueue, KVCacheBlock
 from llmkit.registry import Registry, UnknownImplementation
 
 

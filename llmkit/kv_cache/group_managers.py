@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from llmkit.attention.kv_spec import KVCacheSpec, RecurrentStateSpec, SlidingWindowSpec
-from llmkit.kv_cache.block_pool import BlockPool
-from llmkit.kv_cache.blocks import KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 __all__ = ["FullAttentionGroup", "GroupManager", "RecurrentStateGroup", "SlidingWindowGroup",
            "make_group_manager"]

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from llmkit.attention.kv_spec import RecurrentStateSpec, SlidingWindowSpec
 from llmkit.kv_cache.base import KVCacheIntegrityError, KVCacheManagerBase, PrefixCacheStats
-from llmkit.kv_cache.block_pool import BlockPool
-from llmkit.kv_cache.blocks import KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.group_managers import (GroupManager, RecurrentStateGroup,
                                             SlidingWindowGroup, make_group_manager)

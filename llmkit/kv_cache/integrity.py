@@ -9,8 +9,7 @@ from collections import Counter
 from typing import Mapping, Sequence
 
 from llmkit.kv_cache.base import KVCacheIntegrityError
-from llmkit.kv_cache.block_pool import BlockPool
-from llmkit.kv_cache.blocks import KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 
 def count_held(pool: BlockPool, req_to_blocks: Mapping[str, Sequence[KVCacheBlock]],

@@ -13,8 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from llmkit.kv_cache.base import KVCacheManagerBase, PrefixCacheStats
-from llmkit.kv_cache.block_pool import BlockPool
-from llmkit.kv_cache.blocks import KVCacheBlock
+from llmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
 from llmkit.kv_cache.eviction import make_eviction_policy
 from llmkit.kv_cache.hashing import PrefixCacheCounters, extend_block_hashes
 from llmkit.kv_cache.integrity import check_pool, count_held
