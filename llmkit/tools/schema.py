@@ -222,6 +222,10 @@ class PlanConfig(_Strict):
     # a stale profile: recalibrate (`llmkit sim calibrate engine`, unless plan.calibrate=false),
     # refuse (stop, naming the command), or warn (plan on it, saying so)
     stale_profile: Literal["recalibrate", "refuse", "warn"] = "recalibrate"
+    # a verified candidate off its prediction by more than this (|predicted / measured - 1|):
+    # fit the profile's front-end term to that server's step trace and predict the verified
+    # ones again with it (llmkit.tools.plan.recalibrate); null = never
+    recalibrate_error: float | None = Field(default=0.2, gt=0)
     # recipe.yaml, table.txt, plan.png, plan.json (and verify/ with bench serve's results)
     output_dir: str = "plan_results"
     # where the chosen recipe goes (null: <output_dir>/recipe.yaml)

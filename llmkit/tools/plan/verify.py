@@ -73,10 +73,12 @@ def _wait_for_graphs(overrides: Sequence[str]) -> list[str]:
 
 
 def measure(cfg: Any, recipe: Path, *, model: str | None, overrides: Sequence[str],
-            out_dir: Path, name: str, log: Callable[[str], None]) -> dict[str, Any]:
+            out_dir: Path, name: str, log: Callable[[str], None],
+            trace: Path | None = None) -> dict[str, Any]:
     """Serve ``recipe`` (with ``model`` and the engine ``overrides``) and run ``bench serve``
     with ``cfg``'s workload and SLO against it; returns the result document (written to
-    ``out_dir/<name>.json`` with its figure)."""
+    ``out_dir/<name>.json`` with its figure). ``trace``: the server records its steps there
+    (``observability.trace_file``, written when it stops)."""
     from llmkit.tools.bench.results import write_result
     from llmkit.tools.bench.serve import run_serve
 
@@ -84,7 +86,8 @@ def measure(cfg: Any, recipe: Path, *, model: str | None, overrides: Sequence[st
     port = free_port()
     cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "serve",
            *([model] if model else []), f"recipe={recipe}", "server.host=127.0.0.1",
-           f"server.port={port}", *_wait_for_graphs(overrides)]
+           f"server.port={port}", *_wait_for_graphs(overrides),
+           *([f"observability.trace_file={trace}"] if trace is not None else [])]
     log_path = out_dir / f"{name}-server.log"
     log(f"verify {name}: {' '.join(cmd[3:])} (log: {log_path})")
     with open(log_path, "w") as log_file:
