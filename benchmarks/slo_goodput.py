@@ -159,8 +159,8 @@ def serve(model: list[str], overrides: list[str], log: Path,
 
 def _wait_for_graphs(overrides: list[str]) -> list[str]:
     """An llmkit server answers /health once its step graphs are in place: on a cold compile
-    cache they would otherwise compile beside the first rate's requests (~50 s of both cores
-    here) and that rate would measure a cold start."""
+    cache they would otherwise compile beside the first rate's requests, and that rate would
+    measure a cold start."""
     if any(o.lstrip("+~").startswith("compilation.background=") for o in overrides):
         return overrides
     return ["compilation.background=false", *overrides]

@@ -211,6 +211,8 @@ def test_plan_verifies_the_best_on_a_live_server(tiny_model_dir, tmp_path, capsy
     doc = json.loads((out / "plan.json").read_text())
     assert doc["candidates"][0]["measured"]["completed"] == 4
     assert (out / "verify" / "candidate-1.json").is_file()
+    # the server recorded its steps: what a miss is refitted from (plan.recalibrate_error)
+    assert (out / "verify" / "candidate-1-trace.json").is_file()
 
 
 # --------------------------------------------------------------------------- calibration

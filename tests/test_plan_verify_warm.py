@@ -1,7 +1,6 @@
 """`llmkit plan`'s verification serves each candidate with its step graphs in place before the
 measured run (compilation.background=false): a candidate whose graphs were not saved yet would
-otherwise compile them beside the measured requests and measure a cold start (a 512-token
-budget verified first measured 0.278 req/s for 0.872 predicted; the same config warm, 0.870).
+otherwise compile them beside the measured requests and measure a cold start (docs/plan.md).
 No server is started here: the child process and the client are fakes."""
 from __future__ import annotations
 

@@ -6,11 +6,9 @@ beside the results.
 The server is started with ``compilation.background=false`` (unless the engine overrides set
 it): it answers /health only once its step graphs are in place. A candidate whose graphs are
 not saved yet (another ``max_num_seqs`` or KV pool than any earlier start: the graph key holds
-both) would otherwise trace them on a background thread during the measured run (~50 s on 2
-cores), its decode steps eager and sharing the cores with the compiler, and measure what the
-first minute of a cold start does, not the config (a 512-token-budget candidate verified first
-measured 0.278 req/s goodput for 0.872 predicted; verified warm, the same config as the next
-candidate measured 0.870). The simulator predicts the steady state; so is it measured."""
+both) would otherwise trace them on a background thread during the measured run, its decode
+steps eager and sharing the cores with the compiler, and measure a cold start rather than the
+config (docs/plan.md). The simulator predicts the steady state; so is it measured."""
 from __future__ import annotations
 
 import os
