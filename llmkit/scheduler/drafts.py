@@ -11,7 +11,7 @@ from llmkit.scheduler.base import SchedulerOutput, SchedulerStats, SpecDecodeSta
 from llmkit.scheduler.hooks import SchedulerFeature
 
 if TYPE_CHECKING:
-    from llmkit.kv_cache.blocks import KVCacheBlock
+    from llmkit.kv_cache.block_pool import KVCacheBlock
     from llmkit.outputs import ModelRunnerOutput
 
 

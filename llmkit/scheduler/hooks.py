@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from llmkit.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from llmkit.kv_cache.blocks import KVCacheBlock
+    from llmkit.kv_cache.block_pool import KVCacheBlock
     from llmkit.outputs import EngineCoreOutput, ModelRunnerOutput
     from llmkit.scheduler.base import SchedulerOutput, SchedulerStats
     from llmkit.scheduler.step_phases import WaitingQueue

@@ -29,7 +29,7 @@ from llmkit.scheduler.hooks import ADMIT, PASS_OVER_AND_STOP
 
 if TYPE_CHECKING:
     from llmkit.kv_cache.base import KVCacheManagerBase
-    from llmkit.kv_cache.blocks import KVCacheBlock
+    from llmkit.kv_cache.block_pool import KVCacheBlock
     from llmkit.scheduler.token_budget import TokenBudgetScheduler
 
 
