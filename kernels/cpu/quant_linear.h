@@ -47,7 +47,15 @@
 
 namespace llmkit_cpu::quant {
 
-constexpr int kMaxTileRows = 4;     // activation rows per micro-tile
+// Activation rows per micro-tile: each row keeps its own sums and accumulators in registers
+// (the same chain per row at any tile size, so the same bits). AVX-512's 32 vector registers
+// hold eight rows' (a speculative verify step at batch 1 is 1 + K rows: one pass over each
+// weight group instead of two); AVX2's 16 spill past four.
+#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX512VL__)
+constexpr int kMaxTileRows = 8;
+#else
+constexpr int kMaxTileRows = 4;
+#endif
 constexpr int64_t kRowChunk = 64;   // activation rows that pass over a weight group together
 
 // The activation rows of one micro-tile.
@@ -491,7 +499,15 @@ void run_tile(const uint8_t* group, int64_t nbk, int mr, const TileRows& rows,
       case 1: return avx2::tile<F, kFloatAct, 1>(group, nbk, rows, res, prefetch_end);
       case 2: return avx2::tile<F, kFloatAct, 2>(group, nbk, rows, res, prefetch_end);
       case 3: return avx2::tile<F, kFloatAct, 3>(group, nbk, rows, res, prefetch_end);
+#if defined(__AVX512VL__)
+      case 4: return avx2::tile<F, kFloatAct, 4>(group, nbk, rows, res, prefetch_end);
+      case 5: return avx2::tile<F, kFloatAct, 5>(group, nbk, rows, res, prefetch_end);
+      case 6: return avx2::tile<F, kFloatAct, 6>(group, nbk, rows, res, prefetch_end);
+      case 7: return avx2::tile<F, kFloatAct, 7>(group, nbk, rows, res, prefetch_end);
+      default: return avx2::tile<F, kFloatAct, 8>(group, nbk, rows, res, prefetch_end);
+#else
       default: return avx2::tile<F, kFloatAct, 4>(group, nbk, rows, res, prefetch_end);
+#endif
     }
   }
 #endif
@@ -509,7 +525,7 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
   const int64_t rows = a.rows;
   bool float_tile = false;
 #if defined(CPU_CAPABILITY_AVX2)
-  float_tile = F == Format::FP8 && !use_portable && rows > 2 * kMaxTileRows;
+  float_tile = F == Format::FP8 && !use_portable && rows > 8;
 #endif
   // Threads split the weight into contiguous runs of groups; each streams its own (how many
   // threads share it changes no output: tuning.h).
