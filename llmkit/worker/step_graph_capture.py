@@ -50,7 +50,7 @@ def compile_step_what(graphs: StepGraphs, background: bool) -> str:
 
 def capture_now(graphs: StepGraphs, block_table_width: int) -> float:
     """Capture on this thread, saying so when it takes more than a second; the seconds."""
-    with startup_step(compile_step_what(graphs, background=False)):
+    with _CAPTURE_LOCK, startup_step(compile_step_what(graphs, background=False)):
         return graphs.capture(block_table_width)
 
 
@@ -69,6 +69,10 @@ def _yield_to_the_engine() -> None:
 # One per process, as the patch it guards against is: torch.fx's tracer is a process-wide
 # class, and two runners in one process (a draft model's and its target's) share it.
 _FX_TRACE_LOCK = threading.RLock()
+# Inductor's compile keeps process-wide state too (two at once fail an assertion in its
+# bundler, leaving an engine eager): two runners' background captures in one process (a draft
+# model's and its target's, two LLMs) compile one after the other.
+_CAPTURE_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -124,7 +128,8 @@ class BackgroundCapture:
         sys.setswitchinterval(min(interval, _COMPILE_SWITCH_INTERVAL_S))
         try:
             # inference mode is per thread: the graphs are traced as the engine runs them
-            with torch.inference_mode(), startup_step(compile_step_what(self.graphs, True)):
+            with _CAPTURE_LOCK, torch.inference_mode(), \
+                    startup_step(compile_step_what(self.graphs, True)):
                 self.graphs.capture(self.block_table_width)
         except ExitStop:
             self.failed = True
