@@ -96,6 +96,41 @@ def test_rotary_in_place_on_the_fused_qkv_output(ops, dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
 
 
+def test_element_wise_rows_do_not_depend_on_their_batch(ops):
+    """The row ops split a batch over the threads only where each thread gets enough rows
+    (kernels/cpu/row_split.h): a 64-row decode batch runs on the calling thread, 2,048 prompt
+    rows over the threads. Either way each row's bits are its own, as when it runs alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_rows_alone_and_in_a_batch(ops)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_rows_alone_and_in_a_batch(ops):
+    rows, hidden, d = 600, 576, 1536  # several tasks of each op at 2 threads
+    x, w = randn(rows, hidden, dtype=torch.bfloat16, scale=3), randn(hidden, dtype=torch.bfloat16, seed=1)
+    res = randn(rows, hidden, dtype=torch.bfloat16, seed=2)
+    gu = randn(rows, 2 * d, dtype=torch.bfloat16, scale=4, seed=3)
+    qk = randn(rows, 12, 64, dtype=torch.bfloat16, seed=4)
+    cos_sin = randn(rows, 64, dtype=torch.bfloat16, seed=5)
+    res_all = res.clone()
+    normed = ops.fused_add_rms_norm(x, res_all, w, 1e-5)
+    act = ops.silu_and_mul(gu)
+    rot = qk.clone()
+    ops.rotary_embedding_(rot, cos_sin)
+    for i in range(rows):  # every row: the tasks start where the split puts them
+        r = res[i:i + 1].clone()
+        assert torch.equal(ops.fused_add_rms_norm(x[i:i + 1], r, w, 1e-5), normed[i:i + 1])
+        assert torch.equal(r, res_all[i:i + 1])
+        assert torch.equal(ops.rms_norm(x[i:i + 1], w, 1e-5), ops.rms_norm(x, w, 1e-5)[i:i + 1])
+        assert torch.equal(ops.silu_and_mul(gu[i:i + 1]), act[i:i + 1])
+        one = qk[i:i + 1].clone()
+        ops.rotary_embedding_(one, cos_sin[i:i + 1])
+        assert torch.equal(one, rot[i:i + 1])
+
+
 # -- the paged cache ---------------------------------------------------------------------------
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_reshape_and_cache_writes_slots_and_skips_minus_one(ops, slot_dtype):

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "vec.h"
+#include "row_split.h"
 
 namespace llmkit_cpu {
 
@@ -101,7 +102,7 @@ inline void check_rows(const at::Tensor& x, const at::Tensor& weight, const char
               "dtype");
 }
 
-inline int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 16384 / hidden); }
+inline int64_t row_grain(int64_t hidden) { return row_split_grain(hidden); }
 
 // out = rms_norm(x) * weight, x [rows, hidden].
 inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "quant_blocks.h"
+#include "row_split.h"
 #include "vec.h"
 
 namespace llmkit_cpu::quant {
@@ -132,7 +133,7 @@ inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable,
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "quantized linear", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const int64_t stride = x.stride(0);
-    at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / kp), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_split_grain(kp), [&](int64_t begin, int64_t end) {
       std::vector<float> row(keep_float ? 0 : kp);
       for (int64_t i = begin; i < end; ++i) {
         float* f = keep_float ? out.xf.data() + i * kp : row.data();
