@@ -52,6 +52,12 @@ class HardwareConfig(_Strict):
     # R tokens/s streamed a step takes 1 / (1 - R * frontend_token_us * 1e-6) as long. 0 on GPU
     # profiles. `llmkit sim calibrate engine sim.calibrate_trace=PATH` fits it to a served run.
     frontend_token_us: float = Field(default=0.0, ge=0)
+    # CPU engines run decode steps of up to step_graph_max_rows rows as a compiled step graph
+    # and every other step (prefill rows, more rows) eagerly; eager_step_overhead_ms is what
+    # an eager step costs beyond the terms above. Fitted by `llmkit sim calibrate engine`;
+    # 0 = every step priced alike (GPU profiles).
+    step_graph_max_rows: int = Field(default=0, ge=0)
+    eager_step_overhead_ms: float = Field(default=0.0, ge=0)
     # model.dtype=auto with a checkpoint that names no dtype
     default_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Set by `llmkit sim calibrate` (measured on this machine); informational.

@@ -53,6 +53,10 @@ class HardwareProfile:
     # engine CPU time the serving front end takes per token it streams
     # (llmkit.tools.sim.frontend_cost)
     frontend_token_s: float = 0.0
+    # decode steps of up to this many rows run as a step graph; the rest pay eager_step_s more
+    # (0: no step graphs modelled)
+    step_graph_max_rows: int = 0
+    eager_step_s: float = 0.0
     default_dtype: str = "bfloat16"
     description: str = ""
     calibrated_at: str | None = None
@@ -79,6 +83,8 @@ class HardwareProfile:
             token_overhead_s=float(d.get("token_overhead_us", 0.0)) * 1e-6,
             context_overhead_s=float(d.get("context_overhead_ns", 0.0)) * 1e-9,
             frontend_token_s=float(d.get("frontend_token_us", 0.0)) * 1e-6,
+            step_graph_max_rows=int(d.get("step_graph_max_rows", 0) or 0),
+            eager_step_s=float(d.get("eager_step_overhead_ms", 0.0)) * 1e-3,
             default_dtype=d.get("default_dtype", "bfloat16"),
             description=d.get("description", ""),
             calibrated_at=d.get("calibrated_at"),

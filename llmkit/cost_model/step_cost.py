@@ -20,6 +20,7 @@ of ``p`` tensor-parallel ranks::
                                                                   per layer (attention, MLP)
     base    = max(compute, memory) + comm + t_step + L·t_layer
               + n·t_seq + T·t_token + C·t_context          n requests, C = Σ c_i
+              + t_eager · [eager]
     step    = base / (1 − min(0.9, c_fe · R))              R: tokens/s the front end streams
 
 **KV-cache specs** (``llmkit.cost_model.kv_footprint``): the KV terms above are for full
@@ -64,6 +65,13 @@ cores (API server, detokenisation, a benchmark client) takes per token it stream
 tokens/s it holds a share ``c_fe·R`` of the CPU; ``sim calibrate engine
 sim.calibrate_trace=PATH`` fits it to a served run (``llmkit.tools.sim.frontend_cost``, which also
 keeps ``R`` for the simulator). It is added to ``overhead_s``.
+
+``t_eager`` (``eager_step_overhead_ms``, 0 on GPU profiles): a CPU engine runs a decode step of
+up to ``step_graph_max_rows`` rows (every row one new token) as a compiled step graph, every
+other step (a prefill row, a verify row, more rows; or ``step_graphs=False``, the engine's
+``compilation.mode=eager``) eagerly, op by op from Python; ``[eager]`` is 1 for those steps.
+Fitted by ``llmkit sim calibrate engine``: without it the linear terms averaged a 9-row decode
+step with an 8-row one and prefill steps with decode steps.
 """
 from __future__ import annotations
 
@@ -127,7 +135,7 @@ _EMPTY = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
 class CostModel:
     def __init__(self, shape: ModelShape, hardware: HardwareProfile, dtype: str,
                  tensor_parallel_size: int = 1, kv_dtype: str | None = None,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, step_graphs: bool = True) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if not 1 <= pipeline_parallel_size <= shape.num_layers:
@@ -169,6 +177,9 @@ class CostModel:
         self._token_s = hardware.token_overhead_s
         self._context_s = hardware.context_overhead_s
         self._frontend_token_s = hardware.frontend_token_s
+        self._eager_s = hardware.eager_step_s
+        # decode steps of up to this many rows run as a graph (0: none does)
+        self._graph_rows = hardware.step_graph_max_rows if step_graphs else 0
 
     # -- figures of the model on the device -----------------------------------------------
     @property
@@ -203,6 +214,7 @@ class CostModel:
         profile's ``frontend_token_s`` prices them)."""
         T = S = n = 0
         attended = 0
+        multi = False  # a row computes more than one token: no step graph runs it
         groups = self.kv.groups
         # per KV group, for one of its layers: bytes read and written, FLOPs of attention
         kv_bytes = [0.0] * len(groups)
@@ -214,6 +226,7 @@ class CostModel:
                 continue
             n += 1
             T += q
+            multi = multi or q > 1
             S += 1 if samples else 0
             attended += c
             for k, g in enumerate(groups):
@@ -224,14 +237,15 @@ class CostModel:
             return _EMPTY
         share = min(MAX_FRONTEND_SHARE, self._frontend_token_s * stream_rate)
         hw = self.hw
-        engine = hw.step_overhead_s + n * self._seq_s
+        eager = self._eager_s if multi or n > self._graph_rows else 0.0
+        engine = hw.step_overhead_s + n * self._seq_s + eager
         stages = [self._stage(T, S, self._by_group(kv_bytes, k), self._by_group(attn_flops, k),
                               attended, layers, k == 0, k == self.pp - 1)
                   for k, layers in enumerate(self.stage_layers)]
         if self.pp == 1:
             compute_s, memory_s, comm, _, flops, nbytes = stages[0]
             overhead = self._overhead_s + n * self._seq_s + T * self._token_s + \
-                attended * self._context_s
+                attended * self._context_s + eager
             if share > 0:
                 overhead += (max(compute_s, memory_s) + comm + overhead) * share / (1.0 - share)
             return StepCost(compute_s=compute_s, memory_s=memory_s, comm_s=comm,
@@ -305,6 +319,7 @@ class CostModel:
             "seq_overhead_s": hw.seq_overhead_s, "token_overhead_s": hw.token_overhead_s,
             "context_overhead_s": hw.context_overhead_s,
             "frontend_token_s": hw.frontend_token_s,
+            "eager_step_s": hw.eager_step_s, "step_graph_max_rows": self._graph_rows,
             "weight_read_time_at_peak_s": self.weight_read_time_s(True),
             "num_layers": s.num_layers,
         }

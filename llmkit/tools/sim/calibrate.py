@@ -260,6 +260,10 @@ def profile_yaml(m: dict[str, Any], when: str | None = None, engine: Any = None,
             "step",
             f"context_overhead_ns: {fit.context_s * 1e9:.6g}   # fitted: per token of context "
             "attended in a step",
+            f"step_graph_max_rows: {fit.graph_rows}   # the engine's decode step graphs' rows "
+            "(0: none, or no eager cost found)",
+            f"eager_step_overhead_ms: {fit.eager_s * 1e3:.6g}   # fitted: per step the engine "
+            "runs eagerly (prefill rows, or more rows than its step graphs)",
         ]
         if frontend is not None:
             lines.append(
@@ -348,7 +352,7 @@ def run_engine_calibrate(cfg: Any, *, log: Callable[[str], None] | None = None,
                          f"measure ({', '.join(base.peak_flops)})")
     groups = group_samples(meas.samples)
     fit = fit_engine(meas.shape, meas.dtype, base, groups,
-                     control_plane_s=m["step_overhead_s"])
+                     control_plane_s=m["step_overhead_s"], graph_rows=meas.graph_rows)
     frontend = None
     if sim.calibrate_trace:
         from llmkit.tools.sim.frontend_cost import frontend_cost_from_trace

@@ -12,9 +12,12 @@ model's terms to it:
    measured peak FLOP/s ``F`` and bandwidth ``B``::
 
        step = max(FLOPs / (F·η_c), bytes / (B·η_m)) + t_0 + n·t_seq + T·t_token + C·t_context
+              + t_eager·[eager]
 
-   minimising the squared *relative* error over the groups: a grid over ``η_c``, ``η_m`` and,
-   at each point, non-negative least squares for ``t_0, t_seq, t_token, t_context`` (exact:
+   (``[eager]``: the step is no decode step of at most ``graph_rows`` rows, the engine's step
+   graphs' reach; ``graph_rows=0``: no ``t_eager``), minimising the squared *relative* error
+   over the groups: a grid over ``η_c``, ``η_m`` and, at each point, non-negative least
+   squares for ``t_0, t_seq, t_token, t_context, t_eager`` (exact:
    every support set solved, the best feasible one kept). Where the data cannot tell the
    roofline from a linear overhead (the loss within 1% of its minimum), the efficiencies
    closest to 1 win: the roofline keeps what the measured hardware must spend, the overheads
@@ -46,7 +49,13 @@ logger = logging.getLogger(__name__)
 
 # the loss may exceed its minimum by this fraction to let higher efficiencies win
 TIE_TOLERANCE = 0.01
-LINEAR_TERMS = ("t_0", "t_seq", "t_token", "t_context")
+LINEAR_TERMS = ("t_0", "t_seq", "t_token", "t_context", "t_eager")
+
+
+def is_eager(work: Sequence[Work], graph_rows: int) -> bool:
+    """Whether the engine runs this step eagerly: not a decode step (every row one token) of
+    at most ``graph_rows`` rows."""
+    return len(work) > graph_rows or any(q > 1 for q, _, _ in work)
 
 
 @dataclass(slots=True)
@@ -88,6 +97,8 @@ class EngineFit:
     predicted_s: list[float]  # by the fitted profile through CostModel, per group
     profile: HardwareProfile  # the measured peaks (raised where the engine beat them) + terms
     dtype: str = "float32"
+    eager_s: float = 0.0  # t_eager (0 when graph_rows was 0)
+    graph_rows: int = 0
     measured_peak_flops: float = 0.0  # the microbenchmark's, for dtype
     measured_bandwidth: float = 0.0
     fitted: list[bool] = field(default_factory=list)  # False: left out as an outlier
@@ -203,7 +214,8 @@ def fit_engine(shape: ModelShape, dtype: str, base: HardwareProfile,
                groups: Sequence[StepGroup], *, control_plane_s: float = 0.0,
                eta_compute: Sequence[float] | None = None,
                eta_memory: Sequence[float] | None = None,
-               tie_tolerance: float = TIE_TOLERANCE, trim: bool = True) -> EngineFit:
+               tie_tolerance: float = TIE_TOLERANCE, trim: bool = True,
+               graph_rows: int = 0) -> EngineFit:
     """Fit ``η_c``, ``η_m`` and the linear terms to ``groups`` (see the module's docstring).
     ``base`` holds the measured peaks (its efficiencies and overheads are not used);
     ``control_plane_s`` caps the share of ``t_0`` that becomes ``step_overhead_ms``.
@@ -212,7 +224,9 @@ def fit_engine(shape: ModelShape, dtype: str, base: HardwareProfile,
     stay in cache) can measure less than the engine achieves. A fitted efficiency above 1
     raises the profile's peak (or bandwidth) to the rate the engine showed, efficiency 1.0.
     ``trim``: groups far off the first fit (a neighbour's burst of CPU use; more than
-    max(25%, 4x the median error), at most a fifth of them) are left out of a second fit."""
+    max(25%, 4x the median error), at most a fifth of them) are left out of a second fit.
+    ``graph_rows``: the engine's step graphs' rows (its dispatch's ``step_graph_max_rows``;
+    0: none, no ``t_eager``)."""
     import numpy as np
 
     if not groups:
@@ -222,7 +236,9 @@ def fit_engine(shape: ModelShape, dtype: str, base: HardwareProfile,
     t = np.array([g.seconds for g in groups])
     comp = np.array([c.compute_s for c in costs])
     mem = np.array([c.memory_s for c in costs])
-    X = np.array([[1.0, g.num_seqs, g.num_tokens, g.context] for g in groups])
+    X = np.array([[1.0, g.num_seqs, g.num_tokens, g.context]
+                  + ([float(is_eager(g.work, graph_rows))] if graph_rows else [])
+                  for g in groups])
     ec = np.array(eta_compute if eta_compute is not None else _geomspace(1e-3, 1e2, 151))
     em = np.array(eta_memory if eta_memory is not None else _geomspace(1e-2, 1e2, 121))
     keep = np.ones(len(groups), dtype=bool)
@@ -238,7 +254,8 @@ def fit_engine(shape: ModelShape, dtype: str, base: HardwareProfile,
         if not worst:
             break
         keep[worst] = False
-    base_s, seq_s, token_s, context_s = (max(0.0, float(x)) for x in coef)
+    base_s, seq_s, token_s, context_s, eager_s = (max(0.0, float(x))
+                                                  for x in [*coef, 0.0][:5])
     peak = base.peak(dtype) * max(eta_c, 1.0)
     bandwidth = base.memory_bandwidth * max(eta_m, 1.0)
     step_s = min(base_s, max(control_plane_s, 0.0))
@@ -250,14 +267,16 @@ def fit_engine(shape: ModelShape, dtype: str, base: HardwareProfile,
         link_bandwidth=base.link_bandwidth, link_latency_s=base.link_latency_s,
         link_efficiency=base.link_efficiency, step_overhead_s=step_s,
         layer_overhead_s=layer_s, seq_overhead_s=seq_s, token_overhead_s=token_s,
-        context_overhead_s=context_s, default_dtype=base.default_dtype,
+        context_overhead_s=context_s, step_graph_max_rows=graph_rows if eager_s else 0,
+        eager_step_s=eager_s, default_dtype=base.default_dtype,
         description=base.description, calibrated_at=base.calibrated_at)
     fitted = CostModel(shape, profile, dtype)  # the simulator's own equations, as it will run
     predicted = [fitted.step(g.work).total_s for g in groups]
     return EngineFit(compute_efficiency=min(eta_c, 1.0), memory_efficiency=min(eta_m, 1.0),
                      base_s=base_s, seq_s=seq_s, token_s=token_s, context_s=context_s,
                      step_overhead_s=step_s, layer_overhead_s=layer_s, groups=list(groups),
-                     predicted_s=predicted, profile=profile, dtype=dtype,
+                     predicted_s=predicted, profile=profile, dtype=dtype, eager_s=eager_s,
+                     graph_rows=graph_rows if eager_s else 0,
                      measured_peak_flops=base.peak(dtype),
                      measured_bandwidth=base.memory_bandwidth,
                      fitted=[bool(k) for k in keep])

@@ -62,6 +62,16 @@ class EngineMeasurement:
     threads: int
     attention: str
     skipped: list[str] = field(default_factory=list)
+    # decode steps of up to this many rows ran as a step graph (0: none did)
+    graph_rows: int = 0
+
+
+def _graph_rows(core: Any) -> int:
+    """The rows the engine's step graphs cover (0 without graphs); they are ready: the
+    measured engine waits for them (compilation.background=false)."""
+    runner = getattr(core.executor, "runner", None)
+    graphs = getattr(runner, "step_graphs", None)
+    return int(getattr(graphs, "max_rows", 0) or 0)
 
 
 class _Recorder:
@@ -156,6 +166,7 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
     shape = ModelShape.from_hf_config(source.hf_config, name=name)
     dtype = engine_dtype(engine_cfg)
     attention = core.backend_info.attention
+    graph_rows = _graph_rows(core)
     log(f"engine: {name} ({shape.num_params / 1e6:.0f} M params, {dtype}, "
         f"{torch.get_num_threads()} threads), loaded in {load_s:.1f} s")
 
@@ -239,7 +250,7 @@ def measure_engine(cfg: Any, *, prefill_lens: Sequence[int] = PREFILL_LENS,
                              samples=list(drv.recorder.samples), load_s=load_s,
                              measure_s=time.perf_counter() - t0,
                              threads=torch.get_num_threads(), attention=attention,
-                             skipped=skipped)
+                             skipped=skipped, graph_rows=graph_rows)
 
 
 # ----------------------------------------------------------------------------- fitting

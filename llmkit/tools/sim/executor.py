@@ -158,7 +158,9 @@ class SimExecutor(Executor):
         try:
             self.cost_model = CostModel(shape, self.hardware, self.dtype, tp,
                                         kv_dtype=_KV_DTYPE.get(config.kv_cache.cache_dtype),
-                                        pipeline_parallel_size=pp)
+                                        pipeline_parallel_size=pp,
+                                        # compilation.mode=eager: every step runs eagerly
+                                        step_graphs=config.compilation.mode == "graphs")
         except (KeyError, ValueError) as e:
             from llmkit.config.errors import ConfigError
             raise ConfigError("hardware", self.hardware.name, "", message=str(e).strip("'\"")
