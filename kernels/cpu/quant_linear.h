@@ -487,6 +487,107 @@ inline void float_tile_rows(int mr, const float* tile, int64_t kp, const float* 
   }
 }
 
+#if defined(LLMKIT_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Two weight groups at once (sixteen outputs: group g's eight, then g + 1's) in 512-bit lanes:
+// each lane runs exactly the 256-bit tile's operations for its output (the same exact integer
+// block sums, the same float32 chain), so the same bits, with half the instructions per row --
+// the small-batch linear is bound by them once a few rows share each weight load.
+#define LLMKIT_GROUP_PAIRS 1
+#define LLMKIT_KEEPV(v) asm("" : "+v"(v))
+
+inline __m512i load_pair(const void* a, const void* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+inline __m512 half16(const uint16_t* a, const uint16_t* b) {
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
+}
+inline __m512i bcast4_512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <Format F>
+constexpr bool kPairFormat = F == Format::Q4_0 || F == Format::Q4_1 || F == Format::Q8_0;
+
+template <Format F, int MR>
+void tile_pair(const uint8_t* g0, const uint8_t* g1, int64_t nbk, const TileRows& rows,
+               float (*res)[2 * kRows], const char* prefetch_end) {
+  constexpr int64_t bytes = sizeof(packed_block_t<F>);
+  __m512 acc[MR];
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  __m512i isum[MR];
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < nbk; ++blk) {
+    const uint8_t* p0 = g0 + blk * bytes;
+    const uint8_t* p1 = g1 + blk * bytes;
+    prefetch_block(p0, bytes, prefetch_end);
+    prefetch_block(p1, bytes, prefetch_end);
+    const auto* b0 = reinterpret_cast<const packed_block_t<F>*>(p0);
+    const auto* b1 = reinterpret_cast<const packed_block_t<F>*>(p1);
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+    if constexpr (F == Format::Q4_0 || F == Format::Q4_1) {
+      LLMKIT_UNROLL for (int j = 0; j < 4; ++j) {
+        const __m512i raw = load_pair(&b0->qs[j][0][0], &b1->qs[j][0][0]);
+        const __m512i lo = _mm512_and_si512(raw, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+          const int8_t* xq = rows.q[i] + blk * kBlock;
+          isum[i] = _mm512_dpbusd_epi32(isum[i], lo, bcast4_512(xq + 4 * j));
+          isum[i] = _mm512_dpbusd_epi32(isum[i], hi, bcast4_512(xq + 16 + 4 * j));
+          LLMKIT_KEEPV(isum[i]);
+        }
+      }
+      if constexpr (F == Format::Q4_0) {
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i)
+          isum[i] = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(rows.meta[i][blk].sum8));
+      }
+    } else {  // Q8_0: |w| x (x with w's sign), as q8_isums (a zero w's product is zero either way)
+      const __m512i zero = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = load_pair(&b0->qs[j][0][0], &b1->qs[j][0][0]);
+        const __m512i aw = _mm512_abs_epi8(w);  // as unsigned: -128 -> 128
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+          const __m512i x = bcast4_512(rows.q[i] + blk * kBlock + 4 * j);
+          isum[i] = _mm512_dpbusd_epi32(isum[i], aw, _mm512_mask_sub_epi8(x, neg, zero, x));
+          LLMKIT_KEEPV(isum[i]);
+        }
+      }
+    }
+    const __m512 dw = half16(b0->d, b1->d);
+    LLMKIT_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m512 t = _mm512_mul_ps(_mm512_set1_ps(rows.meta[i][blk].d), _mm512_cvtepi32_ps(isum[i]));
+      acc[i] = _mm512_fmadd_ps(dw, t, acc[i]);
+    }
+    if constexpr (F == Format::Q4_1) {
+      const __m512 mw = half16(b0->m, b1->m);
+      LLMKIT_UNROLL for (int i = 0; i < MR; ++i)
+        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(rows.meta[i][blk].sq), acc[i]);
+    }
+  }
+  LLMKIT_UNROLL for (int i = 0; i < MR; ++i) _mm512_storeu_ps(res[i], acc[i]);
+}
+
+template <Format F>
+void run_tile_pair(const uint8_t* g0, const uint8_t* g1, int64_t nbk, int mr, const TileRows& rows,
+                   float (*res)[2 * kRows], const char* prefetch_end) {
+  switch (mr) {
+    case 1: return tile_pair<F, 1>(g0, g1, nbk, rows, res, prefetch_end);
+    case 2: return tile_pair<F, 2>(g0, g1, nbk, rows, res, prefetch_end);
+    case 3: return tile_pair<F, 3>(g0, g1, nbk, rows, res, prefetch_end);
+    case 4: return tile_pair<F, 4>(g0, g1, nbk, rows, res, prefetch_end);
+    case 5: return tile_pair<F, 5>(g0, g1, nbk, rows, res, prefetch_end);
+    case 6: return tile_pair<F, 6>(g0, g1, nbk, rows, res, prefetch_end);
+    case 7: return tile_pair<F, 7>(g0, g1, nbk, rows, res, prefetch_end);
+    default: return tile_pair<F, 8>(g0, g1, nbk, rows, res, prefetch_end);
+  }
+}
+#endif
+
 }  // namespace avx2
 #endif
 
@@ -574,6 +675,31 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
       const int64_t mc_end = std::min(rows, mc + kRowChunk);
       for (int64_t g = begin; g < end; ++g) {
         const uint8_t* group = packed + g * group_stride;
+#if defined(LLMKIT_GROUP_PAIRS)
+        if constexpr (!kFloatAct && avx2::kPairFormat<F>) {
+          // (one row streams the weight at memory speed either way: it keeps the 256-bit tile)
+          if (!use_portable && rows > 1 && g + 1 < end) {
+            float res2[kMaxTileRows][2 * kRows];
+            for (int64_t i0 = mc; i0 < mc_end; i0 += kMaxTileRows) {
+              const int mr = static_cast<int>(std::min<int64_t>(kMaxTileRows, mc_end - i0));
+              TileRows tr;
+              for (int i = 0; i < mr; ++i) {
+                tr.q[i] = a.q_row(i0 + i);
+                tr.meta[i] = a.meta_row(i0 + i);
+                tr.xf[i] = a.xf_row(i0 + i);
+              }
+              avx2::run_tile_pair<F>(group, group + group_stride, nbk, mr, tr, res2,
+                                     i0 == 0 ? prefetch_end : nullptr);
+              for (int i = 0; i < mr; ++i) {
+                emit(g, i0 + i, res2[i]);
+                emit(g + 1, i0 + i, res2[i] + kRows);
+              }
+            }
+            ++g;
+            continue;
+          }
+        }
+#endif
         for (int64_t i0 = mc; i0 < mc_end; i0 += kMaxTileRows) {
           const int mr = static_cast<int>(std::min<int64_t>(kMaxTileRows, mc_end - i0));
           TileRows tr;
