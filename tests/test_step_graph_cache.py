@@ -98,3 +98,26 @@ def test_graph_key_follows_the_structure(tiny_model_dir):
     norm = model.model.norm
     norm.eps_for_test = 1e-3
     assert graph_key(model, kv, block_table_width=8) != key
+
+
+def test_the_key_is_the_same_in_another_process(tiny_model_dir, tmp_path):
+    """The same config on the same machine finds its saved graphs: nothing that varies from
+    one process to the next (an object's id, a timed figure) enters the key. (Two starts of
+    one config that traced under two keys had run different code: a commit between them
+    changed the model's modules.) Nothing is compiled: the platform's graphs object only."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom llmkit import LLM\n"
+              "r = LLM(sys.argv[1], dtype='float32', compilation={'mode': 'graphs', "
+              "'compile_missing': False, 'cache_dir': sys.argv[2]}).engine.executor.runner\n"
+              "print('KEY', r.make_step_graphs(r.model, r.kv_caches)._key(16))\n")
+    model_dir = str(tiny_model_dir("llama"))
+
+    def key_in_a_process():
+        out = subprocess.run([sys.executable, "-c", script, model_dir, str(tmp_path)],
+                             capture_output=True, text=True, check=True, timeout=300).stdout
+        return [line for line in out.splitlines() if line.startswith("KEY")]
+
+    first = key_in_a_process()
+    assert len(first) == 1 and key_in_a_process() == first
