@@ -12,21 +12,13 @@ import pytest
 from llmkit.cost_model.hardware import HardwareProfile, load_profile
 from llmkit.cost_model.model_shape import ModelShape
 from llmkit.cost_model.step_cost import CostModel
-from llmkit.engine.observe.step_trace import StepRecord, StepTrace
 from llmkit.tools.plan import cli as plan_cli
 from llmkit.tools.plan import recalibrate
 from llmkit.tools.plan.runner import Prediction
-from llmkit.tools.sim.frontend_cost import StreamRate, step_work
+
+from helpers.served_trace import smol_shape, write_served_trace
 
 C = 1.5e-3  # the front end's engine seconds per token streamed, in the synthetic trace
-
-
-def _shape() -> ModelShape:
-    return ModelShape.from_hf_config({
-        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-        "max_position_embeddings": 8192}, name="smol")
 
 
 def _profile(tmp_path: Path) -> HardwareProfile:
@@ -42,22 +34,8 @@ def _profile(tmp_path: Path) -> HardwareProfile:
 def _served_trace(path: Path, shape: ModelShape, hw: HardwareProfile) -> Path:
     served = CostModel(shape, HardwareProfile(**{**hw.as_dict(), "frontend_token_s": C}),
                        "float32")
-    trace = StepTrace(path)
-    shapes = [(0, 0, 0, 8, 8, 8 * 200), (1, 128, 128, 3, 3, 3 * 150),
-              (2, 64, 600, 0, 0, 0), (0, 0, 0, 24, 24, 24 * 170)] * 6
-    stream, t = StreamRate(), 0.0
-    for i, (pr, pt, pc, dr, dt, dc) in enumerate(shapes):
-        rec = StepRecord(step=i, start_s=t, schedule_ms=0.0, execute_ms=0.0, update_ms=0.0,
-                         num_reqs=pr + dr, scheduled_tokens=pt + dt, prefill_reqs=pr,
-                         prefill_tokens=pt, decode_reqs=dr, decode_tokens=dt, num_preempted=0,
-                         num_running=pr + dr, num_waiting=0, kv_usage=0.1, prefill_context=pc,
-                         decode_context=dc)
-        work = step_work(rec.to_dict())
-        rec.execute_ms = 1e3 * served.step(work, stream_rate=stream.at(t)).total_s
-        t += rec.execute_ms / 1e3
-        stream.add(t, len(work))
-        trace.steps.append(rec)
-    trace.write()
+    write_served_trace(path, served, [(0, 0, 0, 8, 8, 8 * 200), (1, 128, 128, 3, 3, 3 * 150),
+                                      (2, 64, 600, 0, 0, 0), (0, 0, 0, 24, 24, 24 * 170)] * 6)
     return path
 
 
@@ -72,7 +50,7 @@ def test_off_by_and_the_worst_miss():
 
 
 def test_the_front_end_term_is_fitted_from_the_served_trace(tmp_path):
-    shape, hw = _shape(), _profile(tmp_path)
+    shape, hw = smol_shape(), _profile(tmp_path)
     trace = _served_trace(tmp_path / "served.json", shape, hw)
     out = tmp_path / "out"
     out.mkdir()
@@ -88,7 +66,7 @@ def test_the_front_end_term_is_fitted_from_the_served_trace(tmp_path):
 def _run(tmp_path: Path, measured_goodput: float):
     """plan's _recalibrate on one verified candidate predicted at 1.0 req/s; the fake
     simulator predicts less the more the profile charges the front end."""
-    shape, hw = _shape(), _profile(tmp_path)
+    shape, hw = smol_shape(), _profile(tmp_path)
     out = tmp_path / f"plan-{measured_goodput}"
     (out / "verify").mkdir(parents=True)
     _served_trace(out / "verify" / "candidate-1-trace.json", shape, hw)

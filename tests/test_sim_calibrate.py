@@ -11,6 +11,8 @@ from llmkit.tools.compose import compose_tool_config
 from llmkit.tools.schema import SimToolConfig
 from llmkit.tools.sim.calibrate import profile_yaml
 
+from helpers.served_trace import smol_shape, write_served_trace
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -59,16 +61,6 @@ def test_profile_yaml_names_the_source_of_every_value():
 
 # --------------------------------------------------------------------------- engine calibration
 
-def _smol_shape():
-    from llmkit.cost_model.model_shape import ModelShape
-
-    return ModelShape.from_hf_config({
-        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-        "max_position_embeddings": 8192}, name="smol")
-
-
 def _groups(cm):
     """The shapes `calibrate engine` times, priced by ``cm``."""
     from llmkit.tools.sim.engine_fit import StepGroup
@@ -97,29 +89,15 @@ def test_frontend_cost_from_a_served_runs_step_trace(tmp_path):
     them at, R the tokens/s streamed lately, gives back c."""
     from llmkit.cost_model.hardware import HardwareProfile
     from llmkit.cost_model.step_cost import CostModel, SeqWork
-    from llmkit.engine.observe.step_trace import StepRecord, StepTrace
-    from llmkit.tools.sim.frontend_cost import StreamRate, frontend_cost_from_trace, step_work
+    from llmkit.tools.sim.frontend_cost import frontend_cost_from_trace, step_work
 
     c = 1.5e-3
-    shape, hw = _smol_shape(), _cpu(seq_overhead_s=1e-3, token_overhead_s=1e-3)
+    shape, hw = smol_shape(), _cpu(seq_overhead_s=1e-3, token_overhead_s=1e-3)
     served = CostModel(shape, HardwareProfile(**{**hw.as_dict(), "frontend_token_s": c}),
                        "float32")
-    trace = StepTrace(tmp_path / "served.json")
     shapes = [(0, 0, 0, 8, 8, 8 * 200), (1, 128, 128, 3, 3, 3 * 150), (0, 0, 0, 1, 1, 131),
               (2, 64, 600, 0, 0, 0), (0, 0, 0, 24, 24, 24 * 170)] * 6
-    stream, t = StreamRate(), 0.0
-    for i, (pr, pt, pc, dr, dt, dc) in enumerate(shapes):
-        rec = StepRecord(step=i, start_s=t, schedule_ms=0.0, execute_ms=0.0,
-                         update_ms=0.0, num_reqs=pr + dr, scheduled_tokens=pt + dt,
-                         prefill_reqs=pr, prefill_tokens=pt, decode_reqs=dr, decode_tokens=dt,
-                         num_preempted=0, num_running=pr + dr, num_waiting=0, kv_usage=0.1,
-                         prefill_context=pc, decode_context=dc)
-        work = step_work(rec.to_dict())
-        rec.execute_ms = 1e3 * served.step(work, stream_rate=stream.at(t)).total_s
-        t += rec.execute_ms / 1e3
-        stream.add(t, len(work))
-        trace.steps.append(rec)
-    trace.write()
+    trace = write_served_trace(tmp_path / "served.json", served, shapes)
     fit = frontend_cost_from_trace(trace.path, shape, hw, "float32")
     assert fit.num_steps == len(shapes) and fit.mean_rate > 10
     assert fit.token_s == pytest.approx(c, rel=1e-6) and fit.excess > 0.05
@@ -148,7 +126,7 @@ def test_engine_fit_recovers_the_terms_of_a_known_profile():
     from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.sim.engine_fit import fit_engine
 
-    shape = _smol_shape()
+    shape = smol_shape()
     truth = _cpu(compute_efficiency=0.4, memory_efficiency=0.6, step_overhead_s=2e-3,
                  layer_overhead_s=1e-3, seq_overhead_s=1.5e-3, token_overhead_s=2e-4,
                  context_overhead_s=5e-8)
@@ -170,7 +148,7 @@ def test_engine_fit_raises_a_peak_the_engine_beats_and_leaves_out_an_outlier():
     from llmkit.cost_model.step_cost import CostModel
     from llmkit.tools.sim.engine_fit import fit_engine
 
-    shape = _smol_shape()
+    shape = smol_shape()
     # the engine reaches 300 GFLOP/s, a busy microbenchmark measured 150: the peak is raised
     truth = _cpu(peak_flops={"float32": 300e9}, seq_overhead_s=1e-3, step_overhead_s=5e-3)
     groups = _groups(CostModel(shape, truth, "float32"))

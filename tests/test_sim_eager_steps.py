@@ -7,19 +7,12 @@ from __future__ import annotations
 import pytest
 
 from llmkit.cost_model.hardware import HardwareProfile
-from llmkit.cost_model.model_shape import ModelShape
 from llmkit.cost_model.step_cost import CostModel
 from llmkit.tools.sim.engine_fit import StepGroup, fit_engine, is_eager
 
+from helpers.served_trace import smol_shape
+
 EAGER = 9e-3
-
-
-def _shape() -> ModelShape:
-    return ModelShape.from_hf_config({
-        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-        "max_position_embeddings": 8192}, name="smol")
 
 
 def _cpu(**kw) -> HardwareProfile:
@@ -33,7 +26,7 @@ def _decode(rows: int, ctx: int = 133) -> list[tuple[int, int, bool]]:
 
 
 def test_only_steps_outside_the_graphs_pay_the_eager_term():
-    shape = _shape()
+    shape = smol_shape()
     plain = CostModel(shape, _cpu(seq_overhead_s=1e-3), "float32")
     graphs = CostModel(shape, _cpu(seq_overhead_s=1e-3, step_graph_max_rows=8,
                                    eager_step_s=EAGER), "float32")
@@ -71,7 +64,7 @@ def _groups(cm: CostModel) -> list[StepGroup]:
 
 
 def test_engine_fit_recovers_the_eager_term():
-    shape = _shape()
+    shape = smol_shape()
     truth = _cpu(compute_efficiency=0.4, memory_efficiency=0.6, step_overhead_s=2e-3,
                  layer_overhead_s=1e-4, seq_overhead_s=1.0e-3, token_overhead_s=5e-4,
                  step_graph_max_rows=8, eager_step_s=EAGER)
