@@ -29,6 +29,20 @@ def load_prompts(llm) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
+def make_engines(k: int | None, threads: int) -> tuple[dict, dict, dict]:
+    """No speculation and ngram (K = ``k`` or the default), their speculative config and the
+    config both share. Step graphs compile before ``LLM`` returns (``compilation.background=
+    false``, as ``llmkit bench`` does), so a cold cache times graphs, not eager steps."""
+    from llmkit import LLM
+
+    spec: dict = {"name": "ngram"}
+    if k:
+        spec["num_speculative_tokens"] = k
+    common = {"platform": {"num_threads": threads}, "compilation": {"background": False}}
+    return ({"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)},
+            spec, common)
+
+
 def run(llm, prompts: list[list[int]], max_tokens: int, salt: str) -> dict:
     from llmkit import SamplingParams
 
@@ -100,11 +114,7 @@ def main() -> None:
 
     from llmkit import LLM
 
-    spec = {"name": "ngram"}
-    if args.k:
-        spec["num_speculative_tokens"] = args.k
-    common = {"platform": {"num_threads": args.threads}}
-    engines = {"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)}
+    engines, spec, common = make_engines(args.k, args.threads)
     compared = [e for e in args.engines.split(",") if e]
     if args.adaptive_batch or "adaptive" in compared:
         engines["adaptive"] = LLM(None, speculative={**spec, "adaptive": True,
@@ -112,9 +122,6 @@ def main() -> None:
                                   **common)
     prompts = load_prompts(engines["none"])
     for llm in engines.values():  # warm-up: first-step costs are no part of any figure
-        pending = llm.engine.executor.runner.pending_graphs
-        if pending is not None:  # a cold compile cache: time the step graphs, not eager steps
-            pending.wait()
         run(llm, prompts[:4], 32, "warmup")
     results = []
     for batch in [int(b) for b in args.batches.split(",") if b]:

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-DATA = Path(__file__).parent / "data" / "copy_prompts.jsonl"
+from bench_spec_decode import load_prompts, make_engines
 
 
 class Phases:
@@ -106,15 +106,14 @@ CURRENT: list = []
 
 
 def instrument_modules() -> None:
-    """The runner calls these module functions by name: one wrapper for both engines, adding
-    to the engine in use (``CURRENT``)."""
-    import llmkit.worker.forward_pass as fp
+    """The runner's forward (a method of every runner) and the module functions it calls by
+    name: one wrapper for both engines, adding to the engine in use (``CURRENT``)."""
     import llmkit.worker.model_runner as mr
 
     cur = lambda: CURRENT[0]  # noqa: E731
-    wrap(mr, "forward", cur, "forward")
+    wrap(mr.ModelRunner, "_forward", cur, "forward")
     wrap(mr, "sample_step", cur, "sample")
-    base_gc = fp._graph_computes
+    base_gc = mr._graph_computes
 
     def counted(*a, **kw):
         r = base_gc(*a, **kw)
@@ -122,7 +121,7 @@ def instrument_modules() -> None:
         ph.graph[(ph.kind, bool(r))] += 1
         return r
 
-    fp._graph_computes = counted
+    mr._graph_computes = counted
 
 
 def run(llm, prompts, max_tokens: int, salt: str) -> tuple[int, float, float]:
@@ -144,20 +143,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from llmkit import LLM
-
-    spec = {"name": "ngram"}
-    if args.k:
-        spec["num_speculative_tokens"] = args.k
-    common = {"platform": {"num_threads": args.threads}}
-    engines = {"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)}
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-    prompts = [engines["none"].apply_chat_template([{"role": "user", "content": r["prompt"]}])
-               for r in rows]
+    engines, _, _ = make_engines(args.k, args.threads)
+    prompts = load_prompts(engines["none"])
     for llm in engines.values():
-        pending = llm.engine.executor.runner.pending_graphs
-        if pending is not None:  # a cold compile cache: time the graphs, not eager steps
-            pending.wait()
         run(llm, prompts[:2], 32, "warmup")
     for name, llm in engines.items():
         print(f"{name}: step graphs {llm.engine.executor.runner.step_graphs}")
