@@ -212,14 +212,7 @@ class KVCacheManager(KVCacheManagerBase):
                 if self.prefix_counters.pending is request:
                     self.prefix_counters.admitted(request, num_new_computed_tokens)
                 if self.enable_prefix_caching:
-                    num_tokens = len(request.all_token_ids)
-                    num_full = (num_known if num_known < num_tokens else num_tokens) // bs
-                    num_cached = self.num_cached_blocks.get(rid, 0)
-                    if num_full > num_cached:
-                        hashes = extend_block_hashes(request, num_full, bs)
-                        self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached,
-                                                          num_full)
-                        self.num_cached_blocks[rid] = num_full
+                    self._cache_full_blocks(request, req_blocks, num_known, 0)
                 return []
         pool = self.block_pool
         num_held = len(req_blocks) if req_blocks is not None else 0
@@ -267,19 +260,25 @@ class KVCacheManager(KVCacheManagerBase):
         if self.enable_prefix_caching and delay_cache_blocks:
             self.num_cached_blocks[rid] = max(self.num_cached_blocks.get(rid, 0), num_hit_blocks)
         elif self.enable_prefix_caching:
-            num_known = num_computed + num_new_tokens
-            if num_known > request.num_tokens:
-                num_known = request.num_tokens
-            num_full = num_known // bs
-            num_cached = self.num_cached_blocks.get(rid, 0)
-            if num_cached < num_hit_blocks:
-                num_cached = num_hit_blocks
-            if num_full > num_cached:
-                hashes = extend_block_hashes(request, num_full, bs)
-                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-                num_cached = num_full
-            self.num_cached_blocks[rid] = num_cached
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens,
+                                    num_hit_blocks)
         return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
+                           num_known: int, num_hit_blocks: int) -> None:
+        """Cache the request's blocks that ``num_known`` tokens fill (a hit block is cached
+        already)."""
+        rid = request.request_id
+        num_tokens = request.num_tokens
+        num_full = (num_known if num_known < num_tokens else num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(rid, 0)
+        if num_cached < num_hit_blocks:
+            num_cached = num_hit_blocks
+        if num_full > num_cached:
+            hashes = extend_block_hashes(request, num_full, self.block_size)
+            self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+            num_cached = num_full
+        self.num_cached_blocks[rid] = num_cached
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix is evicted last."""
