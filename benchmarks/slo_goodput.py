@@ -50,6 +50,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from llmkit.tools.bench.cli import graphs_before_timing
+
 from llmkit.executor.multiproc import free_port
 from server_health import wait_healthy  # benchmarks/: run as a script, its folder is on the path
 
@@ -155,15 +157,6 @@ def serve(model: list[str], overrides: list[str], log: Path,
     wait_healthy(p, url, lambda: log.read_text(errors="replace")[-3000:], timeout=900,
                  interval=0.5)
     return p, url
-
-
-def _wait_for_graphs(overrides: list[str]) -> list[str]:
-    """An llmkit server answers /health once its step graphs are in place: on a cold compile
-    cache they would otherwise compile beside the first rate's requests, and that rate would
-    measure a cold start."""
-    if any(o.lstrip("+~").startswith("compilation.background=") for o in overrides):
-        return overrides
-    return ["compilation.background=false", *overrides]
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -313,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"== {name}: llmkit serve "
                   f"{' '.join(model + table[name] + args.serve_override)}", flush=True)
-        proc, url = serve(model, _wait_for_graphs(table[name] + args.serve_override),
+        # the server answers /health once its graphs are in place: no rate measures a cold start
+        proc, url = serve(model, graphs_before_timing(table[name] + args.serve_override),
                           logs / f"{name}.log",
                           cmd=cmd, port=port, env=env)
         try:

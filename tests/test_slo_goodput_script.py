@@ -73,7 +73,7 @@ def test_vllm_column_is_skipped_without_vllm(tmp_path, capsys):
 
 
 def test_llmkit_servers_wait_for_their_step_graphs():
-    assert slo_goodput._wait_for_graphs(["recipe=r.yaml"]) == [
+    assert slo_goodput.graphs_before_timing(["recipe=r.yaml"]) == [
         "compilation.background=false", "recipe=r.yaml"]
-    assert slo_goodput._wait_for_graphs(["compilation.background=true"]) == [
+    assert slo_goodput.graphs_before_timing(["compilation.background=true"]) == [
         "compilation.background=true"]

@@ -117,6 +117,15 @@ def _plot(args: Any, load_config: Callable[..., Any], out: Any) -> int:
     return 0
 
 
+def graphs_before_timing(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with ``compilation.background=false`` first, unless they set it: time the
+    engine users run, not one whose step graphs compile beside the timed steps on a cold cache
+    and swap in mid-run (or never, in a short run)."""
+    if any(o.lstrip("+~").startswith("compilation.background=") for o in overrides):
+        return list(overrides)
+    return ["compilation.background=false", *overrides]
+
+
 def run_bench(args: Any, load_config: Callable[..., Any], out=None) -> int:
     """Run ``args.subcommand``; ``load_config(args, overrides, tool=BenchToolConfig)``
     composes one run's config."""
@@ -129,11 +138,8 @@ def run_bench(args: Any, load_config: Callable[..., Any], out=None) -> int:
         if sub == "plot":
             return _plot(args, load_config, out)
         overrides = rewrite_shorthands(args.overrides)
-        if sub in ("latency", "throughput") and not any(
-                o.lstrip("+~").startswith("compilation.background=") for o in overrides):
-            # Time the engine users run: on a cold compile cache the step graphs would compile
-            # beside the timed steps and swap in mid-run (or never, in a short run).
-            overrides = ["compilation.background=false", *overrides]
+        if sub in ("latency", "throughput"):
+            overrides = graphs_before_timing(overrides)
         points = sweep_points(overrides, args.multirun)
         # Compose every point first: a bad value fails before anything runs.
         configs = [(load_config(args, run, tool=BenchToolConfig), sweep)

@@ -63,13 +63,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _wait_for_graphs(overrides: Sequence[str]) -> list[str]:
-    """``overrides`` with ``compilation.background=false`` first, unless they set it."""
-    if any(o.lstrip("+~").startswith("compilation.background=") for o in overrides):
-        return list(overrides)
-    return ["compilation.background=false", *overrides]
-
-
 def measure(cfg: Any, recipe: Path, *, model: str | None, overrides: Sequence[str],
             out_dir: Path, name: str, log: Callable[[str], None],
             trace: Path | None = None) -> dict[str, Any]:
@@ -77,6 +70,7 @@ def measure(cfg: Any, recipe: Path, *, model: str | None, overrides: Sequence[st
     with ``cfg``'s workload and SLO against it; returns the result document (written to
     ``out_dir/<name>.json`` with its figure). ``trace``: the server records its steps there
     (``observability.trace_file``, written when it stops)."""
+    from llmkit.tools.bench.cli import graphs_before_timing
     from llmkit.tools.bench.results import write_result
     from llmkit.tools.bench.serve import run_serve
 
@@ -84,7 +78,7 @@ def measure(cfg: Any, recipe: Path, *, model: str | None, overrides: Sequence[st
     port = free_port()
     cmd = [sys.executable, "-m", "llmkit.entrypoints.cli", "serve",
            *([model] if model else []), f"recipe={recipe}", "server.host=127.0.0.1",
-           f"server.port={port}", *_wait_for_graphs(overrides),
+           f"server.port={port}", *graphs_before_timing(overrides),
            *([f"observability.trace_file={trace}"] if trace is not None else [])]
     log_path = out_dir / f"{name}-server.log"
     log(f"verify {name}: {' '.join(cmd[3:])} (log: {log_path})")
