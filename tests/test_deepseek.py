@@ -2,10 +2,13 @@
 DeepSeek's MoE routers, against Hugging Face transformers on tiny random checkpoints.
 
 The checkpoints set what would otherwise go untested: V2 with ``q_lora_rank`` and
-``group_limited_greedy`` over 4 groups, V2-Lite's shape (no ``q_lora_rank``, greedy), V3 with a
+``group_limited_greedy`` over 4 groups choosing 3 experts from 2 groups (with no more experts
+than groups the group limit never changes a choice), V2-Lite's shape (no ``q_lora_rank``, greedy), V3 with a
 non-zero ``e_score_correction_bias``, 4 groups, interleaved rope, YaRN with ``mscale`` unlike
 ``mscale_all_dim`` (so both the cos/sin factor and the softmax scale differ from 1), a dense
-first layer, and ``v_head_dim`` unlike the q/k head dims."""
+first layer, and ``v_head_dim`` unlike the q/k head dims; test_the_checkpoint_sets_what_matters
+shows each changes transformers' own tokens. Every greedy case runs under chunked prefill,
+preemption and prefix hits at once (test_same_tokens_under_chunking_preemption_and_hits)."""
 from __future__ import annotations
 
 import random
@@ -27,7 +30,8 @@ V3_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                beta_fast=32, beta_slow=1)
 CASES = {
     "v2": ("DeepseekV2Config", dict(q_lora_rank=48, topk_method="group_limited_greedy",
-                                    n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+                                    n_group=4, topk_group=2, num_experts_per_tok=3,
+                                    routed_scaling_factor=1.5)),
     "v2_lite": ("DeepseekV2Config", dict(q_lora_rank=None, topk_method="greedy",
                                          n_shared_experts=2, num_hidden_layers=2)),
     "v3": ("DeepseekV3Config", dict(q_lora_rank=48, n_group=4, topk_group=2,
@@ -175,6 +179,65 @@ def test_same_tokens_with_prefix_cache_hits(checkpoint):
     assert all(o.num_cached_tokens == PREFIX for o in rest)
     assert [o.outputs[0].token_ids for o in first + rest] == [expected[3]] + expected[4:]
     _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("case,mla", [(c, "absorbed") for c in GREEDY_CASES] +
+                         [("v2", "expanded")])
+def test_same_tokens_under_chunking_preemption_and_hits(checkpoint, case, mla):
+    """Every case at once under the three: each prompt twice (12 requests; the repeats and
+    the prompts sharing prompt 3's prefix hit the cache), 8 tokens a step (prompts cross
+    steps), and 24 blocks of 4 tokens for requests of up to 61 tokens (preemptions)."""
+    model_dir, prompts, expected = checkpoint(case)
+    llm, got = _generate(model_dir, prompts + prompts, overrides=[f"model.mla={mla}"],
+                         kv_cache={"num_blocks": 24, "block_size": 4},
+                         scheduler={"max_num_batched_tokens": 8})
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    for i, (g, want) in enumerate(zip(got, expected + expected)):
+        assert g == want, f"request {i} differs from HF"
+    _assert_all_blocks_free(llm)
+
+
+def _hf_greedy_with_zero_bias(model_dir, prompts) -> list[list[int]]:
+    """HF's greedy tokens with every ``e_score_correction_bias`` set to zero."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(b.abs().sum() > 0 for b in biases)
+    outs = []
+    with torch.inference_mode():
+        for b in biases:
+            b.zero_()
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS,
+                                 pad_token_id=model.generation_config.eos_token_id)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+# What, set back to a default, changes HF's own greedy tokens (so the parity tests test it).
+MATTERS = {
+    "v2": [{"n_group": 1, "topk_group": 1}, {"topk_method": "greedy"}],
+    "v3": [{"n_group": 1, "topk_group": 1}, {"rope_interleave": False},
+           {"rope_parameters": {**V3_YARN, "mscale_all_dim": 0.0}},
+           {"rope_parameters": {**V3_YARN, "mscale": 1.0}}],
+}
+
+
+@pytest.mark.parametrize("case", list(MATTERS))
+def test_the_checkpoint_sets_what_matters(checkpoint, case):
+    """Each non-default value the greedy cases set (V2's group-limited choice, V3's groups,
+    interleaved rope, YaRN's mscale and mscale_all_dim, the correction bias) changes
+    transformers' own tokens, or the parity tests could not see it read wrongly."""
+    model_dir, prompts, expected = checkpoint(case)
+    assert all(len(t) == MAX_TOKENS for t in expected)
+    for overrides in MATTERS[case]:
+        assert hf_greedy(model_dir, prompts, MAX_TOKENS, **overrides) != expected, overrides
+    if case == "v3":
+        assert _hf_greedy_with_zero_bias(model_dir, prompts) != expected
 
 
 def test_expanded_mla_gives_the_same_tokens_at_many_times_the_bytes(checkpoint):
