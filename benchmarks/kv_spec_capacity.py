@@ -168,10 +168,12 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
     from llmkit.sampling.params import SamplingParams
 
     tok = build_tokenizer()
+    # "<model_type>/<variant>": expanded = model.mla=expanded; full = every layer full
+    # attention (the same tiny Gemma 3 with layer_types all "full_attention")
     runs = [("deepseek_v2", "DeepseekV2ForCausalLM", 1024),
             ("deepseek_v2/expanded", "DeepseekV2ForCausalLM", 1024), ("gemma3_text",
-             "Gemma3ForCausalLM", 8192), ("bamba", "BambaForCausalLM", 1024),
-            ("bamba", "BambaForCausalLM", 8192)]
+             "Gemma3ForCausalLM", 8192), ("gemma3_text/full", "Gemma3ForCausalLM", 8192),
+            ("bamba", "BambaForCausalLM", 1024), ("bamba", "BambaForCausalLM", 8192)]
     print(f"\nreal engine (tiny random checkpoints, {dtype}, kv_cache.block_size {block_size}; "
           f"pool {pool / 2**20:.0f} MiB): blocks held by one request after its prefill and "
           "one decode step")
@@ -180,12 +182,16 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         built: dict[str, Path] = {}
         for label, arch, ctx in runs:
-            model_type, _, mla = label.partition("/")
+            model_type, _, variant = label.partition("/")
+            mla = "expanded" if variant == "expanded" else "absorbed"
             if arch not in MODELS:
                 print(f"  {label:20s} {ctx:7d}  (no {arch} in llmkit yet)")
                 continue
-            if model_type not in built:
-                kw = {k: v for k, v in TINY[model_type].items() if k != "model_type"}
+            kw = {k: v for k, v in TINY[model_type].items() if k != "model_type"}
+            if variant == "full":
+                kw = dict(kw, layer_types=["full_attention"] * kw["num_hidden_layers"])
+            key = model_type + ("/full" if variant == "full" else "")
+            if key not in built:
                 cfg = transformers.AutoConfig.for_model(
                     model_type, **dict(kw, vocab_size=len(tok),
                                        bos_token_id=tok.bos_token_id,
@@ -194,11 +200,10 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
                 cfg.architectures = [arch]
                 torch.manual_seed(0)
                 model = transformers.AutoModelForCausalLM.from_config(cfg)
-                built[model_type] = Path(tmp) / model_type
-                model.save_pretrained(built[model_type])
-                tok.save_pretrained(built[model_type])
-            llm = LLM(str(built[model_type]), dtype=dtype,
-                      overrides=[f"model.mla={mla or 'absorbed'}"],
+                built[key] = Path(tmp) / key.replace("/", "-")
+                model.save_pretrained(built[key])
+                tok.save_pretrained(built[key])
+            llm = LLM(str(built[key]), dtype=dtype, overrides=[f"model.mla={mla}"],
                       kv_cache={"num_blocks": 4 + 2 * -(-(ctx + 1) // block_size) * 8,
                                 "block_size": block_size},
                       scheduler={"max_num_batched_tokens": ctx + 16, "max_num_seqs": 4})
@@ -211,7 +216,8 @@ def engine_check(block_size: int, pool: int, dtype: str) -> None:
             per_block = core.executor.kv_cache_bytes_per_block()
             bs = core.kv_cache_manager.block_size
             engine_bytes = held * per_block
-            specs = shape(TINY[model_type], model_type).with_mla(mla).kv_footprint(dtype)
+            s = shape(TINY[model_type], model_type).with_mla(mla)
+            specs = (all_full(s) if variant == "full" else s).kv_footprint(dtype)
             # the hybrid manager keeps one null block out of the pool
             null = 1 if core.kv_cache_manager.__class__.__name__.startswith("Hybrid") else 0
             fits = (pool // per_block - null) // held
