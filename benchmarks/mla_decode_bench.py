@@ -4,12 +4,13 @@ KV bytes per token and blocks of a fixed pool as the engine allocates them, the 
 at a context that pool holds, and decode tokens/s at batch 1 and 32.
 
     GOMP_SPINCOUNT=1000 python benchmarks/mla_decode_bench.py [--rounds 3] [--threads 2]
+        [--prompt-len 128]
 
 Decode tokens/s of a batch of B prompts: ``B * D / (t(1 + D tokens) - t(1 token))``, so the
 prompts' prefill is subtracted. The two modes' engines live in one process and are timed
-alternately, ``--rounds`` times; the median and the range are printed. The CPU ops of the
-absorbed path are the torch reference until a platform overrides ``mla_decode_attention``;
-the expanded path runs the platform's paged attention backend.
+alternately, ``--rounds`` times; the median and the range are printed. On the CPU platform
+the absorbed path's decode-only steps run the C++ MLA kernel (``kernels/cpu/mla_attention.h``;
+prefill chunks the torch reference), the expanded path the platform's paged attention.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ SHAPE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
              qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
              moe_intermediate_size=128, n_shared_experts=1, first_k_dense_replace=1,
              num_hidden_layers=4, max_position_embeddings=2048, topk_method="greedy")
-PROMPT_LEN = 128
 
 
 def build_checkpoint(out: Path) -> Path:
@@ -43,10 +43,10 @@ def build_checkpoint(out: Path) -> Path:
     return out
 
 
-def decode_seconds(llm, batch: int, decode: int) -> float:
+def decode_seconds(llm, batch: int, decode: int, prompt_len: int) -> float:
     from llmkit import SamplingParams
 
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 600 + 5 for j in range(PROMPT_LEN)]}
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 600 + 5 for j in range(prompt_len)]}
                for i in range(batch)]
 
     def run(n: int) -> float:
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="platform.num_threads (0: all)")
     ap.add_argument("--pool-mib", type=float, default=64.0)
     ap.add_argument("--context", type=int, default=1024, help="for the largest batch")
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens before the decode")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_checkpoint(Path(tmp)))
@@ -82,7 +83,8 @@ def main() -> None:
         print(f"DeepSeek-V2 random checkpoint: {SHAPE['num_hidden_layers']} layers, "
               f"{SHAPE['num_attention_heads']} heads, qk {SHAPE['qk_nope_head_dim']}+"
               f"{SHAPE['qk_rope_head_dim']}, v {SHAPE['v_head_dim']}, kv_lora_rank "
-              f"{SHAPE['kv_lora_rank']}; float32; pool {args.pool_mib:g} MiB")
+              f"{SHAPE['kv_lora_rank']}; float32; pool {args.pool_mib:g} MiB; prompts of "
+              f"{args.prompt_len}, {args.decode} decode tokens")
         facts = {}
         for mode, llm in engines.items():
             runner = llm.engine.executor.runner
@@ -97,10 +99,11 @@ def main() -> None:
         for batch in (1, 32):
             times: dict[str, list[float]] = {m: [] for m in engines}
             for mode, llm in engines.items():  # warm-up
-                decode_seconds(llm, batch, 2)
+                decode_seconds(llm, batch, 2, args.prompt_len)
             for _ in range(args.rounds):
                 for mode, llm in engines.items():
-                    times[mode].append(decode_seconds(llm, batch, args.decode))
+                    times[mode].append(decode_seconds(llm, batch, args.decode,
+                                                       args.prompt_len))
             rates = {m: [batch * args.decode / t for t in ts] for m, ts in times.items()}
             for mode, rs in rates.items():
                 print(f"  batch {batch:2d} {mode:9s} decode tok/s median "
