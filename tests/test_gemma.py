@@ -185,20 +185,28 @@ def test_chunked_prefill_keeps_windows_bounded(reference):
     assert_blocks_back(llm)
 
 
-def test_preemption(reference):
+def test_preemption(reference, caplog):
     arch, model_dir, prompts, expected = reference
     # a pool that holds the longest request but not every request at once; for Gemma 3 (three
     # equal-size groups, two of them sliding) too small for the 40-token prompt's blocks in one
     # chunk (3 x 10 > 27): the scheduler runs it in shorter chunks instead of refusing it
     blocks = 28
-    llm, got = greedy(model_dir, prompts, kv_cache={"num_blocks": blocks, "block_size": 4})
+    with caplog.at_level("INFO", logger="llmkit"):
+        llm, got = greedy(model_dir, prompts, kv_cache={"num_blocks": blocks, "block_size": 4})
+    # start-up says the groups and their blocks
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("KV cache groups: ")]
+    assert len(said) == 1
+    assert f"sliding_window({WINDOW})" in said[0] and " x full [layers " in said[0]
+    assert f"; {blocks} blocks of 4 tokens" in said[0]
     assert llm.engine.stats().num_preemptions_total > 0
     assert got == expected
     assert_blocks_back(llm)
 
 
 def test_prefix_cache_hits(reference):
-    """Repeated prompts hit the cache (the longest prefix every group serves)."""
+    """Repeated prompts hit the cache (the longest prefix every group serves): one prompt,
+    then all 7 twice."""
     arch, model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), dtype="float32", kv_cache={"block_size": 4})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -207,6 +215,11 @@ def test_prefix_cache_hits(reference):
     assert again[0].num_cached_tokens > 0 and again[2].num_cached_tokens > 0
     assert [o.outputs[0].token_ids for o in first + again] == \
         [expected[3], expected[3], expected[5], expected[3]]
+    # every prompt, then every prompt again: each of the second round longer than a block hits
+    once = llm.generate(prompts, params, use_tqdm=False)
+    twice = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o, p in zip(twice, prompts) if len(p) > 4)
+    assert [o.outputs[0].token_ids for o in once + twice] == expected + expected
     assert_blocks_back(llm)
 
 
