@@ -76,6 +76,18 @@ def test_several_groups_each_reported_and_recomputed_a_few_times_a_second():
         'llmkit:kv_cache_group_usage_perc{group="1:sliding_window(8)",model_name="m"}': 0.05}
 
 
+def test_an_emptied_pool_reports_zero_at_once():
+    """The step that frees the last blocks, often the last before the engine idles, reports
+    them free even within MIN_INTERVAL_S of the last walk (else /metrics and the engine page
+    would show blocks held until the next request)."""
+    kv, now = TwoGroups(), [0.0]
+    usage = KVGroupUsage(kv, clock=lambda: now[0])
+    assert usage()["0:full"] == 0.4
+    kv.usage, kv.value = 0.0, {"0:full": 0.0, "1:sliding_window(8)": 0.0}
+    now[0] += MIN_INTERVAL_S / 10
+    assert usage() == kv.value and kv.calls == 2
+
+
 def test_data_parallel_cores_weigh_each_group_by_their_blocks():
     a = SchedulerStats(1, 0, 0.5, 0, 0, 0, kv_usage_by_group={"0:full": 0.5, "1:mla": 0.25})
     b = SchedulerStats(1, 0, 0.1, 0, 0, 0, kv_usage_by_group={"0:full": 0.1})

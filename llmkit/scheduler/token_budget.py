@@ -290,8 +290,9 @@ class TokenBudgetScheduler(Scheduler):
 # The manager's ``kv_usage_by_group()`` maps each group (``"<index>:<spec>"``, e.g. ``"0:full"``)
 # to the fraction of the pool its requests hold. With one group that is the pool's usage (O(1));
 # with several it walks the blocks held, so it is recomputed at most every
-# ``MIN_INTERVAL_S`` of wall time and the last figures are reported in between: the snapshot is
-# made every step, its readers (``/metrics``, the engine page) look a few times a second.
+# ``MIN_INTERVAL_S`` of wall time (and whenever the pool holds nothing) and the last figures are
+# reported in between: the snapshot is made every step, its readers (``/metrics``, the engine
+# page) look a few times a second.
 MIN_INTERVAL_S = 0.25
 
 
@@ -308,6 +309,9 @@ class KVGroupUsage:
         if kv.num_groups <= 1:
             return by_group()
         now = self.clock()
-        if now - self._at >= MIN_INTERVAL_S:
+        # An empty pool is walked at once (nothing to walk): the step that frees the last
+        # request's blocks is often the engine's last before it idles, and a throttled figure
+        # would then show the groups holding blocks on /metrics and the engine page for good.
+        if now - self._at >= MIN_INTERVAL_S or kv.usage == 0.0:
             self._last, self._at = by_group(), now
         return dict(self._last)
