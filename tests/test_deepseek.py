@@ -2,13 +2,14 @@
 DeepSeek's MoE routers, against Hugging Face transformers on tiny random checkpoints.
 
 The checkpoints set what would otherwise go untested: V2 with ``q_lora_rank`` and
-``group_limited_greedy`` over 4 groups choosing 3 experts from 2 groups (with no more experts
-than groups the group limit never changes a choice), V2-Lite's shape (no ``q_lora_rank``, greedy), V3 with a
-non-zero ``e_score_correction_bias``, 4 groups, interleaved rope, YaRN with ``mscale`` unlike
-``mscale_all_dim`` (so both the cos/sin factor and the softmax scale differ from 1), a dense
-first layer, and ``v_head_dim`` unlike the q/k head dims; test_the_checkpoint_sets_what_matters
-shows each changes transformers' own tokens. Every greedy case runs under chunked prefill,
-preemption and prefix hits at once (test_same_tokens_under_chunking_preemption_and_hits)."""
+``group_limited_greedy`` choosing 3 experts from 2 of 4 groups (choosing no more experts than
+groups allowed, the group limit never changes a choice), V2-Lite's shape (no ``q_lora_rank``,
+greedy), V3 with a non-zero ``e_score_correction_bias``, 4 groups, interleaved rope, YaRN with
+``mscale`` unlike ``mscale_all_dim`` (so both the cos/sin factor and the softmax scale differ
+from 1), a dense first layer, and ``v_head_dim`` unlike the q/k head dims;
+test_the_checkpoint_sets_what_matters shows each changes transformers' own tokens. Every greedy
+case runs under chunked prefill, preemption and prefix hits at once
+(test_same_tokens_under_chunking_preemption_and_hits)."""
 from __future__ import annotations
 
 import random
