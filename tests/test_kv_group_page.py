@@ -45,7 +45,7 @@ def test_engine_page_shows_each_groups_share_while_a_request_runs(browser, serve
     page.wait_for_selector("#status:text-is('live')")
 
     model = httpx.get(server.url("/v1/models")).json()["data"][0]["id"]
-    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 600,
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 900,
             "temperature": 0.0, "ignore_eos": True}
     done = threading.Event()
     thread = threading.Thread(target=lambda: (httpx.post(server.url("/v1/completions"),
