@@ -80,7 +80,8 @@ constexpr int64_t kSdpaKvBlock = 512;
 
 // Eight K rows' scores at once, each the bits of dot_torch_order(qf, k, dim) * scale (dim a
 // multiple of 64, so no tail): the eight lane sums run side by side instead of one by one.
-inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t dim, float scale,
+template <typename R>
+inline void scores8_torch_order(const float* qf, const R* const* k, int64_t dim, float scale,
                                 float* p) {
   Vec v[8];
   for (int l = 0; l < 8; ++l) {
@@ -123,8 +124,11 @@ inline float exp_scores_bf16(float* p, int64_t nl, float new_max) {
   return block_sum;
 }
 
-inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
-                                   const bf16* const* vrows, int64_t len, float scale,
+// R: the rows' type -- bf16 as in the cache, or float32 widened from it (exactly: the same
+// values, the same bits).
+template <typename R>
+inline void decode_head_sdpa_order(const float* qf, const R* const* krows,
+                                   const R* const* vrows, int64_t len, float scale,
                                    int64_t dim, float* p, float* acc, bf16* dst, float cap) {
   float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
   std::fill(acc, acc + dim, 0.f);
@@ -177,6 +181,10 @@ inline void decode_group_float32(const float* qf, const float* const* krows,
                                  const float* const* vrows, int64_t len, int64_t group,
                                  int64_t dim, float scale, float* p, float* acc, float* dst,
                                  float cap) {
+  if (len == 0) {  // no context: zeros (and no maximum of no scores to read)
+    std::fill(dst, dst + group * dim, 0.f);
+    return;
+  }
   for (int64_t t0 = 0; t0 < len; t0 += 4) {
     // Four context rows at a time: four independent accumulation chains per head.
     const int64_t nt = std::min<int64_t>(4, len - t0);
@@ -264,6 +272,64 @@ void run_decode_tasks(int64_t n, bool serial, const F& f) {
     at::parallel_for(0, n, 1, f);
 }
 
+// The most batch rows one read of a context serves (a verify step has 1 + K <= 16).
+constexpr int64_t kMaxRunRows = 16;
+
+// Runs of consecutive batch rows that read the same context rows: a row joins the run before
+// it when it has the same window start, at least its length, and the same block-table entries
+// over every block the shorter row reads -- so each row's context is a prefix of the run's
+// last row's. A speculative verify step's 1 + K rows of one sequence (one row per token, the
+// block-table row repeated: attention_max_expanded_query_len) form one run, whose K/V rows
+// are then read (widened, dequantized) once for all of them; each row's math is its own, so
+// grouping changes no bit. Returns the runs' first rows, then batch.
+template <typename I>
+std::vector<int64_t> shared_context_runs(const I* table, int64_t stride, const int64_t* lens,
+                                         int64_t batch, int64_t window, int64_t block_size) {
+  std::vector<int64_t> starts;
+  const auto first = [&](int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : int64_t(0);
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    bool join = b > 0 && b - starts.back() < kMaxRunRows && first(b) == first(b - 1) &&
+                lens[b] >= lens[b - 1];
+    if (join) {
+      const int64_t end = (lens[b - 1] + block_size - 1) / block_size;
+      for (int64_t j = first(b - 1) / block_size; join && j < end; ++j)
+        join = table[b * stride + j] == table[(b - 1) * stride + j];
+    }
+    if (!join) starts.push_back(b);
+  }
+  starts.push_back(batch);
+  return starts;
+}
+
+// One KV head's context rows of batch row b (positions first .. first + len - 1) as row
+// pointers, padded to a multiple of 16 with the first row (the AVX-512 path reads whole tiles
+// and pairs of rows and gives the padding probability 0).
+template <typename T, typename I>
+void context_row_pointers(const T* kc, const T* vc, const I* blocks, int64_t first, int64_t len,
+                          int64_t block_size, int64_t block, int64_t row, int64_t offset,
+                          std::vector<const T*>& krows, std::vector<const T*>& vrows) {
+  const int64_t padded = (len + 15) / 16 * 16;
+  krows.resize(padded);
+  vrows.resize(padded);
+  // Block by block: no division per row.
+  for (int64_t t = 0, pos = first; t < len;) {
+    const int64_t in_block = pos % block_size, n = std::min(block_size - in_block, len - t);
+    const int64_t at = static_cast<int64_t>(blocks[pos / block_size]) * block +
+                       in_block * row + offset;
+    for (int64_t i = 0; i < n; ++i, ++t) {
+      krows[t] = kc + at + i * row;
+      vrows[t] = vc + at + i * row;
+    }
+    pos += n;
+  }
+  for (int64_t t = len; t < padded; ++t) {
+    krows[t] = krows[0];
+    vrows[t] = vrows[0];
+  }
+}
+
 template <typename T, typename I>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I* table,
                        int64_t table_stride, const int64_t* lens, float scale,
@@ -277,54 +343,68 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  // A task is one KV head's group of query heads (they share every K/V row loaded) -- or, with
-  // too few of those to keep the threads evenly busy (one sequence: 3 KV heads on 2 threads),
-  // one query head. Each head's math is the same either way, so neither choice changes a bit.
-  // Where a group runs at once (bf16 on the AVX-512 tiers: its K/V rows loaded once, not per
-  // head), splitting it costs more than the idle thread gains: few groups stay whole.
+  const std::vector<int64_t> starts =
+      shared_context_runs(table, table_stride, lens, batch, window, block_size);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  // A task is one KV head's group of query heads over one run of rows (they share every K/V
+  // row loaded) -- or, with too few of those to keep the threads evenly busy (one sequence:
+  // 3 KV heads on 2 threads), one query head, or a part of the run's rows. Each row's and
+  // head's math is the same either way, so neither choice changes a bit. Where a group runs
+  // at once (bf16 on the AVX-512 tiers: its K/V rows loaded once, not per head), splitting it
+  // costs more than the idle thread gains: few groups stay whole.
   bool grouped = false;
 #if defined(LLMKIT_AVX512)
   grouped = std::is_same_v<T, bf16> && dim % 32 == 0 && dim <= 512;  // decode_group_bf16_avx512
 #endif
-  const bool few = batch * kv_heads < 2 * at::get_num_threads();
+  const bool few = runs * kv_heads < 2 * at::get_num_threads();
   const int64_t parts = few && !grouped ? group : 1;
+  // Too few (run, KV head) tasks for the threads (a batch-1 verify step: 3 KV heads on 2
+  // threads) split each run's rows into parts, each part reading its KV head's context again.
+  const int64_t row_parts =
+      few && grouped && runs < batch
+          ? std::min<int64_t>(kMaxRunRows, (2 * at::get_num_threads() + runs * kv_heads - 1) /
+                                               (runs * kv_heads))
+          : 1;
   const int64_t per_part = group / parts;
   const bool serial = few && grouped && context_rows(lens, batch, window) <= kSerialDecodeRows;
-  run_decode_tasks(batch * kv_heads * parts, serial, [&](int64_t begin, int64_t end) {
+  run_decode_tasks(runs * kv_heads * parts * row_parts, serial, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * dim), scores, sums(per_part);
     std::vector<uint16_t> probs;  // the AVX-512 bf16 path's bf16 probabilities
     std::vector<const T*> krows, vrows;
+    std::vector<int64_t> rel;  // a run's lengths from its window start
+    std::vector<float> kf, vf;  // a run's bf16 rows widened once (torch's order)
+    std::vector<const float*> kfp, vfp;
+#if defined(LLMKIT_AVX512)
+    RowsScratch rows_scratch;
+#endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
+      const int64_t run = task / (kv_heads * parts * row_parts);
+      const int64_t kvh = task / (parts * row_parts) % kv_heads;
+      const int64_t rp = task / parts % row_parts;
       const int64_t h0 = kvh * group + task % parts * per_part;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      const int64_t len = lens[b] - first;  // the rows read: positions first .. lens[b] - 1
-      const I* blocks = table + b * table_stride;
-      // Rows past len (up to a multiple of 16) repeat the first row: the AVX-512 path reads
-      // whole tiles and pairs of rows, and gives them probability 0.
-      const int64_t padded = (len + 15) / 16 * 16;
-      krows.resize(padded);
-      vrows.resize(padded);
-      // Block by block: no division per row.
-      for (int64_t t = 0, pos = first; t < len;) {
-        const int64_t in_block = pos % block_size, n = std::min(block_size - in_block, len - t);
-        const int64_t at = static_cast<int64_t>(blocks[pos / block_size]) * block +
-                           in_block * row + kvh * dim;
-        for (int64_t i = 0; i < n; ++i, ++t) {
-          krows[t] = kc + at + i * row;
-          vrows[t] = vc + at + i * row;
-        }
-        pos += n;
-      }
-      for (int64_t t = len; t < padded; ++t) {
-        krows[t] = krows[0];
-        vrows[t] = vrows[0];
-      }
-      const T* qsrc = qp + b * qs0 + h0 * qs1;
-      T* dst = op + (b * heads + h0) * dim;
+      const int64_t n0 = starts[run + 1] - starts[run];
+      const int64_t b0 = starts[run] + n0 * rp / row_parts;
+      const int64_t nrows = starts[run] + n0 * (rp + 1) / row_parts - b0;
+      if (nrows == 0) continue;
+      const int64_t last = b0 + nrows - 1;  // the run's longest row: its context holds the rest
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[last] - window) : 0;
+      const int64_t len = lens[last] - first;  // the rows read: positions first .. lens - 1
+      context_row_pointers(kc, vc, table + last * table_stride, first, len, block_size, block,
+                           row, kvh * dim, krows, vrows);
+      const int64_t padded = static_cast<int64_t>(krows.size());
+      rel.resize(nrows);
+      for (int64_t r = 0; r < nrows; ++r) rel[r] = lens[b0 + r] - first;
+      const T* qsrc = qp + b0 * qs0 + h0 * qs1;
+      T* dst = op + (b0 * heads + h0) * dim;
       if constexpr (std::is_same_v<T, bf16>) {
 #if defined(LLMKIT_AVX512)
         if (dim % 32 == 0 && dim <= 512) {
+          if (nrows > 1) {
+            decode_rows_bf16_avx512(qsrc, qs0, qs1, krows.data(), vrows.data(), rel.data(),
+                                    nrows, scale, dim, per_part, rows_scratch, dst,
+                                    heads * dim, cap);
+            continue;
+          }
           scores.resize(per_part * padded);
           probs.resize(per_part * padded);
           decode_group_bf16_avx512(qsrc, qs1, krows.data(), vrows.data(), len, scale, dim,
@@ -333,19 +413,42 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
           continue;
         }
 #endif
-      }
-      for (int64_t g = 0; g < per_part; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          qf[g * dim + d] = static_cast<float>(qsrc[g * qs1 + d]);
-      if constexpr (std::is_same_v<T, bf16>) {
+        if (nrows > 1) {  // widen the run's context once for all its rows
+          kf.resize(len * dim);
+          vf.resize(len * dim);
+          kfp.resize(len);
+          vfp.resize(len);
+          for (int64_t t = 0; t < len; ++t) {
+            for (int64_t d = 0; d < dim; ++d) {
+              kf[t * dim + d] = static_cast<float>(krows[t][d]);
+              vf[t * dim + d] = static_cast<float>(vrows[t][d]);
+            }
+            kfp[t] = kf.data() + t * dim;
+            vfp[t] = vf.data() + t * dim;
+          }
+        }
         scores.resize(std::min(len, kSdpaKvBlock));
-        for (int64_t g = 0; g < per_part; ++g)
-          decode_head_sdpa_order(qf.data() + g * dim, krows.data(), vrows.data(), len, scale,
-                                 dim, scores.data(), acc.data() + g * dim, dst + g * dim, cap);
+        for (int64_t r = 0; r < nrows; ++r)
+          for (int64_t g = 0; g < per_part; ++g) {
+            for (int64_t d = 0; d < dim; ++d)
+              qf[d] = static_cast<float>(qsrc[r * qs0 + g * qs1 + d]);
+            bf16* o = dst + r * heads * dim + g * dim;
+            if (nrows > 1)
+              decode_head_sdpa_order(qf.data(), kfp.data(), vfp.data(), rel[r], scale, dim,
+                                     scores.data(), acc.data(), o, cap);
+            else
+              decode_head_sdpa_order(qf.data(), krows.data(), vrows.data(), len, scale, dim,
+                                     scores.data(), acc.data(), o, cap);
+          }
       } else {
         scores.resize(per_part * len);
-        decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
-                             scores.data(), acc.data(), dst, cap);
+        for (int64_t r = 0; r < nrows; ++r) {  // float32 rows: read in place, nothing to widen
+          for (int64_t g = 0; g < per_part; ++g)
+            for (int64_t d = 0; d < dim; ++d)
+              qf[g * dim + d] = static_cast<float>(qsrc[r * qs0 + g * qs1 + d]);
+          decode_group_float32(qf.data(), krows.data(), vrows.data(), rel[r], per_part, dim,
+                               scale, scores.data(), acc.data(), dst + r * heads * dim, cap);
+        }
       }
     }
   });
@@ -371,22 +474,24 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
   const T* qp = q.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const int64_t parts = batch * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
+  // Tasks as paged_decode_impl's (runs of rows that share their context, per KV head or per
+  // query head): a run's rows are dequantized once for all its rows.
+  const std::vector<int64_t> starts =
+      shared_context_runs(table, table_stride, lens, batch, window, block_size);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t parts = runs * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
   const int64_t per_part = group / parts;
-  at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, runs * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * dim), o(per_part * dim), scores;
     std::vector<float> kf, vf;
     std::vector<const float*> krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (kv_heads * parts), kvh = task / parts % kv_heads;
+      const int64_t run = task / (kv_heads * parts), kvh = task / parts % kv_heads;
       const int64_t h0 = kvh * group + task % parts * per_part;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      const int64_t len = lens[b] - first;  // the rows read: positions first .. lens[b] - 1
-      const I* blocks = table + b * table_stride;
-      for (int64_t g = 0; g < per_part; ++g) {
-        const T* src = qp + b * qs0 + (h0 + g) * qs1;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
-      }
+      const int64_t last = starts[run + 1] - 1;  // the run's longest row
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[last] - window) : 0;
+      const int64_t len = lens[last] - first;  // the rows read: positions first .. lens - 1
+      const I* blocks = table + last * table_stride;
       kf.resize(len * dim);
       vf.resize(len * dim);
       krows.resize(len);
@@ -401,10 +506,16 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
         vrows[t] = vf.data() + t * dim;
       }
       scores.resize(per_part * len);
-      decode_group_float32(qf.data(), krows.data(), vrows.data(), len, per_part, dim, scale,
-                           scores.data(), acc.data(), o.data(), cap);
-      T* dst = op + (b * heads + h0) * dim;
-      for (int64_t i = 0; i < per_part * dim; ++i) dst[i] = static_cast<T>(o[i]);
+      for (int64_t b = starts[run]; b <= last; ++b) {
+        for (int64_t g = 0; g < per_part; ++g) {
+          const T* src = qp + b * qs0 + (h0 + g) * qs1;
+          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = static_cast<float>(src[d]);
+        }
+        decode_group_float32(qf.data(), krows.data(), vrows.data(), lens[b] - first, per_part,
+                             dim, scale, scores.data(), acc.data(), o.data(), cap);
+        T* dst = op + (b * heads + h0) * dim;
+        for (int64_t i = 0; i < per_part * dim; ++i) dst[i] = static_cast<T>(o[i]);
+      }
     }
   });
 }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "vec.h"
 
@@ -101,27 +102,44 @@ inline void prefetch_rows(const bf16* const* rows, int64_t n, int64_t bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, kHint);
 }
 
-// Scores of kTile rows (krows[0 .. 15]) for one head: (q . k) * scale.
+// Scores of kTile rows (krows[0 .. 15]) for one head: (q . k) * scale. C: the head's 32-value
+// chunks when known at compile time (0: `chunks`), so that the sixteen rows' short chains of
+// dot products are unrolled side by side instead of one row's chain waiting on the previous
+// product; each row's chain is the same either way.
+template <int C = 0>
 inline void score_tile(const __m512i* qv, const bf16* const* krows, int64_t chunks, float scale,
                        float* p) {
+  const int64_t n = C > 0 ? C : chunks;
   __m512 acc[kTile];
+#pragma GCC unroll 16
   for (int64_t t = 0; t < kTile; ++t) {
     __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c)
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < n; ++c)
       a = dot_pairs(a, _mm512_loadu_si512(krows[t] + 32 * c), qv[c]);
     acc[t] = a;
   }
   _mm512_storeu_ps(p, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
 }
 
-// P.V of NG heads over 32 outputs (column c0 .. c0 + 31) of the context: token pairs (t, t + 1)
-// interleaved per output and multiplied by the pair of bf16 probabilities. Lane order of the
-// two accumulators per head: lo lane 4k + j = output 8k + j, hi lane 4k + j = output 8k + 4 + j.
+// score_tile for the common head sizes (64, 128, 256) unrolled, any other through the loop.
+inline void score_tile_any(const __m512i* qv, const bf16* const* krows, int64_t chunks,
+                           float scale, float* p) {
+  switch (chunks) {
+    case 2: return score_tile<2>(qv, krows, chunks, scale, p);
+    case 4: return score_tile<4>(qv, krows, chunks, scale, p);
+    case 8: return score_tile<8>(qv, krows, chunks, scale, p);
+    default: return score_tile<0>(qv, krows, chunks, scale, p);
+  }
+}
+
+// P.V of NG heads over 32 outputs (column c0 .. c0 + 31) of `pairs` pairs of context rows:
+// token pairs (t, t + 1) interleaved per output and multiplied by the pair of bf16
+// probabilities, added to each head's running sums lo[g], hi[g] (lane order: lo lane 4k + j =
+// output 8k + j, hi lane 4k + j = output 8k + 4 + j). pb[g] and vrows start at the first pair.
 template <int NG>
-inline void pv_chunk(const uint16_t* const* pb, const bf16* const* vrows, int64_t pairs,
-                     int64_t c0, float* const* out) {
-  __m512 lo[NG], hi[NG];
-  for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+inline void pv_pairs(const uint16_t* const* pb, const bf16* const* vrows, int64_t pairs,
+                     int64_t c0, __m512* lo, __m512* hi) {
   for (int64_t i = 0; i < pairs; ++i) {
     const __m512i a = _mm512_loadu_si512(vrows[2 * i] + c0);
     const __m512i b = _mm512_loadu_si512(vrows[2 * i + 1] + c0);
@@ -134,13 +152,50 @@ inline void pv_chunk(const uint16_t* const* pb, const bf16* const* vrows, int64_
       hi[g] = dot_pairs(hi[g], h, pv);
     }
   }
+}
+
+// A head's two running sums, in output order, at out + c0 .. out + c0 + 31.
+inline void pv_store(__m512 lo, __m512 hi, int64_t c0, float* out) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
                                            30, 31);
-  for (int g = 0; g < NG; ++g) {
-    _mm512_storeu_ps(out[g] + c0, _mm512_permutex2var_ps(lo[g], first, hi[g]));
-    _mm512_storeu_ps(out[g] + c0 + 16, _mm512_permutex2var_ps(lo[g], second, hi[g]));
+  _mm512_storeu_ps(out + c0, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(out + c0 + 16, _mm512_permutex2var_ps(lo, second, hi));
+}
+
+// P.V of NG heads over 32 outputs of the context's first `pairs` row pairs, from zero.
+template <int NG>
+inline void pv_chunk(const uint16_t* const* pb, const bf16* const* vrows, int64_t pairs,
+                     int64_t c0, float* const* out) {
+  __m512 lo[NG], hi[NG];
+  for (int g = 0; g < NG; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+  pv_pairs<NG>(pb, vrows, pairs, c0, lo, hi);
+  for (int g = 0; g < NG; ++g) pv_store(lo[g], hi[g], c0, out[g]);
+}
+
+// One head's scores s[0, len) -> its probabilities: soft cap, the padding rows up to `padded`
+// at -inf, the maximum, exp of each score minus it (pb: rounded to bf16); their float32 sum.
+inline float softmax_scores(float* s, int64_t len, int64_t padded, float cap, uint16_t* pb) {
+  soft_cap_scores(s, len, cap);
+  for (int64_t t = len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  __m512 m = _mm512_loadu_ps(s);
+  for (int64_t t = kTile; t < padded; t += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += kTile) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), to_bf16(e));
   }
+  return _mm512_reduce_add_ps(total);
+}
+
+// out = acc / sum, rounded to bf16 (dim outputs).
+inline void scale_out(const float* acc, float sum, int64_t dim, bf16* out) {
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int64_t d = 0; d < dim; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                        to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + d), inv)));
 }
 
 }  // namespace attn512
@@ -170,20 +225,9 @@ inline void decode_group_bf16_avx512(const bf16* q, int64_t qstride, const bf16*
         if (t0 + kTile < padded) prefetch_rows<_MM_HINT_T0>(krows + t0 + kTile, kTile, row_bytes);
         prefetch_rows<_MM_HINT_T1>(vrows + t0, kTile, row_bytes);
       }
-      score_tile(qv, krows + t0, chunks, scale, s + t0);
+      score_tile_any(qv, krows + t0, chunks, scale, s + t0);
     }
-    soft_cap_scores(s, len, cap);
-    for (int64_t t = len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
-    __m512 m = _mm512_loadu_ps(s);
-    for (int64_t t = kTile; t < padded; t += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += kTile) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
-      total = _mm512_add_ps(total, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * padded + t), to_bf16(e));
-    }
-    sums[g] = _mm512_reduce_add_ps(total);
+    sums[g] = softmax_scores(s, len, padded, cap, pb + g * padded);
   }
   // P.V, three heads at a time (their V loads and interleaving shared), 32 outputs at a time.
   const int64_t pairs = (len + 1) / 2;
@@ -201,12 +245,138 @@ inline void decode_group_bf16_avx512(const bf16* q, int64_t qstride, const bf16*
       else pv_chunk<1>(pbs, vrows, pairs, c0, outs);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * dim + d),
-                          to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + g * dim + d), inv)));
+  for (int64_t g = 0; g < group; ++g) scale_out(acc + g * dim, sums[g], dim, dst + g * dim);
+}
+
+// Scratch of decode_rows_bf16_avx512 (kept by a task across its calls).
+struct RowsScratch {
+  std::vector<float> p, acc, sums;
+  std::vector<uint16_t> pb;
+  std::vector<__m512i> qv;
+  std::vector<__m512> lo, hi;
+  std::vector<const bf16*> tail;
+};
+
+namespace attn512 {
+
+// pv_pairs for a run-time number of heads (1 .. kRowHeads) whose sums are kept in lo / hi.
+constexpr int64_t kRowHeads = 6;  // 12 sums + the V pair in registers
+
+inline void pv_pairs_n(int64_t ng, const uint16_t* const* pb, const bf16* const* vrows,
+                       int64_t pairs, int64_t c0, __m512* lo, __m512* hi) {
+  switch (ng) {
+    case 6: return pv_pairs<6>(pb, vrows, pairs, c0, lo, hi);
+    case 5: return pv_pairs<5>(pb, vrows, pairs, c0, lo, hi);
+    case 4: return pv_pairs<4>(pb, vrows, pairs, c0, lo, hi);
+    case 3: return pv_pairs<3>(pb, vrows, pairs, c0, lo, hi);
+    case 2: return pv_pairs<2>(pb, vrows, pairs, c0, lo, hi);
+    default: return pv_pairs<1>(pb, vrows, pairs, c0, lo, hi);
   }
+}
+
+}  // namespace attn512
+
+// Consecutive query rows of one sequence (a speculative verify step's 1 + K tokens) for one KV
+// head's group of query heads: row r attends to the first lens[r] context rows (lens
+// non-decreasing), and every K and V row is loaded, and each V pair interleaved, once for all
+// rows and heads. Each row gets the bits decode_group_bf16_avx512 gives it alone: a score
+// depends only on its q and its K row; each row's softmax runs over its own scores as there;
+// its P.V sums add the same pairs in the same order -- the pairs inside every row's context
+// together, then the row's own last pairs (its odd row paired with the padding row vrows[0],
+// as alone) -- kept exactly in memory between the two.
+// q: row r's head g at q + r * qrow + g * qstride; dst: row r at dst + r * drow; krows / vrows
+// the longest row's context, padded as decode_group_bf16_avx512's.
+inline void decode_rows_bf16_avx512(const bf16* q, int64_t qrow, int64_t qstride,
+                                    const bf16* const* krows, const bf16* const* vrows,
+                                    const int64_t* lens, int64_t rows, float scale,
+                                    int64_t dim, int64_t group, RowsScratch& w, bf16* dst,
+                                    int64_t drow, float cap) {
+  using namespace attn512;
+  for (; rows > 0 && lens[0] == 0; --rows, ++lens, q += qrow, dst += drow)
+    std::fill(dst, dst + group * dim, bf16(0.f));  // no context: zeros, as alone
+  if (rows == 0) return;
+  const int64_t chunks = dim / 32, combos = rows * group, len_max = lens[rows - 1];
+  const int64_t pu = (len_max + kTile - 1) / kTile * kTile;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(bf16));
+  w.p.resize(combos * pu);
+  w.pb.resize(combos * pu);
+  w.acc.resize(combos * dim);
+  w.sums.resize(combos);
+  w.qv.resize(combos * chunks);
+  w.lo.resize(combos * chunks);
+  w.hi.resize(combos * chunks);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c)
+        w.qv[(r * group + g) * chunks + c] =
+            _mm512_loadu_si512(q + r * qrow + g * qstride + 32 * c);
+  // Scores, a tile of K rows at a time for every row that reads it.
+  for (int64_t t0 = 0; t0 < len_max; t0 += kTile) {
+    if (t0 + kTile < pu) prefetch_rows<_MM_HINT_T0>(krows + t0 + kTile, kTile, row_bytes);
+    prefetch_rows<_MM_HINT_T1>(vrows + t0, kTile, row_bytes);
+    for (int64_t r = rows - 1; r >= 0 && lens[r] > t0; --r)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t c = r * group + g;
+        score_tile_any(w.qv.data() + c * chunks, krows + t0, chunks, scale,
+                       w.p.data() + c * pu + t0);
+      }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t c = r * group + g;
+      w.sums[c] = softmax_scores(w.p.data() + c * pu, lens[r], (lens[r] + kTile - 1) / kTile * kTile,
+                                 cap, w.pb.data() + c * pu);
+    }
+  // P.V over the pairs inside every row's context, kRowHeads (row, head)s at a time.
+  const int64_t shared = lens[0] / 2;
+  const uint16_t* pbs[kRowHeads];
+  for (int64_t c = 0; c < combos; c += kRowHeads) {
+    const int64_t ng = std::min(kRowHeads, combos - c);
+    for (int64_t j = 0; j < ng; ++j) pbs[j] = w.pb.data() + (c + j) * pu;
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      __m512 lo[kRowHeads], hi[kRowHeads];
+      for (int64_t j = 0; j < ng; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+      pv_pairs_n(ng, pbs, vrows, shared, 32 * ci, lo, hi);
+      for (int64_t j = 0; j < ng; ++j) {
+        w.lo[(c + j) * chunks + ci] = lo[j];
+        w.hi[(c + j) * chunks + ci] = hi[j];
+      }
+    }
+  }
+  // Each row's own last pairs.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t extra = (lens[r] + 1) / 2 - shared;
+    if (extra <= 0) continue;
+    w.tail.resize(2 * extra);
+    for (int64_t k = 0; k < 2 * extra; ++k) {
+      const int64_t pos = 2 * shared + k;
+      w.tail[k] = pos < lens[r] ? vrows[pos] : vrows[0];
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += kRowHeads) {
+      const int64_t ng = std::min(kRowHeads, group - g0), c = r * group + g0;
+      for (int64_t j = 0; j < ng; ++j) pbs[j] = w.pb.data() + (c + j) * pu + 2 * shared;
+      for (int64_t ci = 0; ci < chunks; ++ci) {
+        __m512 lo[kRowHeads], hi[kRowHeads];
+        for (int64_t j = 0; j < ng; ++j) {
+          lo[j] = w.lo[(c + j) * chunks + ci];
+          hi[j] = w.hi[(c + j) * chunks + ci];
+        }
+        pv_pairs_n(ng, pbs, w.tail.data(), extra, 32 * ci, lo, hi);
+        for (int64_t j = 0; j < ng; ++j) {
+          w.lo[(c + j) * chunks + ci] = lo[j];
+          w.hi[(c + j) * chunks + ci] = hi[j];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t c = r * group + g;
+      float* acc = w.acc.data() + c * dim;
+      for (int64_t ci = 0; ci < chunks; ++ci)
+        pv_store(w.lo[c * chunks + ci], w.hi[c * chunks + ci], 32 * ci, acc);
+      scale_out(acc, w.sums[c], dim, dst + r * drow + g * dim);
+    }
 }
 
 }  // namespace llmkit_cpu
