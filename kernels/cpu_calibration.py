@@ -12,8 +12,12 @@ takes a few seconds (fewer rounds where the machine is so loaded that the warm-u
 rounds would take more than ``BUDGET_S`` per field); the result is cached next to the kernel build
 (``<llmkit cache>/cpu_kernels/<build key>/``), in a file keyed by the CPU's model name and
 flags, the tier, the torch thread count and the candidates, which later starts read -- unless
-the machine was busy while it timed (its load average above ``BUSY_LOAD`` per core): then the
-values serve that start only, and the next one times again.
+the machine was busy while it timed (``MachineLoad``: its load average before, or the CPU the
+other processes took during the timing, above ``BUSY_LOAD`` per core): then the values serve
+that start only, and the next one times again. Both are needed: the load average lags by a
+minute, so a job that starts with the timing is seen only in the CPU it takes meanwhile, and
+one timing under such a burst chose one thread per weight for every weight (2 threads ran
+2x slower while another process held a core) and was cached for every later start.
 ``platform.calibrate`` (auto, force, off) decides; fields given in ``platform.dispatch`` are
 never timed. Ranks of one engine that start together on a cold cache each time (with their own
 thread counts, so under their own keys) and write whole files.
@@ -45,15 +49,18 @@ from llmkit.startup import startup_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUDGET_S", "BUSY_LOAD", "CANDIDATES", "MARGIN", "ROUNDS", "apply_tuning", "calibrate",
-           "calibration_key", "cached_calibration", "cached_fields", "calibration_file",
-           "calibrated_fields", "load_per_core", "pick", "time_candidates"]
+__all__ = ["BUDGET_S", "BUSY_DURING", "BUSY_LOAD", "CANDIDATES", "MARGIN", "ROUNDS",
+           "MachineLoad", "apply_tuning", "calibrate", "calibration_key", "cached_calibration",
+           "cached_fields", "calibration_file", "calibrated_fields", "load_per_core", "pick",
+           "time_candidates"]
 
 #: The values timed per field. ``linear_thread_min_bytes``' largest keeps every weight on one
 #: thread.
 CANDIDATES: dict[str, tuple[int, ...]] = {
     "linear_prefetch_bytes": (0, 512, 1024, 2048, 4096, 8192),
-    "linear_thread_min_bytes": (0, 8192, 32768, 131072, 524288, 1 << 30),
+    # 4 MiB: a decode step's layers on one thread, an LM head (30-60 MB) split, where waking
+    # a sleeping thread for each small weight costs more than it saves
+    "linear_thread_min_bytes": (0, 8192, 32768, 131072, 524288, 1 << 22, 1 << 30),
 }
 #: A candidate replaces the tier's default only when its median is this much faster.
 MARGIN = 0.03
@@ -61,14 +68,18 @@ MARGIN = 0.03
 ROUNDS = 7
 BUDGET_S = 2.0
 #: Bumped when the workload changes, which invalidates every cached calibration.
-WORKLOAD_VERSION = 1
+WORKLOAD_VERSION = 2
 
 Timer = Callable[[], float]
 
-#: Runnable processes per usable core (the 1-minute load average) above which an ``auto``
+#: Runnable processes per usable core (the 1-minute load average), or cores' worth of CPU the
+#: other processes took while the calibration timed, per usable core, above which an ``auto``
 #: calibration is not cached: with the cores shared, one thread per weight wins, which an
 #: idle machine would not choose.
 BUSY_LOAD = 0.75
+#: The same bound for the CPU other processes took during the timing (a tighter one: that is
+#: measured over the timing itself, not averaged over the minute before).
+BUSY_DURING = 0.2
 
 
 def load_per_core() -> float:
@@ -77,6 +88,47 @@ def load_per_core() -> float:
         return os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
     except (OSError, AttributeError):  # not Linux / no load average
         return 0.0
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of every CPU since boot (/proc/stat), steal counted as busy
+    (the host ran something else); None where unknown."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+class MachineLoad:
+    """How busy the machine is, per usable core, called before and after the timing: first the
+    1-minute load average; then the larger of that and the CPU the other processes took since
+    the first call (the machine's busy ticks less this process's own), scaled so that
+    ``BUSY_DURING`` of it weighs as ``BUSY_LOAD`` of the load average."""
+
+    def __init__(self) -> None:
+        self._start: tuple[tuple[int, int], float] | None = None
+
+    def __call__(self) -> float:
+        before = load_per_core()
+        ticks, own = _cpu_ticks(), _own_cpu_seconds()
+        if self._start is None or ticks is None or self._start[0] is None:
+            self._start = (ticks, own)
+            return before
+        (busy0, total0), own0 = self._start
+        busy, total = ticks[0] - busy0, ticks[1] - total0
+        hz = os.sysconf("SC_CLK_TCK")
+        others = max(0.0, busy - (own - own0) * hz) / max(1, total)  # share of all CPUs
+        per_core = others * (os.cpu_count() or 1) / max(1, len(os.sched_getaffinity(0)))
+        return max(before, per_core * BUSY_LOAD / BUSY_DURING)
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def calibration_key(tier: str | None, kernels_key: str, threads: int) -> dict[str, Any]:
@@ -164,11 +216,16 @@ class _Workload:
     LAYERS = 16
     BF16_SHAPES = ((1536, 576), (576, 1536)) * 2
 
+    #: The default model's LM head (Q8_0): the one weight of a step large enough that splitting
+    #: it over the threads pays on any machine, so that the choice weighs large weights too.
+    HEAD = (49152, 576)
+
     def __init__(self, kernels, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
         self.kernels = kernels
         self.q4 = [(self._q4_1(rng, out, k), out, k)
                    for _ in range(self.LAYERS) for out, k in self.Q4_1_SHAPES]
+        self.head = (self._q8_0(rng, *self.HEAD), *self.HEAD)
         gen = torch.Generator().manual_seed(seed)
         self.bf16 = [torch.randn(out, k, generator=gen).mul_(0.05).to(torch.bfloat16)
                      for out, k in self.BF16_SHAPES]
@@ -183,11 +240,19 @@ class _Workload:
         raw = torch.from_numpy(blocks.reshape(out, -1))
         return self.kernels.quant_repack(raw, "q4_1", k)
 
+    def _q8_0(self, rng: np.random.Generator, out: int, k: int) -> torch.Tensor:
+        blocks = rng.integers(-64, 64, size=(out * k // 32, 34), dtype=np.int8).view(np.uint8)
+        scale = (rng.uniform(0.5, 1.5, len(blocks)) * 0.002).astype(np.float16)
+        blocks[:, 0:2] = scale.view(np.uint8).reshape(-1, 2)  # a valid fp16 d
+        return self.kernels.quant_repack(torch.from_numpy(blocks.reshape(out, -1)), "q8_0", k)
+
     def step(self) -> None:
         for packed, out, k in self.q4:
             self.kernels.quant_linear(self.x[k], packed, "q4_1", out, None, None, False, False)
         for w in self.bf16:
             self.kernels.linear(self.xb[w.shape[1]], w, None)
+        packed, out, k = self.head
+        self.kernels.quant_linear(self.x[k], packed, "q8_0", out, None, None, False, False)
 
 
 def calibrate(kernels, defaults: CpuDispatch, fields: tuple[str, ...] = CALIBRATED, *,
@@ -221,8 +286,9 @@ def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: st
     """The calibrated values of the fields not in ``given`` (``platform.calibrate`` =
     ``mode``): read from the cache in ``folder`` (auto), timed now and cached (auto on a miss,
     force), or none (off). With ``auto`` on a busy machine (``load()``, default
-    ``load_per_core``, above ``BUSY_LOAD``) the values timed are used but not cached: they reflect
-    the other processes, and the next start times again."""
+    ``MachineLoad``, called before and after the timing, above ``BUSY_LOAD`` either time) the
+    values timed are used but not cached: they reflect the other processes, and the next start
+    times again."""
     if mode not in ("auto", "off", "force"):
         raise ConfigError("platform.calibrate", mode, "auto, off or force")
     fields = tuple(name for name in CALIBRATED if name not in given)
@@ -233,11 +299,13 @@ def calibrated_fields(kernels, tier: str | None, defaults: CpuDispatch, mode: st
     cached = cached_calibration(path, key) if mode == "auto" else None
     if cached is not None:
         return {name: cached[name] for name in fields}
-    busy = (load or load_per_core)()
+    load = load or MachineLoad()
+    busy = load()
     start = time.perf_counter()
     with startup_step("timing the CPU kernels' prefetch distance and thread split (once per "
                       "machine and build, a few seconds; platform.calibrate=off skips it)"):
         choice, medians = calibrate(kernels, defaults, CALIBRATED, timer=timer)
+    busy = max(busy, load())
     took, summary = time.perf_counter() - start, " ".join(f"{n}={v}" for n, v in choice.items())
     if mode == "auto" and busy > BUSY_LOAD:
         logger.info("CPU dispatch calibrated in %.1f s: %s, for this start only: the machine is "

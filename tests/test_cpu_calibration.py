@@ -138,7 +138,7 @@ def test_the_calibration_on_a_fake_clock_is_deterministic():
     assert calibrate(again, DEFAULTS, timer=again.clock, rounds=3, budget_s=1e9) == (
         choice, medians)
     # the second field was timed with the first one chosen
-    per_step = fake.calls / (2 * len(CANDIDATES["linear_prefetch_bytes"]) * 4)
+    per_step = fake.calls / (sum(len(CANDIDATES[n]) for n in CALIBRATED) * 4)
     assert medians["linear_thread_min_bytes"][32768] == pytest.approx(per_step * 1.0)
 
 
@@ -211,6 +211,39 @@ def test_a_busy_machine_times_for_this_start_only(tmp_path, monkeypatch):
     assert again.calls > 0  # timed again
     _fields(FakeKernels(_cost), tmp_path, mode="force", load=busy)
     assert len(list(tmp_path.glob("dispatch_calibration-*.json"))) == 1
+
+
+def test_a_burst_during_the_timing_is_not_cached(tmp_path, monkeypatch):
+    """The load average lags: a job that starts with the timing shows only in the second look
+    (after it), which alone keeps the choice out of the cache."""
+    monkeypatch.setattr(calibration, "ROUNDS", 1)
+    looks = iter([0.1, calibration.BUSY_LOAD + 1, 0.1, 0.1])
+    fake = FakeKernels(_cost)
+    calibrated_fields(fake, "avx2", DEFAULTS, "auto", set(), tmp_path, "k1", timer=fake.clock,
+                      load=lambda: next(looks))
+    assert not list(tmp_path.iterdir())
+    calibrated_fields(FakeKernels(_cost), "avx2", DEFAULTS, "auto", set(), tmp_path, "k1",
+                      timer=fake.clock, load=lambda: next(looks))
+    assert len(list(tmp_path.glob("dispatch_calibration-*.json"))) == 1
+
+
+def test_machine_load_counts_the_other_processes_cpu(monkeypatch):
+    """MachineLoad's second look: the machine's busy ticks since the first, less this
+    process's own CPU, per usable core; BUSY_DURING of it weighs as BUSY_LOAD."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(calibration, "load_per_core", lambda: 0.0)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    hz = os.sysconf("SC_CLK_TCK")
+    ticks, own = [(0, 0)], [0.0]
+    monkeypatch.setattr(calibration, "_cpu_ticks", lambda: ticks[0])
+    monkeypatch.setattr(calibration, "_own_cpu_seconds", lambda: own[0])
+    for others_share, own_s, busy in ((0.5, 0.0, True), (0.1, 0.0, False),
+                                      (0.5, 0.4 * 1000 / hz, False)):
+        probe = calibration.MachineLoad()
+        ticks[0], own[0] = (0, 0), 0.0
+        assert probe() == 0.0  # the first look: the load average only
+        ticks[0], own[0] = (int(others_share * 1000), 1000), own_s
+        assert (probe() > calibration.BUSY_LOAD) == busy, (others_share, own_s)
 
 
 def test_off_and_given_fields_time_nothing(tmp_path):
