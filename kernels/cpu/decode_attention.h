@@ -372,8 +372,6 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
     std::vector<uint16_t> probs;  // the AVX-512 bf16 path's bf16 probabilities
     std::vector<const T*> krows, vrows;
     std::vector<int64_t> rel;  // a run's lengths from its window start
-    std::vector<float> kf, vf;  // a run's bf16 rows widened once (torch's order)
-    std::vector<const float*> kfp, vfp;
 #if defined(LLMKIT_AVX512)
     RowsScratch rows_scratch;
 #endif
@@ -413,32 +411,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const I*
           continue;
         }
 #endif
-        if (nrows > 1) {  // widen the run's context once for all its rows
-          kf.resize(len * dim);
-          vf.resize(len * dim);
-          kfp.resize(len);
-          vfp.resize(len);
-          for (int64_t t = 0; t < len; ++t) {
-            for (int64_t d = 0; d < dim; ++d) {
-              kf[t * dim + d] = static_cast<float>(krows[t][d]);
-              vf[t * dim + d] = static_cast<float>(vrows[t][d]);
-            }
-            kfp[t] = kf.data() + t * dim;
-            vfp[t] = vf.data() + t * dim;
-          }
-        }
+        // The SDPA-order path reads each row's K/V in place for every row of a run (its
+        // pointers built once): widening the run's rows once into float32 first was slower
+        // (docs/cpu-speed.md), the float copy twice the bytes the cache holds.
         scores.resize(std::min(len, kSdpaKvBlock));
         for (int64_t r = 0; r < nrows; ++r)
           for (int64_t g = 0; g < per_part; ++g) {
             for (int64_t d = 0; d < dim; ++d)
               qf[d] = static_cast<float>(qsrc[r * qs0 + g * qs1 + d]);
-            bf16* o = dst + r * heads * dim + g * dim;
-            if (nrows > 1)
-              decode_head_sdpa_order(qf.data(), kfp.data(), vfp.data(), rel[r], scale, dim,
-                                     scores.data(), acc.data(), o, cap);
-            else
-              decode_head_sdpa_order(qf.data(), krows.data(), vrows.data(), len, scale, dim,
-                                     scores.data(), acc.data(), o, cap);
+            decode_head_sdpa_order(qf.data(), krows.data(), vrows.data(), rel[r], scale, dim,
+                                   scores.data(), acc.data(), dst + r * heads * dim + g * dim,
+                                   cap);
           }
       } else {
         scores.resize(per_part * len);
