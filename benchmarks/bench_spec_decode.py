@@ -3,6 +3,11 @@ workload: tokens/s with and without ``speculative=ngram`` at batch 1, 8, 32, and
 at batch 64 (issue "Speculative decoding": ngram >= 2x at batch 1; adaptive never slower than
 no speculation).
 
+The speculative config is the recipe's (``--recipe``, default ``cpu-ngram``: what serving on a
+CPU box runs, and what issue 30's figure names): ``adaptive`` is the recipe as it is, ``ngram``
+the same with a fixed K (``adaptive=false``); ``--k`` overrides the recipe's K in both. The
+engine without speculation is the recipe with ``speculative=none``.
+
 The workload is ``benchmarks/data/copy_prompts.jsonl``: "repeat / fix the spelling of /
 rewrite as a list" prompts over short paragraphs, in the model's chat template, greedy, up to
 ``--max-tokens`` new tokens (EOS ends a request). Every engine runs the same prompts; each run
@@ -29,17 +34,32 @@ def load_prompts(llm) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
-def make_engines(k: int | None, threads: int) -> tuple[dict, dict, dict]:
-    """No speculation and ngram (K = ``k`` or the default), their speculative config and the
-    config both share. Step graphs compile before ``LLM`` returns (``compilation.background=
-    false``, as ``llmkit bench`` does), so a cold cache times graphs, not eager steps."""
-    from llmkit import LLM
+def recipe_spec(recipe: str, k: int | None) -> dict:
+    """The recipe's speculative section (K = ``k`` if given)."""
+    from llmkit.config.compose import build_config
 
-    spec: dict = {"name": "ngram"}
+    spec = build_config(None, groups={"recipe": recipe}).speculative.model_dump(
+        exclude={"target"})
+    if spec["name"] == "none":
+        raise SystemExit(f"recipe {recipe!r} runs no speculative decoding")
     if k:
         spec["num_speculative_tokens"] = k
-    common = {"platform": {"num_threads": threads}, "compilation": {"background": False}}
-    return ({"none": LLM(None, **common), "ngram": LLM(None, speculative=spec, **common)},
+    return spec
+
+
+def make_engines(k: int | None, threads: int, recipe: str = "cpu-ngram"
+                 ) -> tuple[dict, dict, dict]:
+    """No speculation and ngram with a fixed K (the recipe's speculative section, K = ``k`` or
+    the recipe's), that section and the config all engines share (the recipe, threads).
+    Step graphs compile before ``LLM`` returns (``compilation.background=false``, as ``llmkit
+    bench`` does), so a cold cache times graphs, not eager steps."""
+    from llmkit import LLM
+
+    spec = recipe_spec(recipe, k)
+    common = {"recipe": recipe, "platform": {"num_threads": threads},
+              "compilation": {"background": False}}
+    return ({"none": LLM(None, speculative="none", **common),
+             "ngram": LLM(None, speculative={**spec, "adaptive": False}, **common)},
             spec, common)
 
 
@@ -103,8 +123,10 @@ def main() -> None:
     ap.add_argument("--engines", default="ngram", help="what the batches in --batches compare "
                     "with no speculation: ngram (fixed K), adaptive, or both (ngram,adaptive)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (ngram.yaml's "
-                    "default if unset)")
+    ap.add_argument("--recipe", default="cpu-ngram", help="the recipe whose speculative "
+                    "section the engines run (and whose other settings all engines share)")
+    ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (the recipe's "
+                    "if unset)")
     ap.add_argument("--ridge-tokens", type=int, default=None,
                     help="speculative.ridge_tokens for adaptive (default: measured)")
     ap.add_argument("--threads", type=int, default=0, help="platform.num_threads (0 = all); "
@@ -114,12 +136,14 @@ def main() -> None:
 
     from llmkit import LLM
 
-    engines, spec, common = make_engines(args.k, args.threads)
+    engines, spec, common = make_engines(args.k, args.threads, args.recipe)
+    print(f"recipe {args.recipe}: speculative {spec}", flush=True)
     compared = [e for e in args.engines.split(",") if e]
     if args.adaptive_batch or "adaptive" in compared:
-        engines["adaptive"] = LLM(None, speculative={**spec, "adaptive": True,
-                                                     "ridge_tokens": args.ridge_tokens},
-                                  **common)
+        adaptive = {**spec, "adaptive": True}
+        if args.ridge_tokens is not None:
+            adaptive["ridge_tokens"] = args.ridge_tokens
+        engines["adaptive"] = LLM(None, speculative=adaptive, **common)
     prompts = load_prompts(engines["none"])
     for llm in engines.values():  # warm-up: first-step costs are no part of any figure
         run(llm, prompts[:4], 32, "warmup")
