@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Today's values, measured on the project's 2-core AVX2 machine, are every tier's defaults.
 MEASURED = dict(linear_small_batch_max_rows=8, linear_packed_max_rows=512,
                 lora_small_batch_max_rows=2048, attention_min_compiled_decode_rows=8,
-                attention_max_expanded_query_len=16, step_graph_max_rows=8,
+                attention_max_expanded_query_len=16, step_graph_max_rows=256,
                 top_p_candidates=256, ranks_per_core=2, linear_prefetch_bytes=2048,
                 linear_thread_min_bytes=8192)
 
@@ -99,7 +99,8 @@ def test_overrides_reach_every_component(monkeypatch):
     captured = {}
     monkeypatch.setattr(inductor, "InductorStepGraphs",
                         lambda model, caches, rows, **kw: captured.setdefault("rows", rows))
-    model = SimpleNamespace(attn_backend=SimpleNamespace(supports_step_graphs=True))
+    model = torch.nn.Module()
+    model.attn_backend = SimpleNamespace(supports_step_graphs=True)
     platform.step_graphs(model, [], CompilationConfig(mode="graphs"), max_num_seqs=64)
     assert captured["rows"] == 2
 
@@ -112,12 +113,65 @@ def test_components_alone_take_the_defaults():
     assert (linear.small_batch_max_rows, linear.packed_max_rows) == (8, 512)
 
 
-def test_step_graph_rows_follow_the_linear_unless_set():
-    assert resolve_dispatch("avx2", {"linear_small_batch_max_rows": 16}).step_graph_max_rows == 16
-    assert resolve_dispatch("avx2", {"linear_small_batch_max_rows": 16,
-                                     "step_graph_max_rows": 4}).step_graph_max_rows == 4
-    with pytest.raises(ConfigError, match=r"platform\.dispatch\.step_graph_max_rows: got 9"):
-        resolve_dispatch("avx2", {"step_graph_max_rows": 9})
+def _model(*methods, head=None) -> torch.nn.Module:
+    """A model whose linear layers hold ``methods`` (and ``head``, its LM head)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for method in methods:
+        layer = torch.nn.Module()
+        layer.method = method
+        model.layers.append(layer)
+    if head is not None:
+        model.lm_head = torch.nn.Module()
+        model.lm_head.method = head
+    return model
+
+
+def test_step_graph_rows_follow_what_the_linears_hold():
+    """Graphs stop where a layer's path switches: the C++ float linear's rows (raising them
+    raises the graphs'), any count for quantized layers (up to the ceiling and max_num_seqs),
+    the LoRA kernel's rows; a method that does not say keeps the linear's rows."""
+    from llmkit.linear.base import LinearMethod
+    from llmkit.linear.quantized import QuantizedLinearMethod
+    from llmkit.lora.layers import LoRALinearMethod
+
+    fake = SimpleNamespace(quant_linear=None)
+    for small, ceiling, seqs in ((8, None, 256), (16, None, 256), (16, 4, 256), (8, None, 6)):
+        platform = _platform(linear_small_batch_max_rows=small, step_graph_max_rows=ceiling)
+
+        def float_method():
+            method = platform.linear_method_factory(torch.float32)(None)
+            method.kernels = fake  # as with the C++ kernels loaded
+            return method
+
+        def quantized(use_float=False):
+            method = QuantizedLinearMethod("gguf", float_method(), fake)
+            method.use_float = use_float
+            return method
+
+        top = min(ceiling or 256, seqs)
+        assert platform.graph_rows(_model(float_method(), float_method()), seqs) == \
+            min(small, top)
+        assert platform.graph_rows(_model(quantized(), quantized()), seqs) == top
+        # one layer left in float holds the graphs to the C++ linear's rows
+        assert platform.graph_rows(_model(quantized(), quantized(True)), seqs) == \
+            min(small, top)
+        # the LM head runs outside the graph
+        assert platform.graph_rows(_model(quantized(), head=float_method()), seqs) == top
+
+        class Plain(LinearMethod):
+            def apply(self, layer, x):
+                return x
+
+        assert platform.graph_rows(_model(quantized(), Plain()), seqs) == min(small, top)
+    lora = LoRALinearMethod.__new__(LoRALinearMethod)
+    lora.base, lora.ops = quantized(), SimpleNamespace(small_batch_max_rows=32)
+    assert _platform().graph_rows(_model(lora), 256) == 32
+    # amx tier: bf16 layers on the AMX tiles keep one kernel up to linear_packed_max_rows
+    platform = _platform(linear_packed_max_rows=64)
+    tiles = platform.linear_method_factory(torch.bfloat16)(None)
+    tiles.kernels, tiles.tile_weight = fake, torch.empty(1)
+    assert platform.graph_rows(_model(tiles), 256) == 64
 
 
 @pytest.mark.parametrize("override,expected", [
@@ -125,9 +179,8 @@ def test_step_graph_rows_follow_the_linear_unless_set():
      "platform.dispatch.linear_packed_max_rows: got -1; allowed: an integer >= 0"),
     ("platform.dispatch.top_p_candidates=0",
      "platform.dispatch.top_p_candidates: got 0; allowed: an integer >= 1"),
-    ("platform.dispatch.step_graph_max_rows=32",
-     "platform.dispatch.step_graph_max_rows: got 32; allowed: an integer from 1 to "
-     "platform.dispatch.linear_small_batch_max_rows (8"),
+    ("platform.dispatch.step_graph_max_rows=0",
+     "platform.dispatch.step_graph_max_rows: got 0; allowed: an integer >= 1"),
 ])
 def test_a_bad_value_is_a_config_error_naming_the_key(capsys, override, expected):
     assert main(["config", override]) != 0
@@ -139,5 +192,11 @@ def test_llmkit_config_shows_the_resolved_table(capsys):
     out = capsys.readouterr().out
     assert "# CPU dispatch (tier " in out
     assert "lora_small_batch_max_rows=64" in out and "linear_small_batch_max_rows=8" in out
+    assert "step graphs cover decode steps of up to: quantized linears 256" in \
+        " ".join(out.replace("#", " ").split())
+    assert main(["config", "platform=cpu", "scheduler.max_num_seqs=64"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("#", " ").split())
+    assert "quantized linears 64 (step_graph_max_rows, scheduler.max_num_seqs); float/bf16 " \
+        "linears 8 (linear_small_batch_max_rows)" in out
     assert main(["config", "platform=cuda"]) == 0  # no CPU table for another platform
     assert "# CPU dispatch" not in capsys.readouterr().out

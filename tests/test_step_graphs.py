@@ -72,3 +72,33 @@ def test_graph_decode_steps_with_quantized_weights(tiny_model_dir, tmp_path):
         for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
             assert {t: v.logprob for t, v in lp_g.items()} == \
                 {t: v.logprob for t, v in lp_e.items()}
+
+
+@pytest.mark.slow
+def test_quantized_graphs_cover_rows_past_the_float_linear(tiny_model_dir, tmp_path,
+                                                           monkeypatch):
+    """Every linear of a kept-GGUF model runs ``quant_linear`` at any row count, so its graphs
+    cover decode steps past ``linear_small_batch_max_rows`` (8, where float layers leave the
+    C++ linear): 12-row steps through the dynamic graph, the same bits as eager."""
+    from helpers.tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_model_dir("mistral"), tmp_path / "q.gguf", "Q4_1")
+    prompts = [[3 + i, 5, 7 + 2 * i, 11] for i in range(12)]
+    rows = []
+    run = InductorStepGraphs.run
+
+    def counting_run(self, input_ids, *args):
+        rows.append(input_ids.shape[0])
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(InductorStepGraphs, "run", counting_run)
+    scheduler = {"max_num_seqs": 16}
+    _, eager = generate(path, "eager", "float32", prompts, scheduler=scheduler)
+    llm, graph = generate(path, "graphs", "float32", prompts, scheduler=scheduler)
+    assert llm.engine.executor.runner.step_graphs.max_rows == 16
+    assert rows.count(12) >= 11  # every 12-row decode step went through the graph
+    for e, g in zip(eager, graph):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lp_g.items()} == \
+                {t: v.logprob for t, v in lp_e.items()}

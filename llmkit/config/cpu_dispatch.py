@@ -10,7 +10,8 @@ Rule: a choice that is timed at start-up must never change outputs. The paths th
 counts (``linear_*_max_rows``, ``lora_*``, ``attention_*``) and ``top_p_candidates`` choose
 between compute different bits for a row (another kernel, another summation order), so those
 are fixed per tier, never timed. Step graphs compute the eager step's bits, but timing their
-row count means compiling graphs (minutes on a CPU), so it is fixed too. The fields in
+row count means compiling graphs (minutes on a CPU), so it is fixed too (a ceiling, lowered
+per model by a fixed rule: the rows its linear layers keep one kernel). The fields in
 ``CALIBRATED`` change speed only: the C++ linears' prefetch distance (prefetches only warm the
 cache) and the least weight bytes one of their threads streams (each output is one thread's
 fixed chain of sums, however many threads share the weight: ``kernels/cpu/tuning.h``). Those
@@ -35,7 +36,8 @@ from llmkit.config.cpu_isa import TIER_NAMES
 from llmkit.config.errors import ConfigError
 
 __all__ = ["CALIBRATED", "CpuDispatch", "DISPATCH_KEY", "SOURCES", "TIER_DEFAULTS",
-           "dispatch_for_tier", "dispatch_sources", "describe_dispatch", "resolve_dispatch"]
+           "dispatch_for_tier", "dispatch_sources", "describe_dispatch", "describe_graph_rows",
+           "resolve_dispatch"]
 
 DISPATCH_KEY = "platform.dispatch"
 
@@ -60,10 +62,13 @@ class CpuDispatch:
     #: With the C++ kernels: rows of at most this many query tokens (speculative verification,
     #: small chunks) run as one decode row per token. 1: none.
     attention_max_expanded_query_len: int = 16
-    #: Decode steps of up to this many rows become step graphs (``compilation.mode=graphs``);
-    #: at most ``linear_small_batch_max_rows`` (the graphs hold the C++ linear). Graphs compute
-    #: the eager step's bits; fewer rows compile fewer graphs.
-    step_graph_max_rows: int = 8
+    #: Decode steps of up to this many rows (and ``scheduler.max_num_seqs``) become step
+    #: graphs (``compilation.mode=graphs``), as far as every linear layer of the loaded model
+    #: keeps one kernel (``CpuPlatform.graph_rows``): quantized layers at any row count, float
+    #: and bf16 layers up to ``linear_small_batch_max_rows`` (the C++ linear; oneDNN above),
+    #: the ``amx`` tier's bf16 tiles up to ``linear_packed_max_rows``. Graphs compute the eager
+    #: step's bits; one graph is dynamic in the rows, so more rows compile no more graphs.
+    step_graph_max_rows: int = 256
     #: Top-p looks for its cut among this many most likely tokens before sorting a whole row
     #: (a full sort of a large vocabulary costs far more than a top-k of a few hundred).
     top_p_candidates: int = 256
@@ -107,9 +112,7 @@ def resolve_dispatch(tier: str | None, overrides: Any = None,
                      calibrated: dict[str, int] | None = None) -> CpuDispatch:
     """The tier's table with ``calibrated`` (timed values of ``CALIBRATED`` fields) and then
     ``overrides`` (``platform.dispatch``: an object or mapping whose non-null fields replace
-    the rest). An unset ``step_graph_max_rows`` follows the resolved
-    ``linear_small_batch_max_rows`` when the tier ties them, so raising the linear's rows
-    raises the graphs' too. Raises ``ConfigError`` naming the key for a value out of range."""
+    the rest). Raises ``ConfigError`` naming the key for a value out of range."""
     base = dispatch_for_tier(tier)
     given = _given(overrides)
     timed = dict(calibrated or {})
@@ -121,14 +124,6 @@ def resolve_dispatch(tier: str | None, overrides: Any = None,
         low = MINIMUMS[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{DISPATCH_KEY}.{name}", value, f"an integer >= {low} or null")
-    if "step_graph_max_rows" not in given and base.step_graph_max_rows == \
-            base.linear_small_batch_max_rows:
-        table = replace(table, step_graph_max_rows=max(1, table.linear_small_batch_max_rows))
-    if table.step_graph_max_rows > max(1, table.linear_small_batch_max_rows):
-        raise ConfigError(f"{DISPATCH_KEY}.step_graph_max_rows", table.step_graph_max_rows,
-                          f"an integer from 1 to {DISPATCH_KEY}.linear_small_batch_max_rows "
-                          f"({table.linear_small_batch_max_rows}: the graphs hold the C++ "
-                          f"linear) or null")
     return table
 
 
@@ -150,6 +145,18 @@ def describe_dispatch(table: CpuDispatch, sources: dict[str, str] | None = None)
     groups = [f"{source}: " + " ".join(pairs[n] for n in pairs if sources[n] == source)
               for source in SOURCES if source in sources.values()]
     return " | ".join(groups)
+
+
+def describe_graph_rows(table: CpuDispatch, tier: str | None, max_num_seqs: int) -> str:
+    """The decode rows step graphs cover by the kind of model (``CpuPlatform.graph_rows``'s
+    rule), for ``llmkit config``: which rows run eagerly is part of what the table means."""
+    ceiling = max(1, min(table.step_graph_max_rows, max_num_seqs))
+    float_rows = max(1, min(ceiling, table.linear_small_batch_max_rows))
+    bf16 = (f"; bf16 on the amx tiles {max(1, min(ceiling, table.linear_packed_max_rows))}"
+            if tier == "amx" else "")
+    return (f"step graphs cover decode steps of up to: quantized linears {ceiling} "
+            f"(step_graph_max_rows, scheduler.max_num_seqs); float/bf16 linears {float_rows} "
+            f"(linear_small_batch_max_rows){bf16}")
 
 
 def _given(overrides: Any) -> dict[str, int]:

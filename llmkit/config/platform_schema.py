@@ -25,7 +25,7 @@ change outputs; ``linear_prefetch_bytes`` and ``linear_thread_min_bytes`` change
     lora_small_batch_max_rows: int | None = Field(default=None, ge=0)
     attention_min_compiled_decode_rows: int | None = Field(default=None, ge=1)
     attention_max_expanded_query_len: int | None = Field(default=None, ge=1)
-    # at most linear_small_batch_max_rows (checked when the platform resolves the table)
+    # a ceiling: the platform lowers it to the rows the model's linear layers keep one kernel
     step_graph_max_rows: int | None = Field(default=None, ge=1)
     top_p_candidates: int | None = Field(default=None, ge=1)
     ranks_per_core: int | None = Field(default=None, ge=1)

@@ -234,7 +234,8 @@ def _cpu_dispatch_comment(config) -> str:
         return ""
     import textwrap
 
-    from llmkit.config.cpu_dispatch import describe_dispatch, dispatch_sources, resolve_dispatch
+    from llmkit.config.cpu_dispatch import (describe_dispatch, describe_graph_rows,
+                                            dispatch_sources, resolve_dispatch)
     from llmkit.config.cpu_isa import resolve_tier
     from llmkit.kernels.cpu_calibration import cached_fields
 
@@ -248,6 +249,10 @@ def _cpu_dispatch_comment(config) -> str:
     for group in describe_dispatch(table, sources).split(" | "):
         lines.append(textwrap.fill(group, 96, initial_indent="#   ",
                                    subsequent_indent="#     "))
+    graphs = describe_graph_rows(table, tier, config.scheduler.max_num_seqs)
+    if config.compilation.mode != "graphs":
+        graphs += f" (compilation.mode={config.compilation.mode}: no graphs)"
+    lines.append(textwrap.fill(graphs, 96, initial_indent="#   ", subsequent_indent="#     "))
     return head + "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ all-reduce after a row-parallel apply).
 """
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal
@@ -22,6 +23,9 @@ from torch import nn
 #: How a layer is split over tensor-parallel ranks: not at all, by output rows (column
 #: parallel: q/k/v, gate/up), or by input columns (row parallel: o, down; all-reduce after).
 ParallelKind = Literal["replicated", "column", "row"]
+
+#: ``LinearMethod.graph_max_rows`` of a method that takes one path at every row count.
+ANY_ROWS = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,14 @@ class LinearMethod(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    @property
+    def graph_max_rows(self) -> int | None:
+        """Rows up to which :meth:`apply` takes one path (one opaque kernel) whatever the row
+        count, so that a step graph dynamic in its rows traces that path and computes eager's
+        bits up to here; ``ANY_ROWS``: at every count. None: the method does not say (the
+        platform keeps its own bound for such layers)."""
+        return None
 
 
 #: What a platform hands a model: the method for each linear layer it declares.

@@ -106,6 +106,16 @@ class CpuLinearMethod(LinearMethod):
             y = F.linear(xf, self.weight_float32, self.bias_float32)
         return y.to(x.dtype)
 
+    @property
+    def graph_max_rows(self) -> int | None:
+        # the paths switch at these row counts (the C++ kernels' own rows: any bits they give
+        # are the same call in a graph)
+        if self.tile_weight is not None:
+            return self.packed_max_rows
+        if self.kernels is not None:
+            return self.small_batch_max_rows
+        return None
+
     def describe(self) -> str:
         parts = [self.name]
         if self.tile_weight is not None:

@@ -69,6 +69,10 @@ class _ParallelLinearMethod(LinearMethod):
     def describe(self) -> str:
         return f"{self.kind}-parallel[{self.tp.rank}/{self.tp.size}]({self.inner.describe()})"
 
+    @property
+    def graph_max_rows(self) -> int | None:
+        return self.inner.graph_max_rows
+
 
 class ColumnParallelLinearMethod(_ParallelLinearMethod):
     kind = "column"

@@ -28,7 +28,7 @@ from torch import nn
 
 from llmkit.kernels.quant import weights as qweights
 from llmkit.kernels.quant.formats import dequantize_gguf
-from llmkit.linear.base import LinearMethod, LinearMethodFactory, LinearSpec
+from llmkit.linear.base import ANY_ROWS, LinearMethod, LinearMethodFactory, LinearSpec
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,11 @@ class QuantizedLinearMethod(LinearMethod):
                                  False) for w in self.packed]
         y = torch.cat(ys, dim=-1)
         return y if layer.bias is None else y + layer.bias
+
+    @property
+    def graph_max_rows(self) -> int | None:
+        # quant_linear at every row count (its VNNI / AMX choice is inside the op)
+        return self.float_method.graph_max_rows if self.use_float else ANY_ROWS
 
     def describe(self) -> str:
         if self.use_float:

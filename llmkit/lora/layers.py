@@ -118,6 +118,13 @@ class LoRALinearMethod(LinearMethod):
     def describe(self) -> str:
         return f"lora[{self.ops.name}]({self.base.describe()})"
 
+    @property
+    def graph_max_rows(self) -> int | None:
+        # the LoRA ops switch paths too (the C++ kernel, torch's GEMMs above)
+        rows = self.base.graph_max_rows
+        limit = getattr(self.ops, "small_batch_max_rows", None)
+        return rows if rows is None or limit is None else min(rows, limit)
+
 
 class LoRAVocabEmbedding(nn.Module):
     """The token embedding plus each token's adapter delta (PEFT's ``lora_embedding_A/B``).

@@ -11,7 +11,7 @@ from llmkit.config.schema import CompilationConfig
 from llmkit.config import cpu_isa
 from llmkit.config.cpu_dispatch import (CpuDispatch, dispatch_for_tier, dispatch_sources,
                                         resolve_dispatch)
-from llmkit.linear.base import LinearMethodFactory
+from llmkit.linear.base import LinearMethod, LinearMethodFactory
 from llmkit.linear.cpu_linear import CpuLinearMethod
 from llmkit.ops.base import ModelOps
 from llmkit.ops.cpu_ops import CpuNativeOps
@@ -109,11 +109,30 @@ class CpuPlatform(Platform):
 
         return quantized_method_factory(mode, self.linear_method_factory(dtype), kernels)
 
+    def graph_rows(self, model: torch.nn.Module, max_num_seqs: int) -> int:
+        """The most rows a decode step graph covers: ``dispatch.step_graph_max_rows`` and
+        ``max_num_seqs``, lowered to the rows every linear layer of ``model`` keeps one path
+        (``LinearMethod.graph_max_rows``: a quantized layer at any count, the C++ float linear
+        up to ``linear_small_batch_max_rows``); a layer whose method does not say keeps
+        ``linear_small_batch_max_rows``. The LM head is not in the graph. A graph dynamic in its
+        rows traces one path of each layer, so past a layer's switch it would compute other
+        bits than eager. Fixed by the tier's table and the model's layers: the same at every
+        start."""
+        rows = min(self.dispatch.step_graph_max_rows, max_num_seqs)
+        head = getattr(model, "lm_head", None)  # compute_logits runs it outside the graph
+        for module in model.modules():
+            method = getattr(module, "method", None)
+            if isinstance(method, LinearMethod) and module is not head:
+                held = method.graph_max_rows
+                rows = min(rows, self.dispatch.linear_small_batch_max_rows if held is None
+                           else held)
+        return max(1, rows)
+
     def step_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                     config: CompilationConfig, max_num_seqs: int) -> StepGraphs | None:
-        """Decode steps of up to ``dispatch.step_graph_max_rows`` rows (at most the C++
-        linear's) compiled by inductor (the graph needs the C++ kernels: with torch ops the
-        attention backend has no graph-safe decode)."""
+        """Decode steps of up to :meth:`graph_rows` rows compiled by inductor (the graph
+        needs the C++ kernels: with torch ops the attention backend has no graph-safe
+        decode)."""
         if config.mode != "graphs":
             return None
         if not model.attn_backend.supports_step_graphs:
@@ -125,8 +144,7 @@ class CpuPlatform(Platform):
         from llmkit.kernels.cpu_native import kernels_build_key
 
         cache = config.cache_dir or str(cache_dir() / "compile")
-        return InductorStepGraphs(model, kv_caches,
-                                  min(self.dispatch.step_graph_max_rows, max_num_seqs),
+        return InductorStepGraphs(model, kv_caches, self.graph_rows(model, max_num_seqs),
                                   cpp_wrapper=config.cpp_wrapper, cache_dir=cache,
                                   kernels_key=kernels_build_key(self.isa))
 
