@@ -5,6 +5,9 @@
 // scaled scores to c * tanh(s / c) before the softmax (Gemma 2). One task per (sequence, KV
 // head), or per query head when those are too few to fill the threads: the block table is read
 // once into the head's row pointers, and a task's query heads share every K/V row they load.
+// Consecutive rows that read the same context (a speculative verify step's 1 + K rows of one
+// sequence: shared_context_runs) share a task, and with it each K/V row's load (and a
+// quantized cache's dequantization); every row still gets the bits it gets alone.
 // bf16 follows torch's bf16 flash SDPA step by step (decode_head_sdpa_order) in the AVX2
 // tiers and for head sizes that are not a multiple of 32; the AVX-512 tiers run their own
 // bf16 dot products instead (decode_attention_avx512.h: other bits, fixed per tier). float32
@@ -80,8 +83,7 @@ constexpr int64_t kSdpaKvBlock = 512;
 
 // Eight K rows' scores at once, each the bits of dot_torch_order(qf, k, dim) * scale (dim a
 // multiple of 64, so no tail): the eight lane sums run side by side instead of one by one.
-template <typename R>
-inline void scores8_torch_order(const float* qf, const R* const* k, int64_t dim, float scale,
+inline void scores8_torch_order(const float* qf, const bf16* const* k, int64_t dim, float scale,
                                 float* p) {
   Vec v[8];
   for (int l = 0; l < 8; ++l) {
@@ -124,11 +126,8 @@ inline float exp_scores_bf16(float* p, int64_t nl, float new_max) {
   return block_sum;
 }
 
-// R: the rows' type -- bf16 as in the cache, or float32 widened from it (exactly: the same
-// values, the same bits).
-template <typename R>
-inline void decode_head_sdpa_order(const float* qf, const R* const* krows,
-                                   const R* const* vrows, int64_t len, float scale,
+inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
+                                   const bf16* const* vrows, int64_t len, float scale,
                                    int64_t dim, float* p, float* acc, bf16* dst, float cap) {
   float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
   std::fill(acc, acc + dim, 0.f);
@@ -280,7 +279,7 @@ constexpr int64_t kMaxRunRows = 16;
 // over every block the shorter row reads -- so each row's context is a prefix of the run's
 // last row's. A speculative verify step's 1 + K rows of one sequence (one row per token, the
 // block-table row repeated: attention_max_expanded_query_len) form one run, whose K/V rows
-// are then read (widened, dequantized) once for all of them; each row's math is its own, so
+// are then read (and dequantized) once for all of them; each row's math is its own, so
 // grouping changes no bit. Returns the runs' first rows, then batch.
 template <typename I>
 std::vector<int64_t> shared_context_runs(const I* table, int64_t stride, const int64_t* lens,

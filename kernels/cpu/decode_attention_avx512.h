@@ -324,8 +324,8 @@ inline void decode_rows_bf16_avx512(const bf16* q, int64_t qrow, int64_t qstride
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t c = r * group + g;
-      w.sums[c] = softmax_scores(w.p.data() + c * pu, lens[r], (lens[r] + kTile - 1) / kTile * kTile,
-                                 cap, w.pb.data() + c * pu);
+      const int64_t padded = (lens[r] + kTile - 1) / kTile * kTile;  // as alone
+      w.sums[c] = softmax_scores(w.p.data() + c * pu, lens[r], padded, cap, w.pb.data() + c * pu);
     }
   // P.V over the pairs inside every row's context, kRowHeads (row, head)s at a time.
   const int64_t shared = lens[0] / 2;
