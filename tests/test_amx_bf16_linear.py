@@ -45,7 +45,8 @@ def test_tile_linear_row_bits_do_not_depend_on_the_batch(ops):
     packed = ops.bf16_tile_pack(w)
     x = randn(300, 576, seed=6)
     full = ops.bf16_tile_linear(x, packed, 579, b)
-    for begin, end in [(0, 1), (7, 8), (0, 2), (5, 21), (16, 48), (1, 64), (299, 300), (3, 260)]:
+    for begin, end in [(0, 1), (7, 8), (0, 2), (0, 15), (10, 13), (5, 21), (16, 48), (1, 64),
+                       (299, 300), (3, 260)]:
         assert torch.equal(ops.bf16_tile_linear(x[begin:end], packed, 579, b), full[begin:end])
 
 

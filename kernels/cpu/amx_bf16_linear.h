@@ -58,12 +58,14 @@ inline at::Tensor pack(const at::Tensor& weight) {
 
 #if defined(LLMKIT_AMX)
 
-// Tiles 0-3: C (float32 [16][16]); 4-5: A (bf16 [16 rows][32 inputs]); 6-7: B ([16 pairs][16
-// outputs x 2]). Every tile is 16 rows of 64 bytes.
-inline void load_tile_config() {
+// Tiles 0-3: C (float32 [rows][16]); 4-5: A (bf16 [rows][32 inputs]); 6-7: B ([16 pairs][16
+// outputs x 2]). Every tile row is 64 bytes; C and A have ``rows`` rows (16, or fewer for a
+// call of fewer rows: a C element is computed from its own A row alone, so the rows a tile
+// has change no element's bits, and a short call reads its rows in place, unpadded).
+inline void load_tile_config(int64_t rows = kTile) {
   quant::amx::TileConfig c;
   for (int t = 0; t < 8; ++t) {
-    c.rows[t] = kTile;
+    c.rows[t] = t < 6 ? static_cast<uint8_t>(rows) : kTile;
     c.colsb[t] = 64;
   }
   asm volatile("ldtilecfg %0" ::"m"(c));
@@ -84,7 +86,8 @@ inline void emit(const float* c, int64_t rows, const bf16* bias, int64_t n, bf16
   }
 }
 
-// x [rows_p, kp] (rows padded to 16, inputs to 32), packed from pack(); out [rows, n].
+// x [rows_p, kp] (rows padded to 16, or rows < 16 unpadded; inputs padded to 32), packed
+// from pack(); out [rows, n].
 inline void linear_tiles(const bf16* x, int64_t rows, int64_t kp, const bf16* w, int64_t n,
                          const bf16* bias, bf16* out) {
   quant::amx::require_tile_permission();
@@ -93,7 +96,7 @@ inline void linear_tiles(const bf16* x, int64_t rows, int64_t kp, const bf16* w,
   const int64_t lda = kp * int64_t(sizeof(bf16));
   const int64_t pair_bytes = 2 * kb * kTileElems * int64_t(sizeof(bf16));
   at::parallel_for(0, pairs, tuning::grain(pair_bytes), [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    load_tile_config(std::min(rows, kTile));
     alignas(64) float c[4][kTile * kTile];
     const auto store = [&](int64_t t, int64_t o, const float* c0, const float* c1) {
       const int64_t r0 = t * kTile, mr = std::min(kTile, rows - r0);
@@ -184,8 +187,9 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
 #if defined(LLMKIT_AMX)
-  // Tiles read whole 16-row, 32-input blocks: other shapes go through a zero-padded copy.
-  const int64_t rows_p = (rows + kTile - 1) / kTile * kTile;
+  // Tiles read whole 32-input blocks, and 16-row ones past the first tile: other shapes go
+  // through a zero-padded copy (a single tile of fewer rows reads its rows in place).
+  const int64_t rows_p = rows < kTile ? rows : (rows + kTile - 1) / kTile * kTile;
   at::Tensor xs = x.contiguous();
   if (rows_p != rows || kp != k) {
     at::Tensor padded = at::zeros({rows_p, kp}, x.options());
