@@ -102,3 +102,30 @@ def test_quantized_graphs_cover_rows_past_the_float_linear(tiny_model_dir, tmp_p
         for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
             assert {t: v.logprob for t, v in lp_g.items()} == \
                 {t: v.logprob for t, v in lp_e.items()}
+
+
+@pytest.mark.slow
+def test_bf16_graph_rows_follow_the_tier(tiny_model_dir, monkeypatch):
+    """A bf16 model's layers keep one kernel up to the C++ linear's 8 rows, or in the amx tier
+    (the AMX tile linear) up to linear_packed_max_rows: there 12-row steps run through the
+    graph, the same bits as eager; elsewhere they stay eager."""
+    prompts = [[3 + i, 5, 7 + 2 * i, 11] for i in range(12)]
+    rows = []
+    run = InductorStepGraphs.run
+
+    def counting_run(self, input_ids, *args):
+        rows.append(input_ids.shape[0])
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(InductorStepGraphs, "run", counting_run)
+    model_dir, scheduler = tiny_model_dir("qwen3"), {"max_num_seqs": 16}
+    _, eager = generate(model_dir, "eager", "bfloat16", prompts, scheduler=scheduler)
+    llm, graph = generate(model_dir, "graphs", "bfloat16", prompts, scheduler=scheduler)
+    tiles = llm.engine.executor.backend_info.isa == "amx"
+    assert llm.engine.executor.runner.step_graphs.max_rows == (16 if tiles else 8)
+    assert (rows.count(12) >= 11) if tiles else rows.count(12) == 0
+    for e, g in zip(eager, graph):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in lp_g.items()} == \
+                {t: v.logprob for t, v in lp_e.items()}
