@@ -172,12 +172,12 @@ def test_events_follow_a_request_and_blocks_come_back(server, model):
     assert final["num_held_blocks"] == 0 and final["requests"] == []
     assert final["kv_checked"] and final["kv_integrity_error"] is None
     assert final["num_cached_blocks"] > 0  # the finished request's blocks stay cached
-    # The feed keeps the snapshots it published. A fast CPU runs the stream above within a
-    # few publication periods (300 steps of this tiny model in ~0.1 s on a Zen 5), so five
-    # more requests, each after a pause longer than a period, publish at least one step each.
+    # The feed keeps the snapshots it published, and a fast CPU runs the stream above within
+    # a few publication periods: five more requests, each after a pause longer than a period,
+    # publish at least one step each.
+    short = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     for _ in range(5):
         time.sleep(2 / EVENTS_PER_S)
-        short = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         assert httpx.post(server.url("/v1/completions"), json=short, headers=AUTH,
                           timeout=60).status_code == 200
     wait_idle(server)
