@@ -13,7 +13,7 @@ import pytest
 from helpers.processes import wait_for
 from helpers.server_process import SERVER_THREADS, ServerProcess
 from helpers.tiny_bamba import build_bamba_dir
-from helpers.web_browser import ARTIFACTS, open_page
+from helpers.web_browser import ARTIFACTS, open_page, record_first, recorded
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,14 @@ def test_engine_page_shows_each_groups_share_while_a_request_runs(browser, serve
     done = threading.Event()
     thread = threading.Thread(target=lambda: (httpx.post(server.url("/v1/completions"),
                                                          json=body, timeout=300), done.set()))
+    # while it runs: every group holds a share (one state block a Mamba group, the attention
+    # group more as the context grows)
+    record_first(page, "held-groups", """
+        const t = document.getElementById("held-groups").textContent;
+        return /full [1-9]/.test(t) && !/ 0\\.0%/.test(t) ? t : null;""")
     thread.start()
     try:
-        # while it runs: every group holds a share (one state block a Mamba group, the
-        # attention group more as the context grows)
-        shown = page.wait_for_function("""() => {
-            const t = document.getElementById("held-groups").textContent;
-            return /full [1-9]/.test(t) && !/ 0\\.0%/.test(t) ? t : null;
-        }""").json_value()
+        shown = recorded(page)
         page.screenshot(path=str(ARTIFACTS / "engine-kv-groups.png"))
         shares = _group_shares(shown)
         assert set(shares) == set(groups) and all(s > 0 for s in shares.values()), shown

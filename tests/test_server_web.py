@@ -16,7 +16,7 @@ import pytest
 
 from helpers.processes import wait_for
 from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
-from helpers.web_browser import ARTIFACTS, open_page
+from helpers.web_browser import ARTIFACTS, open_page, record_first, recorded
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "web-key-42"
@@ -268,31 +268,35 @@ def test_chat_streams_a_reply_while_the_engine_view_shows_it(browser, server, mo
     assert chat.input_value("#temperature") == "0"
     chat.fill("#max-tokens", str(max_tokens))
     chat.fill("#prompt", question)
+    # Both pages record what they show as it happens (MutationObservers run right after each
+    # event is drawn): polling from here can miss a reply that a fast CPU streams within a second.
+    record_first(engine, "requests", """
+        const tr = document.querySelector("#requests tr[data-status='running']");
+        return tr ? [tr.innerText, document.getElementById("held").textContent,
+                     document.getElementById("running").textContent] : null;""")
+    chat.evaluate("""() => {
+        window.seen = {busy: [], lengths: []};
+        new MutationObserver(() => seen.busy.push(document.body.dataset.busy))
+            .observe(document.body, {attributes: true, attributeFilter: ["data-busy"]});
+        new MutationObserver(() => {
+            const body = [...document.querySelectorAll(".msg.assistant .body")].pop();
+            if (document.body.dataset.busy === "1" && body) seen.lengths.push(body.textContent.length);
+        }).observe(document.getElementById("messages"),
+                   {childList: true, subtree: true, characterData: true});
+    }""")
     chat.press("#prompt", "Enter")
 
-    # While it streams: the reply grows, and the engine view shows the request running.
-    chat.wait_for_selector("body[data-busy='1']", state="attached")
-    reply = chat.locator(".msg.assistant .body").last
-    lengths = []
-    deadline = time.monotonic() + 30
-    while len([n for n in lengths if n]) < 2 and time.monotonic() < deadline:
-        lengths.append(len(reply.inner_text()))
-        time.sleep(0.05)
-    # One snapshot of the engine view, taken the moment it first lists the request as running
-    # (the page renders the cards and the table from the same event), so a fast engine finishing
-    # the reply between two reads cannot split it.
-    row, held, num_running = engine.wait_for_function("""() => {
-        const tr = document.querySelector("#requests tr[data-status='running']");
-        return tr && [tr.innerText, document.getElementById("held").textContent,
-                      document.getElementById("running").textContent];
-    }""").json_value()
+    # While it streams: the engine view lists the request as running; the reply grows.
+    row, held, num_running = recorded(engine)
     engine.screenshot(path=str(ARTIFACTS / "engine-while-streaming.png"))
     chat.screenshot(path=str(ARTIFACTS / "chat-while-streaming.png"))
     assert "chatcmpl-" in row and int(held) > 0 and num_running == "1", (row, held, num_running)
-    partial = [n for n in lengths if n]
-    assert len(set(partial)) >= 2 and partial == sorted(partial), lengths  # it streams
-
-    chat.wait_for_selector("body[data-busy='']", state="attached", timeout=120_000)
+    chat.wait_for_function("() => seen.busy.includes('1') && document.body.dataset.busy === ''",
+                           polling=100, timeout=120_000)
+    assert chat.evaluate("seen.busy") == ["1", ""]
+    partial = [n for n in chat.evaluate("seen.lengths") if n]
+    assert len(set(partial)) >= 2 and partial == sorted(partial), partial  # it streams
+    reply = chat.locator(".msg.assistant .body").last
     assert reply.inner_text() == expected["message"]["content"]
     line = chat.locator(".msg.assistant .stats").last.inner_text()
     m = re.fullmatch(r"TTFT (\d+) ms · ([\d.]+) tok/s · (\d+) tokens · finish: length", line)

@@ -42,3 +42,26 @@ def open_page(browser, server, path: str):
     page.on("pageerror", lambda e: problems.append(str(e)))
     page.goto(server.url(path))
     return page, problems
+
+
+def record_first(page, element_id: str, snapshot_js: str) -> None:
+    """From now on, keep the first non-null value of ``snapshot_js`` (a JS function body of no
+    arguments) seen right after the element ``element_id`` changes, for ``recorded``.
+
+    A MutationObserver runs after the page's handler has finished drawing one event, so the
+    snapshot is whole and taken as it happens; polling from the test (each animation frame of a
+    background tab, or a timer) can miss a state that a fast CPU passes through within a second.
+    """
+    page.evaluate("""([id, body]) => {
+        const snapshot = new Function(body);
+        window.firstRecorded = null;
+        new MutationObserver(() => {
+            if (window.firstRecorded === null) window.firstRecorded = snapshot();
+        }).observe(document.getElementById(id), {childList: true, subtree: true,
+                                                  characterData: true});
+    }""", [element_id, snapshot_js])
+
+
+def recorded(page):
+    """The snapshot ``record_first`` kept, waiting for it (the context's timeout)."""
+    return page.wait_for_function("() => window.firstRecorded", polling=100).json_value()
