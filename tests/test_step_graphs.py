@@ -7,9 +7,10 @@ test runs eagerly (tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmkit import LLM, SamplingParams
-from llmkit.compilation.inductor import InductorStepGraphs
+from llmkit.compilation.inductor import InductorStepGraphs, direct_call
 
 PROMPTS = [[5, 9, 33, 2, 71, 8], [17] * 20, [40, 41, 42], [7, 8, 9, 10], [3] * 9]
 
@@ -37,7 +38,9 @@ def test_graph_decode_steps_are_bit_identical_to_eager(tiny_model_dir, arch, dty
         _, eager = generate(model_dir, "eager", dtype, prompts)
         assert runs["graph"] == 0
         llm, graph = generate(model_dir, "graphs", dtype, prompts)
-        assert isinstance(llm.engine.executor.runner.step_graphs, InductorStepGraphs)
+        graphs = llm.engine.executor.runner.step_graphs
+        assert isinstance(graphs, InductorStepGraphs)
+        assert graphs._one_direct is not None  # 1-row steps skip dynamo's prologue
         assert runs["graph"] >= 11  # every decode step of the 12 tokens went through a graph
         runs["graph"] = 0
         for e, g in zip(eager, graph):
@@ -45,6 +48,29 @@ def test_graph_decode_steps_are_bit_identical_to_eager(tiny_model_dir, arch, dty
             for lp_e, lp_g in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
                 assert {t: v.logprob for t, v in lp_g.items()} == \
                     {t: v.logprob for t, v in lp_e.items()}  # the same bits
+
+
+@pytest.mark.slow
+def test_the_recorded_one_row_call_is_the_graphs_own(tiny_model_dir):
+    """The 1-row graph called with its inputs recorded once computes what dynamo's own call
+    computes, for step inputs other than those it was recorded on (each lands in its place);
+    the dynamic graph, whose call carries the row count, is not recorded."""
+    llm, _ = generate(tiny_model_dir("llama"), "graphs", "float32", PROMPTS[:1])
+    graphs = llm.engine.executor.runner.step_graphs
+    width = llm.engine.executor.runner.batch.block_table.shape[1]
+    one, _ = graphs._graphs["one"]
+    with torch.inference_mode():
+        # positions and lengths past the recording's (0 and 1), a block of its own, no KV write
+        steps = [(torch.tensor([t]), torch.tensor([p]), torch.tensor([-1]),
+                  torch.full((1, width), b, dtype=torch.int32),
+                  torch.tensor([p + 1], dtype=torch.int32))
+                 for t, p, b in ((5, 0, 0), (71, 3, 1), (9, 17, 2))]
+        outs = [graphs._one_direct(*step) for step in steps]
+        for step, out in zip(steps, outs):
+            assert torch.equal(out, one(graphs._step, *step))
+        assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+        many, _ = graphs._graphs["many"]
+        assert direct_call(many, graphs._step, graphs.dummy_inputs(3, width)) is None
 
 
 def test_graphs_need_the_cpp_kernels(tiny_model_dir, caplog):

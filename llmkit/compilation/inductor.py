@@ -143,6 +143,60 @@ def _portable_guard_pickling() -> Iterator[None]:
         GuardsStatePickler.reducer_override = reduce
 
 
+def direct_call(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
+                ) -> Callable[..., torch.Tensor] | None:
+    """The precompiled graph ``fn`` called without its Python prologue, or None where that
+    cannot be shown to be the same call.
+
+    Dynamo's code for a step gathers every graph input from the model on each call (one
+    attribute chain per weight, KV cache and buffer: ~500 attribute loads for a 30-layer
+    model) before it calls the compiled graph. Those objects are the model's own and are never
+    replaced while the engine runs (weights, caches and LoRA slots change in place), so the
+    list is recorded once, from one call on ``inputs``, and later calls put their five step
+    tensors into it. Kept only when the recorded call is plain: one graph call, every argument
+    a tensor (no size of a dynamic dimension, which would change per call), each step input
+    in exactly one place, and the step's result the graph's first output."""
+    name = getattr(getattr(fn, "_artifacts", None), "backend_id", None)
+    code = getattr(fn, "fn", None)
+    scope = getattr(code, "__globals__", None)
+    compiled = scope.get(name) if scope is not None and name is not None else None
+    if compiled is None:
+        return None
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+
+    def spy(*args: Any) -> Any:
+        out = compiled(*args)
+        calls.append((args, out))
+        return out
+
+    scope[name] = spy
+    try:
+        result = code(step, *inputs)
+    finally:
+        scope[name] = compiled
+    if len(calls) != 1:
+        return None
+    args, out = calls[0]
+    if not (isinstance(out, (list, tuple)) and out and out[0] is result
+            and all(isinstance(a, torch.Tensor) for a in args)):
+        return None
+    slots = []
+    for x in inputs:
+        at = [j for j, a in enumerate(args) if a is x]
+        if len(at) != 1:
+            return None
+        slots.append(at[0])
+    template = list(args)
+
+    def call(*step_inputs: torch.Tensor) -> torch.Tensor:
+        a = template.copy()
+        for j, x in zip(slots, step_inputs):
+            a[j] = x
+        return compiled(*a)[0]
+
+    return call
+
+
 class _DecodeStep:
     """What a graph is traced through and called with: the model, its attention backend and
     the KV caches, and nothing else. Dynamo's precompile pickles the traced function's locals
@@ -185,6 +239,8 @@ class InductorStepGraphs(StepGraphs):
         self.origins: dict[str, str] = {}
         # The block-table width load_saved() last ran for (None: not yet).
         self._width: int | None = None
+        # The "one" graph without dynamo's prologue (direct_call), when it could be recorded.
+        self._one_direct: Callable[..., torch.Tensor] | None = None
 
     def _variants(self) -> list[tuple[str, int]]:
         variants = [("one", 1)]
@@ -204,6 +260,7 @@ class InductorStepGraphs(StepGraphs):
         and still fits. What is missing, :meth:`capture` traces."""
         self._graphs.clear()
         self.origins.clear()
+        self._one_direct = None
         self._width = block_table_width
         if self.graph_dir is None:
             return False
@@ -214,8 +271,7 @@ class InductorStepGraphs(StepGraphs):
                                    self.dummy_inputs(rows, block_table_width))
                 if graph is not None:
                     self.origins[variant] = "loaded"
-                    self._graphs[variant] = graph
-                    self.run(*self.dummy_inputs(rows, block_table_width))  # warm up
+                    self._ready(variant, graph, self.dummy_inputs(rows, block_table_width))
         return len(self._graphs) == len(self._variants())
 
     def capture(self, block_table_width: int) -> float:
@@ -232,12 +288,24 @@ class InductorStepGraphs(StepGraphs):
                 if variant in self._graphs:
                     continue
                 path = self.graph_dir / f"{key}-{variant}.bin" if self.graph_dir else None
-                self._graphs[variant] = self._trace(path, self.dummy_inputs(rows,
-                                                                            block_table_width))
-                self.run(*self.dummy_inputs(rows, block_table_width))  # warm up
+                graph = self._trace(path, self.dummy_inputs(rows, block_table_width))
+                self._ready(variant, graph, self.dummy_inputs(rows, block_table_width))
         if self.origins:
             logger.info("step graphs: %s", ", ".join(f"{v} {o}" for v, o in self.origins.items()))
         return time.perf_counter() - t0
+
+    def _ready(self, variant: str, graph: tuple[Callable[..., torch.Tensor], bool],
+               inputs: tuple[torch.Tensor, ...]) -> None:
+        """Make ``graph`` the one ``run`` uses for ``variant``, warmed up on ``inputs`` (which
+        write no KV); the 1-row graph's call is recorded then (``direct_call``)."""
+        self._graphs[variant] = graph
+        self.run(*inputs)  # warm up
+        fn, takes_step = graph
+        if variant == "one" and takes_step:
+            self._one_direct = direct_call(fn, self._step, inputs)
+            if self._one_direct is None:
+                logger.info("step graph one: called through dynamo's prologue (its inputs "
+                            "could not be recorded)")
 
     def _mark(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if inputs[0].shape[0] >= 2:
@@ -298,6 +366,8 @@ class InductorStepGraphs(StepGraphs):
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         rows = input_ids.shape[0]
+        if rows == 1 and self._one_direct is not None:
+            return self._one_direct(input_ids, positions, slot_mapping, block_table, seq_lens)
         fn, takes_self = self._graphs["one" if rows == 1 else "many"]
         if takes_self:
             return fn(self._step, input_ids, positions, slot_mapping, block_table, seq_lens)
