@@ -155,7 +155,9 @@ def direct_call(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
     list is recorded once, from one call on ``inputs``, and later calls put their five step
     tensors into it. Kept only when the recorded call is plain: one graph call, every argument
     a tensor (no size of a dynamic dimension, which would change per call), each step input
-    in exactly one place, and the step's result the graph's first output."""
+    in exactly one place, and the step's result the graph's first output. Code that replaced
+    a tensor the graph reads (instead of writing into it) after this would have to make the
+    graphs again, as a new KV cache does."""
     name = getattr(getattr(fn, "_artifacts", None), "backend_id", None)
     code = getattr(fn, "fn", None)
     scope = getattr(code, "__globals__", None)
