@@ -40,7 +40,7 @@ def test_graph_decode_steps_are_bit_identical_to_eager(tiny_model_dir, arch, dty
         llm, graph = generate(model_dir, "graphs", dtype, prompts)
         graphs = llm.engine.executor.runner.step_graphs
         assert isinstance(graphs, InductorStepGraphs)
-        assert graphs._one_direct is not None  # 1-row steps skip dynamo's prologue
+        assert set(graphs._direct) == {"one", "many"}  # steps skip dynamo's prologue
         assert runs["graph"] >= 11  # every decode step of the 12 tokens went through a graph
         runs["graph"] = 0
         for e, g in zip(eager, graph):
@@ -51,24 +51,33 @@ def test_graph_decode_steps_are_bit_identical_to_eager(tiny_model_dir, arch, dty
 
 
 @pytest.mark.slow
-def test_the_recorded_one_row_call_is_the_graphs_own(tiny_model_dir):
-    """The 1-row graph called with its inputs recorded once computes what dynamo's own call
-    computes, for step inputs other than those it was recorded on (each lands in its place);
-    the dynamic graph, whose call carries the row count, is not recorded."""
+def test_the_recorded_graph_calls_are_the_graphs_own(tiny_model_dir):
+    """Each graph called with its inputs recorded once computes what dynamo's own call
+    computes, for step inputs other than those it was recorded on (each lands in its place)
+    and, for the dynamic graph, other row counts; a dynamic graph recorded at one row count
+    only is not kept (its row count could not be told from a constant)."""
     llm, _ = generate(tiny_model_dir("llama"), "graphs", "float32", PROMPTS[:1])
     graphs = llm.engine.executor.runner.step_graphs
     width = llm.engine.executor.runner.batch.block_table.shape[1]
-    one, _ = graphs._graphs["one"]
+
+    def step_inputs(rows: int, first: int):
+        # positions and lengths past the recordings' (0 and 1), a block per row, no KV write
+        pos = torch.arange(first, first + rows)
+        return (torch.arange(5, 5 + rows) * first % 97, pos, torch.full((rows,), -1),
+                (torch.arange(rows, dtype=torch.int32)[:, None] % 3).expand(rows, width)
+                .contiguous(), (pos + 1).to(torch.int32))
+
     with torch.inference_mode():
-        # positions and lengths past the recording's (0 and 1), a block of its own, no KV write
-        steps = [(torch.tensor([t]), torch.tensor([p]), torch.tensor([-1]),
-                  torch.full((1, width), b, dtype=torch.int32),
-                  torch.tensor([p + 1], dtype=torch.int32))
-                 for t, p, b in ((5, 0, 0), (71, 3, 1), (9, 17, 2))]
-        outs = [graphs._one_direct(*step) for step in steps]
-        for step, out in zip(steps, outs):
-            assert torch.equal(out, one(graphs._step, *step))
-        assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+        for variant, cases in (("one", [(1, 3), (1, 17), (1, 40)]),
+                               ("many", [(3, 2), (5, 11), (graphs.max_rows, 7), (2, 30)])):
+            fn, _ = graphs._graphs[variant]
+            outs = []
+            for rows, first in cases:
+                step = step_inputs(rows, first)
+                outs.append(graphs._direct[variant](*step))
+                assert outs[-1].shape[0] == rows
+                assert torch.equal(outs[-1], fn(graphs._step, *step)), (variant, rows)
+            assert not torch.equal(outs[0][:1], outs[1][:1])
         many, _ = graphs._graphs["many"]
         assert direct_call(many, graphs._step, graphs.dummy_inputs(3, width)) is None
 

@@ -143,21 +143,10 @@ def _portable_guard_pickling() -> Iterator[None]:
         GuardsStatePickler.reducer_override = reduce
 
 
-def direct_call(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
-                ) -> Callable[..., torch.Tensor] | None:
-    """The precompiled graph ``fn`` called without its Python prologue, or None where that
-    cannot be shown to be the same call.
-
-    Dynamo's code for a step gathers every graph input from the model on each call (one
-    attribute chain per weight, KV cache and buffer: ~500 attribute loads for a 30-layer
-    model) before it calls the compiled graph. Those objects are the model's own and are never
-    replaced while the engine runs (weights, caches and LoRA slots change in place), so the
-    list is recorded once, from one call on ``inputs``, and later calls put their five step
-    tensors into it. Kept only when the recorded call is plain: one graph call, every argument
-    a tensor (no size of a dynamic dimension, which would change per call), each step input
-    in exactly one place, and the step's result the graph's first output. Code that replaced
-    a tensor the graph reads (instead of writing into it) after this would have to make the
-    graphs again, as a new KV cache does."""
+def _graph_call_args(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
+                     ) -> tuple[Any, ...] | None:
+    """What dynamo's code for ``fn`` passes the compiled graph when called on ``inputs``
+    (one call, whose first output is the step's result), else None."""
     name = getattr(getattr(fn, "_artifacts", None), "backend_id", None)
     code = getattr(fn, "fn", None)
     scope = getattr(code, "__globals__", None)
@@ -179,21 +168,60 @@ def direct_call(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
     if len(calls) != 1:
         return None
     args, out = calls[0]
-    if not (isinstance(out, (list, tuple)) and out and out[0] is result
-            and all(isinstance(a, torch.Tensor) for a in args)):
+    if not (isinstance(out, (list, tuple)) and out and out[0] is result):
         return None
-    slots = []
-    for x in inputs:
-        at = [j for j, a in enumerate(args) if a is x]
-        if len(at) != 1:
+    return args
+
+
+def direct_call(fn: Any, step: Any, *recordings: tuple[torch.Tensor, ...]
+                ) -> Callable[..., torch.Tensor] | None:
+    """The precompiled graph ``fn`` called without its Python prologue, or None where that
+    cannot be shown to be the same call.
+
+    Dynamo's code for a step gathers every graph input from the model on each call (one
+    attribute chain per weight, KV cache and buffer: ~500 attribute loads for a 30-layer
+    model) before it calls the compiled graph. Those objects are the model's own and are never
+    replaced while the engine runs (weights, caches and LoRA slots change in place), so the
+    argument list is recorded once, from calls on ``recordings`` (step inputs), and later calls
+    put their five step tensors into it. A dynamic graph's call also carries its row count:
+    recorded at two row counts, an argument equal to the row count in each is the row count.
+    Kept only when every argument is explained: a step input (each in exactly one place), the
+    same tensor in every recording, or the row count. Code that replaced a tensor the graph
+    reads (instead of writing into it) after this would have to make the graphs again, as a
+    new KV cache does."""
+    records = [_graph_call_args(fn, step, inputs) for inputs in recordings]
+    if not records or any(r is None for r in records) or len({len(r) for r in records}) != 1:
+        return None
+    rows = [inputs[0].shape[0] for inputs in recordings]
+    rows_tell = len(set(rows)) == len(rows) > 1
+    step_slots: list[tuple[int, int]] = []  # (argument, step input)
+    row_slots: list[int] = []
+    for j, column in enumerate(zip(*records)):
+        k = next((k for k, x in enumerate(recordings[0]) if column[0] is x), None)
+        if k is not None:
+            if not all(c is inputs[k] for c, inputs in zip(column, recordings)):
+                return None
+            step_slots.append((j, k))
+        elif isinstance(column[0], torch.Tensor):
+            if not all(c is column[0] for c in column):
+                return None
+        elif rows_tell and all(type(c) is int and c == n for c, n in zip(column, rows)):
+            row_slots.append(j)
+        else:
             return None
-        slots.append(at[0])
-    template = list(args)
+    if sorted(k for _, k in step_slots) != list(range(len(recordings[0]))):
+        return None
+    template = list(records[0])
+    compiled = fn.fn.__globals__[fn._artifacts.backend_id]
 
     def call(*step_inputs: torch.Tensor) -> torch.Tensor:
         a = template.copy()
-        for j, x in zip(slots, step_inputs):
-            a[j] = x
+        for j, k in step_slots:
+            a[j] = step_inputs[k]
+        if row_slots:
+            n = step_inputs[0].shape[0]
+            for j in row_slots:
+                a[j] = n
         return compiled(*a)[0]
 
     return call
@@ -241,8 +269,8 @@ class InductorStepGraphs(StepGraphs):
         self.origins: dict[str, str] = {}
         # The block-table width load_saved() last ran for (None: not yet).
         self._width: int | None = None
-        # The "one" graph without dynamo's prologue (direct_call), when it could be recorded.
-        self._one_direct: Callable[..., torch.Tensor] | None = None
+        # Graphs called without dynamo's prologue (direct_call), where it could be recorded.
+        self._direct: dict[str, Callable[..., torch.Tensor]] = {}
 
     def _variants(self) -> list[tuple[str, int]]:
         variants = [("one", 1)]
@@ -262,7 +290,7 @@ class InductorStepGraphs(StepGraphs):
         and still fits. What is missing, :meth:`capture` traces."""
         self._graphs.clear()
         self.origins.clear()
-        self._one_direct = None
+        self._direct.clear()
         self._width = block_table_width
         if self.graph_dir is None:
             return False
@@ -299,15 +327,21 @@ class InductorStepGraphs(StepGraphs):
     def _ready(self, variant: str, graph: tuple[Callable[..., torch.Tensor], bool],
                inputs: tuple[torch.Tensor, ...]) -> None:
         """Make ``graph`` the one ``run`` uses for ``variant``, warmed up on ``inputs`` (which
-        write no KV); the 1-row graph's call is recorded then (``direct_call``)."""
+        write no KV), and record its call (``direct_call``; the dynamic graph at its smallest
+        and largest row counts)."""
         self._graphs[variant] = graph
         self.run(*inputs)  # warm up
         fn, takes_step = graph
-        if variant == "one" and takes_step:
-            self._one_direct = direct_call(fn, self._step, inputs)
-            if self._one_direct is None:
-                logger.info("step graph one: called through dynamo's prologue (its inputs "
-                            "could not be recorded)")
+        if not takes_step:
+            return
+        width = inputs[3].shape[1]
+        sizes = (1,) if variant == "one" else (2, self.max_rows)
+        direct = direct_call(fn, self._step, *(self.dummy_inputs(n, width) for n in sizes))
+        if direct is not None:
+            self._direct[variant] = direct
+        else:
+            logger.info("step graph %s: called through dynamo's prologue (its inputs could "
+                        "not be recorded)", variant)
 
     def _mark(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if inputs[0].shape[0] >= 2:
@@ -368,9 +402,11 @@ class InductorStepGraphs(StepGraphs):
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         rows = input_ids.shape[0]
-        if rows == 1 and self._one_direct is not None:
-            return self._one_direct(input_ids, positions, slot_mapping, block_table, seq_lens)
-        fn, takes_self = self._graphs["one" if rows == 1 else "many"]
+        variant = "one" if rows == 1 else "many"
+        direct = self._direct.get(variant)
+        if direct is not None:
+            return direct(input_ids, positions, slot_mapping, block_table, seq_lens)
+        fn, takes_self = self._graphs[variant]
         if takes_self:
             return fn(self._step, input_ids, positions, slot_mapping, block_table, seq_lens)
         if rows >= 2:
