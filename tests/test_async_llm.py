@@ -241,16 +241,38 @@ def test_abort_frees_blocks_at_once(llm, loop):
 
 
 def test_cancelled_consumer_aborts_its_request(llm, loop):
+    # Not left to the CPU's speed: the request runs to nearly the model's context, and at its
+    # first output the consumer freezes the engine core, so it is still in flight (the
+    # consumer waiting for its next output) when cancelled, whatever the speed.
+    pid = llm.engine_core.pid
+    params = greedy(llm.max_model_len - 16, ignore_eos=True)
+
     async def run():
+        first = asyncio.Event()
+
         async def consume():
-            async for _ in llm.generate("Cancel me", greedy(400, ignore_eos=True), "cx"):
-                pass
+            async for out in llm.generate("Cancel me", params, "cx"):
+                if not first.is_set():
+                    os.kill(pid, signal.SIGSTOP)
+                    assert not out.finished
+                    first.set()
+
         task = asyncio.ensure_future(consume())
-        while llm.last_stats is None or llm.last_stats.num_running == 0:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        started = asyncio.ensure_future(first.wait())
+        try:
+            await asyncio.wait({task, started}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            assert first.is_set() and not task.done(), task
+            assert llm.num_unfinished_requests == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 30)
+            # aborted, not finished: the engine core has not run a step since the first output
+            assert llm.num_unfinished_requests == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            started.cancel()
+            if not task.done():
+                task.cancel()
 
     loop.run_until_complete(run())
     assert wait_idle(llm, loop)

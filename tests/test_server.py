@@ -8,6 +8,7 @@ server is ``tests/helpers/server_process.py``.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from helpers.processes import pid_alive, wait_for
+from helpers.processes import paused, pid_alive, wait_for
 from helpers.server_process import PROMPT, SERVER_THREADS, ServerProcess, error_body
 
 from llmkit import LLM, SamplingParams
@@ -454,58 +455,73 @@ def test_client_disconnect_aborts_and_frees_blocks(env):
     m1 = env.server.metrics()
     assert m1["llmkit:generation_tokens_total"] - m0["llmkit:generation_tokens_total"] < 450
 
-    # The same for a request that is not streamed: the client gives up waiting.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(env.server.url("/v1/completions"), json={**body, "stream": False},
-                   timeout=httpx.Timeout(5, read=0.05))
+    # The same for a request that is not streamed: the client gives up waiting. The engine
+    # core is frozen meanwhile, so the request is still in flight when the client leaves
+    # (a fast CPU would otherwise finish its 450 tokens within the read timeout) and the
+    # server aborts it before the engine can run it to its end.
     m0 = m1
+    with paused(env.server.engine_pid):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(env.server.url("/v1/completions"), json={**body, "stream": False},
+                       timeout=httpx.Timeout(5, read=0.05))
+        assert wait_for(lambda: env.server.metrics()[abort_key] == m0[abort_key] + 1, 5), \
+            env.server.metrics()
+    # Resumed: a fresh snapshot of the engine is answered after the abort (sent before it)
+    # was handled and its stats published, so the gauges below are the engine's after it,
+    # at once (no waiting in which the request could have run to its end instead).
+    assert httpx.get(env.server.url("/v1/engine/stats"), params={"fresh": "true"},
+                     timeout=30).status_code == 200
 
     def aborted_and_freed_again():
         m = env.server.metrics()
         return (m[abort_key] == m0[abort_key] + 1 and m["llmkit:num_requests_running"] == 0
                 and m["llmkit:kv_cache_usage_perc"] == 0)
-    assert wait_for(aborted_and_freed_again, 5), env.server.metrics()
+    assert aborted_and_freed_again(), env.server.metrics()
 
 
 def test_32_concurrent_streams_match_offline(env):
     words = ("The river flows through the city and the bridges are old and beautiful. "
              "People ask questions about the weather, about history and travel.").split()
     prompts = [" ".join(words[i % 7:i % 7 + 3 + i % 11]) for i in range(32)]
-    # 64 tokens each: with the C++ kernels' one-call layers the tiny model decodes a token in
-    # ~1-2 ms, and at 24 tokens whether the streams overlap was left to chance on a loaded
-    # 2-core machine (a fresh-clone CI run saw at most one running).
     expected = [o.outputs[0].text for o in
                 env.offline.generate(prompts, greedy(64), use_tqdm=False)]
     client = env.server.async_client()
-    max_running = 0
+    engine_pid = env.server.engine_pid
+    # Whether the streams overlap is not left to the CPU's speed (a fast one decodes a token
+    # in ~0.3 ms): the engine core is frozen while all 32 are admitted (a stream's response
+    # headers come once its request is sent), then resumed with all of them waiting in its
+    # input. It resumes more than a publication period after its last published step, so
+    # the first step it runs is published; the published steps show how many ran at once.
+    latest = httpx.get(env.server.url("/v1/engine/stats"), timeout=30).json()["latest"]
+    before = latest["step"] if latest else 0
 
-    async def one(prompt: str) -> str:
-        stream = await client.completions.create(model=env.model, prompt=prompt,
-                                                 max_tokens=64, temperature=0, stream=True)
+    async def start(prompt: str):
+        return await client.completions.create(model=env.model, prompt=prompt, max_tokens=64,
+                                               temperature=0, stream=True)
+
+    async def read(stream) -> str:
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
-    async def watch(done: asyncio.Event) -> None:
-        nonlocal max_running
-        async with httpx.AsyncClient() as http:
-            while not done.is_set():
-                text = (await http.get(env.server.url("/metrics"))).text
-                m = re.search(r"^llmkit:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
-                max_running = max(max_running, float(m.group(1)))
-                await asyncio.sleep(0.01)
-
     async def run():
-        done = asyncio.Event()
-        watcher = asyncio.ensure_future(watch(done))
         try:
-            return await asyncio.gather(*(one(p) for p in prompts))
+            os.kill(engine_pid, signal.SIGSTOP)
+            try:
+                streams = await asyncio.wait_for(
+                    asyncio.gather(*(start(p) for p in prompts)), 30)
+                await asyncio.sleep(0.3)  # > 1 / server.engine_events_per_s (10)
+            finally:
+                os.kill(engine_pid, signal.SIGCONT)
+            return await asyncio.wait_for(asyncio.gather(*(read(s) for s in streams)), 60)
         finally:
-            done.set()
-            await watcher
             await client.close()
 
     texts = asyncio.run(run())
     assert texts == expected
-    assert max_running > 1
+    recent = httpx.get(env.server.url("/v1/engine/stats"), params={"history": 256},
+                       timeout=30).json()["recent"]
+    mine = [e for e in recent if e["step"] > before and e["step_ms"] > 0]
+    assert mine, recent[-5:]
+    assert max(e["num_running"] for e in mine) > 1, [e["num_running"] for e in mine]
 
 
 def test_cache_salt_isolates_prefix_cache(env, client):

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from helpers.processes import pid_alive, wait_for
+from helpers.processes import paused, pid_alive, wait_for
 from helpers.server_process import PROMPT, SERVER_THREADS, ServerProcess, error_body
 
 API_KEY = "sekret-123"
@@ -191,13 +191,28 @@ def test_engine_process_starts_with_the_wait_policy(server):
 
 def test_engine_death_fails_requests_and_health(server, client, model):
     engine_pid = server.engine_pid
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # Both in flight: the stream runs (max_num_seqs=1), the plain request waits.
-        stream = long_stream(client, model)
-        next(iter(stream))
+
+    def num_waiting_for_first_token() -> int:
+        """The API process's count of requests without a first token, read without side
+        effects: n=3 samples exceed server.max_waiting_requests=2 whatever the count, so the
+        request is refused (nothing admitted) with a 503 whose message gives the count."""
+        resp = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=10,
+                          json={"model": model, "prompt": "hi", "max_tokens": 1, "n": 3})
+        assert resp.status_code == 503, resp.text
+        message = error_body(resp)["message"]
+        return int(re.search(r"(\d+) requests wait for their first token", message).group(1))
+
+    # Both in flight: the stream runs (max_num_seqs=1), the plain request waits. The engine
+    # core is frozen (SIGSTOP) as soon as the stream's first token is here, so neither
+    # finishes before the kill, however fast the CPU; no sleep. (A stopped process can still
+    # be SIGKILLed; it is resumed if the test fails before that.)
+    stream = long_stream(client, model)
+    next(iter(stream))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, paused(engine_pid):
         pending = pool.submit(client.completions.create, model=model, prompt=PROMPT,
                               max_tokens=200)
-        time.sleep(0.2)
+        # admitted: the server counts it among the requests waiting for their first token
+        assert wait_for(lambda: num_waiting_for_first_token() == 1, 10)
         killed_at = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
         assert wait_for(lambda: httpx.get(server.url("/health")).status_code == 503, 5)

@@ -5,13 +5,16 @@ bad adapter files (400, the server goes on), unknown adapters (404 in OpenAI's s
 ``llmkit:lora_requests_info`` metric."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 
 import httpx
 import pytest
 
 from helpers.lora_adapters import build_adapter
+from helpers.processes import paused
 from helpers.server_process import SERVER_THREADS, ServerProcess, error_body
 
 from llmkit import LLM, LoRARequest, SamplingParams
@@ -162,11 +165,33 @@ def test_lora_metrics(env):
     per-adapter gauge counts it."""
     body = {"model": "start", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", env.server.url("/v1/completions"), json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-        text = httpx.get(env.server.url("/metrics")).text
+    finished = re.compile(r'^llmkit:request_success_total\{[^}]*finished_reason="length"'
+                          r'[^}]*\} (\S+)$', re.M)
+
+    def num_finished(text: str) -> float:
+        return float(finished.search(text).group(1))
+
+    # The gauges show the stats of the latest engine step the API process has handled; it
+    # applies a step's stats before passing its tokens on, and counts a finished request in
+    # the same go. The engine core is frozen (SIGSTOP) while /metrics is read, so the
+    # request cannot finish meanwhile, however fast the CPU.
+    for _attempt in range(3):
+        before = num_finished(httpx.get(env.server.url("/metrics")).text)
+        with httpx.stream("POST", env.server.url("/v1/completions"), json=body,
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            head = [next(lines) for _ in range(3)]
+            with paused(env.server.engine_pid):
+                text = httpx.get(env.server.url("/metrics")).text
+            events = [json.loads(line[len("data: "):]) for line in [*head, *lines]
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events and events[-1]["choices"][0]["finish_reason"] == "length", events[-1:]
+        # Still in flight when the engine stopped (else it ran all 200 tokens between its
+        # second chunk and the SIGSTOP; only then try again)?
+        if num_finished(text) == before:
+            break
+    else:
+        pytest.fail("the request always finished before the engine core was stopped")
     info = [line for line in text.splitlines() if line.startswith("llmkit:lora_requests_info{")]
     assert len(info) == 1, text
     assert 'max_lora="2"' in info[0] and 'running_lora_adapters="start"' in info[0]

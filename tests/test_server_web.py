@@ -121,7 +121,7 @@ def read_events(server, into: list, stop: threading.Event, ready: threading.Even
 
 
 def test_events_follow_a_request_and_blocks_come_back(server, model):
-    """One stream of 300 tokens: the events show it running with the blocks it needs, their
+    """One stream of 2000 tokens: the events show it running with the blocks it needs, their
     steps add up (published + skipped = every step; tokens likewise), the publication rate
     stays under server.engine_events_per_s, and once it ends every block is back."""
     before = stats(server, fresh="true")["latest"]
@@ -132,7 +132,10 @@ def test_events_follow_a_request_and_blocks_come_back(server, model):
     reader.start()
     assert ready.wait(10)
     start = time.monotonic()
-    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 300,
+    # 2000 tokens (of the 4096 context): even at ~0.3 ms a token (a fast CPU) the stream runs
+    # for many publication periods, so a step well into it (past token 100) is published.
+    max_tokens = 2000
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url("/v1/completions"), json=body, headers=AUTH,
                       timeout=60) as resp:
@@ -164,7 +167,8 @@ def test_events_follow_a_request_and_blocks_come_back(server, model):
         assert cur["num_prefill_tokens"] + cur["num_decode_tokens"] == \
             cur["num_scheduled_tokens"]
     total = series[-1]["total_scheduled_tokens"] - before["total_scheduled_tokens"]
-    assert total == prompt_len + 300 - 1  # the prompt, then one token per new one but the last
+    # the prompt, then one token per new one but the last
+    assert total == prompt_len + max_tokens - 1
     # Rate-limited: a step event at most every 1/EVENTS_PER_S s (+ one idle snapshot).
     published = [e for e in series[1:] if e["step_ms"] > 0]
     assert len(published) <= EVENTS_PER_S * elapsed + 2
