@@ -143,16 +143,20 @@ def _portable_guard_pickling() -> Iterator[None]:
         GuardsStatePickler.reducer_override = reduce
 
 
-def _graph_call_args(fn: Any, step: Any, inputs: tuple[torch.Tensor, ...]
-                     ) -> tuple[Any, ...] | None:
-    """What dynamo's code for ``fn`` passes the compiled graph when called on ``inputs``
-    (one call, whose first output is the step's result), else None."""
+def _compiled_graph(fn: Any) -> Callable[..., Any] | None:
+    """The compiled graph that dynamo's code for the precompiled ``fn`` calls (a global of
+    that code, named by its backend id), or None where torch does not lay it out so."""
     name = getattr(getattr(fn, "_artifacts", None), "backend_id", None)
-    code = getattr(fn, "fn", None)
-    scope = getattr(code, "__globals__", None)
-    compiled = scope.get(name) if scope is not None and name is not None else None
-    if compiled is None:
-        return None
+    scope = getattr(getattr(fn, "fn", None), "__globals__", None)
+    return scope.get(name) if scope is not None and name is not None else None
+
+
+def _graph_call_args(fn: Any, compiled: Callable[..., Any], step: Any,
+                     inputs: tuple[torch.Tensor, ...]) -> tuple[Any, ...] | None:
+    """What dynamo's code for ``fn`` passes ``compiled`` (its graph) when called on
+    ``inputs`` (one call, whose first output is the step's result), else None."""
+    code, name = fn.fn, fn._artifacts.backend_id
+    scope = code.__globals__
     calls: list[tuple[tuple[Any, ...], Any]] = []
 
     def spy(*args: Any) -> Any:
@@ -188,8 +192,11 @@ def direct_call(fn: Any, step: Any, *recordings: tuple[torch.Tensor, ...]
     Kept only when every argument is explained: a step input (each in exactly one place), the
     same tensor in every recording, or the row count. Code that replaced a tensor the graph
     reads (instead of writing into it) after this would have to make the graphs again, as a
-    new KV cache does."""
-    records = [_graph_call_args(fn, step, inputs) for inputs in recordings]
+    new KV cache does. The recording calls run the graph (they warm it up)."""
+    compiled = _compiled_graph(fn)
+    if compiled is None:
+        return None
+    records = [_graph_call_args(fn, compiled, step, inputs) for inputs in recordings]
     if not records or any(r is None for r in records) or len({len(r) for r in records}) != 1:
         return None
     rows = [inputs[0].shape[0] for inputs in recordings]
@@ -212,7 +219,6 @@ def direct_call(fn: Any, step: Any, *recordings: tuple[torch.Tensor, ...]
     if sorted(k for _, k in step_slots) != list(range(len(recordings[0]))):
         return None
     template = list(records[0])
-    compiled = fn.fn.__globals__[fn._artifacts.backend_id]
 
     def call(*step_inputs: torch.Tensor) -> torch.Tensor:
         a = template.copy()
@@ -326,22 +332,23 @@ class InductorStepGraphs(StepGraphs):
 
     def _ready(self, variant: str, graph: tuple[Callable[..., torch.Tensor], bool],
                inputs: tuple[torch.Tensor, ...]) -> None:
-        """Make ``graph`` the one ``run`` uses for ``variant``, warmed up on ``inputs`` (which
-        write no KV), and record its call (``direct_call``; the dynamic graph at its smallest
-        and largest row counts)."""
+        """Make ``graph`` the one ``run`` uses for ``variant``: its call recorded
+        (``direct_call``; the dynamic graph at its smallest and largest row counts), which
+        warms it up, else warmed up on ``inputs``. Every input writes no KV."""
         self._graphs[variant] = graph
-        self.run(*inputs)  # warm up
         fn, takes_step = graph
-        if not takes_step:
-            return
-        width = inputs[3].shape[1]
-        sizes = (1,) if variant == "one" else (2, self.max_rows)
-        direct = direct_call(fn, self._step, *(self.dummy_inputs(n, width) for n in sizes))
-        if direct is not None:
-            self._direct[variant] = direct
+        direct = None
+        if takes_step:
+            width = inputs[3].shape[1]
+            sizes = (1,) if variant == "one" else (2, self.max_rows)
+            direct = direct_call(fn, self._step, *(self.dummy_inputs(n, width) for n in sizes))
+            if direct is None:
+                logger.info("step graph %s: called through dynamo's prologue (its inputs "
+                            "could not be recorded)", variant)
+        if direct is None:
+            self.run(*inputs)  # warm up
         else:
-            logger.info("step graph %s: called through dynamo's prologue (its inputs could "
-                        "not be recorded)", variant)
+            self._direct[variant] = direct
 
     def _mark(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if inputs[0].shape[0] >= 2:
