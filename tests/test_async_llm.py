@@ -4,6 +4,7 @@ process for the module (plus one for the orphan check)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from helpers.processes import pid_alive, wait_for  # noqa: E402
+from helpers.processes import paused, pid_alive, wait_for  # noqa: E402
 
 from llmkit import LLM, SamplingParams
 from llmkit.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
@@ -249,11 +250,12 @@ def test_cancelled_consumer_aborts_its_request(llm, loop):
 
     async def run():
         first = asyncio.Event()
+        pause = contextlib.ExitStack()  # the engine core frozen at the first output
 
         async def consume():
             async for out in llm.generate("Cancel me", params, "cx"):
                 if not first.is_set():
-                    os.kill(pid, signal.SIGSTOP)
+                    pause.enter_context(paused(pid))
                     assert not out.finished
                     first.set()
 
@@ -269,7 +271,7 @@ def test_cancelled_consumer_aborts_its_request(llm, loop):
             # aborted, not finished: the engine core has not run a step since the first output
             assert llm.num_unfinished_requests == 0
         finally:
-            os.kill(pid, signal.SIGCONT)
+            pause.close()  # resumed
             started.cancel()
             if not task.done():
                 task.cancel()

@@ -8,7 +8,6 @@ server is ``tests/helpers/server_process.py``.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 
@@ -504,13 +503,10 @@ def test_32_concurrent_streams_match_offline(env):
 
     async def run():
         try:
-            os.kill(engine_pid, signal.SIGSTOP)
-            try:
+            with paused(engine_pid):
                 streams = await asyncio.wait_for(
                     asyncio.gather(*(start(p) for p in prompts)), 30)
                 await asyncio.sleep(0.3)  # > 1 / server.engine_events_per_s (10)
-            finally:
-                os.kill(engine_pid, signal.SIGCONT)
             return await asyncio.wait_for(asyncio.gather(*(read(s) for s in streams)), 60)
         finally:
             await client.close()
