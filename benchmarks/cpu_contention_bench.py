@@ -11,6 +11,9 @@ machine:
 - ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once: a wake-up per region)
 - ``spin1k`` / ``spin10k`` / ``spin100k``: ``GOMP_SPINCOUNT=1000`` / ``10000`` / ``100000``
 - ``active``: ``OMP_WAIT_POLICY=ACTIVE`` (spin for ever, the worst case under load)
+- ``spin1k_openmp`` / ``spin10k_openmp``: as ``spin1k`` / ``spin10k``, and llmkit's C++
+  kernels on torch's OpenMP threads (``platform.dispatch.thread_pool_spin_us=0``) instead of
+  their own pool
 
 Each policy runs in its own process (libgomp reads these when torch loads), which loads the
 model once and then alternates quiet and loaded phases (the load: ``--load busy`` = one
@@ -41,7 +44,12 @@ POLICIES = {
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "spin1k_openmp": {"GOMP_SPINCOUNT": "1000"},
+    "spin10k_openmp": {"GOMP_SPINCOUNT": "10000"},
 }
+# Policies whose C++ kernels run on torch's OpenMP threads instead of their own pool (which
+# spins yielding its core, then sleeps: platform.dispatch.thread_pool_spin_us).
+OPENMP_KERNELS = {"spin1k_openmp", "spin10k_openmp"}
 _OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -85,8 +93,13 @@ def _decode_tps(llm, rows: int, tokens: int) -> float:
 def child(args) -> None:
     from llmkit import LLM
 
+    # compilation.background=false: time the step graphs, not eager steps beside their compile
+    platform = {"num_threads": args.threads}
+    if args.openmp_kernels:
+        platform["dispatch"] = {"thread_pool_spin_us": 0}
     llm = LLM(dtype=args.dtype, kv_cache={"num_blocks": 256},
-              scheduler={"max_num_seqs": max(args.rows)}, platform={"num_threads": args.threads})
+              scheduler={"max_num_seqs": max(args.rows)}, platform=platform,
+              compilation={"background": False})
     _decode_tps(llm, 1, 8)  # warm-up
     out: dict[str, list[float]] = {}
     for phase in range(args.phases):
@@ -107,13 +120,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phases", type=int, default=2, help="quiet/loaded pairs per process")
-    ap.add_argument("--policies", default="default,passive,spin10k,spin100k")
+    ap.add_argument("--policies", default="spin1k_openmp,spin1k,spin10k_openmp")
     ap.add_argument("--load", choices=("busy", "omp"), default="busy")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--child", action="store_true")
+    ap.add_argument("--openmp-kernels", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -129,6 +143,8 @@ def main() -> None:
                    f"--load={args.load}", f"--dtype={args.dtype}",
                    f"--rows={','.join(map(str, args.rows))}", f"--tokens={args.tokens}",
                    f"--threads={args.threads}"]
+            if name in OPENMP_KERNELS:
+                cmd.append("--openmp-kernels")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:

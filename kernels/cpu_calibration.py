@@ -176,6 +176,7 @@ def _write_cache(path: Path, key: dict[str, Any], choice: dict[str, int],
 def apply_tuning(kernels, table: CpuDispatch) -> None:
     """Hand the table's speed-only fields to the loaded kernels."""
     kernels.set_linear_tuning(table.linear_prefetch_bytes, table.linear_thread_min_bytes)
+    kernels.set_thread_pool_spin_us(table.thread_pool_spin_us)
 
 
 def time_candidates(candidates: tuple[int, ...], run: Callable[[int], None], timer: Timer,

@@ -110,6 +110,9 @@ class FakeKernels:
     def set_linear_tuning(self, prefetch, thread_min_bytes):
         self.tuning = (prefetch, thread_min_bytes)
 
+    def set_thread_pool_spin_us(self, spin_us):
+        self.spin_us = spin_us
+
     def quant_repack(self, raw, fmt, k):
         return raw
 

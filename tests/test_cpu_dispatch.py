@@ -33,13 +33,13 @@ MEASURED = dict(linear_small_batch_max_rows=8, linear_packed_max_rows=512,
                 lora_small_batch_max_rows=2048, attention_min_compiled_decode_rows=8,
                 attention_max_expanded_query_len=16, step_graph_max_rows=256,
                 top_p_candidates=256, ranks_per_core=2, linear_prefetch_bytes=2048,
-                linear_thread_min_bytes=8192)
+                linear_thread_min_bytes=8192, thread_pool_spin_us=2000)
 
 OVERRIDES = dict(linear_small_batch_max_rows=4, linear_packed_max_rows=64,
                  lora_small_batch_max_rows=32, attention_min_compiled_decode_rows=3,
                  attention_max_expanded_query_len=5, step_graph_max_rows=2,
                  top_p_candidates=100, ranks_per_core=1, linear_prefetch_bytes=0,
-                 linear_thread_min_bytes=0)
+                 linear_thread_min_bytes=0, thread_pool_spin_us=0)
 
 
 @pytest.mark.parametrize("tier", [*TIER_NAMES, None])

@@ -9,6 +9,7 @@
 
 #include "vec.h"
 #include "row_split.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -51,7 +52,7 @@ inline at::Tensor silu_and_mul(const at::Tensor& x) {
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_split_grain(d), [&](int64_t begin, int64_t end) {
+    llmkit_cpu::parallel_for(0, rows, row_split_grain(d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = xp + r * xs;
         const scalar_t* u = g + d;

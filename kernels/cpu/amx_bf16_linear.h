@@ -25,6 +25,7 @@
 #include "amx_quant_linear.h"
 #include "tuning.h"
 #include "vec.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu::amx_bf16 {
 
@@ -43,7 +44,7 @@ inline at::Tensor pack(const at::Tensor& weight) {
   auto out = at::zeros({nb * kb * kTileElems}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t j = 0; j < kTile && b * kTile + j < n; ++j) {
         const uint16_t* row = src + (b * kTile + j) * k;
@@ -95,7 +96,7 @@ inline void linear_tiles(const bf16* x, int64_t rows, int64_t kp, const bf16* w,
   const int64_t tiles = (rows + kTile - 1) / kTile, pairs = (nb + 1) / 2;
   const int64_t lda = kp * int64_t(sizeof(bf16));
   const int64_t pair_bytes = 2 * kb * kTileElems * int64_t(sizeof(bf16));
-  at::parallel_for(0, pairs, tuning::grain(pair_bytes), [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, pairs, tuning::grain(pair_bytes), [&](int64_t begin, int64_t end) {
     load_tile_config(std::min(rows, kTile));
     alignas(64) float c[4][kTile * kTile];
     const auto store = [&](int64_t t, int64_t o, const float* c0, const float* c1) {

@@ -29,6 +29,7 @@
 #include "quant_activation.h"
 #include "quant_blocks.h"
 #include "tuning.h"
+#include "thread_pool.h"
 
 #if defined(LLMKIT_AMX)
 #include <immintrin.h>
@@ -194,7 +195,7 @@ inline void to_tiles(const QuantizedActivations& x, TileActivations& out) {
   out.d.assign(tiles * nb * kTileRows, 0.f);
   out.sq.assign(tiles * nb * kTileRows, 0.f);
   out.sum8.assign(tiles * nb * kTileRows, 0);
-  at::parallel_for(0, x.rows, 64, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, x.rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / kTileRows, i = row % kTileRows;
       const int8_t* q = x.q_row(row);
@@ -303,7 +304,7 @@ void linear(const QuantizedActivations& a, const uint8_t* packed, int64_t n_out,
   std::vector<uint8_t> zeros(pairs * 2 > groups ? group_stride : 0, 0);
   const int64_t chunk_tiles = kRowChunk / kTileRows;
   // threads split the pairs as quant_linear_impl splits groups (tuning.h: speed only)
-  at::parallel_for(0, pairs, tuning::grain(2 * group_stride), [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, pairs, tuning::grain(2 * group_stride), [&](int64_t begin, int64_t end) {
     load_tile_config();
     std::vector<uint8_t> b(nb * kBBytes);
     std::vector<float> dw(nb * kTileOut), mw(nb * kTileOut);

@@ -171,6 +171,7 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
 
 // The AVX-512 tiers' own bf16 path (decode_group_bf16_avx512), after the helpers it shares.
 #include "decode_attention_avx512.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -268,7 +269,7 @@ void run_decode_tasks(int64_t n, bool serial, const F& f) {
   if (serial)
     f(0, n);
   else
-    at::parallel_for(0, n, 1, f);
+    llmkit_cpu::parallel_for(0, n, 1, f);
 }
 
 // The most batch rows one read of a context serves (a verify step has 1 + K <= 16).
@@ -463,7 +464,7 @@ void paged_decode_converted_impl(const at::Tensor& q, const at::Tensor& kv_cache
   const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
   const int64_t parts = runs * kv_heads >= 2 * at::get_num_threads() ? 1 : group;
   const int64_t per_part = group / parts;
-  at::parallel_for(0, runs * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, runs * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * dim), o(per_part * dim), scores;
     std::vector<float> kf, vf;
     std::vector<const float*> krows, vrows;

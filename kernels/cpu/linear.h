@@ -14,6 +14,7 @@
 
 #include "tuning.h"
 #include "vec.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -238,7 +239,7 @@ inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     // threads share it changes no output: tuning.h).
     const int64_t tiles = (n_out + 3) / 4;
     const int64_t grain = tuning::grain(4 * k * int64_t(sizeof(scalar_t)));
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    llmkit_cpu::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       float acc[8];
       // This thread's part of the weight: prefetching past it would fetch the other's rows.
       const char* prefetch_end =

@@ -20,6 +20,7 @@
 
 #include "linear.h"
 #include "vec.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -177,7 +178,7 @@ inline void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora
     if (lora_rows * (SR * k + R * n_out) < kLoraParallelWork || num_tiles == 1) {
       body(0, num_tiles);
     } else {
-      at::parallel_for(0, num_tiles, 1, body);
+      llmkit_cpu::parallel_for(0, num_tiles, 1, body);
     }
   });
 }

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -59,7 +60,7 @@ inline at::Tensor ssm_state_update(const at::Tensor& x, const at::Tensor& dt,
                 " outside the state of ", num_blocks);
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
   const bool clamp = lo > 0.f || std::isfinite(hi);
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / heads, h = rh % heads, g = h / per_group;
       float d = softplus_f(dtp[rh] + biasp[h]);

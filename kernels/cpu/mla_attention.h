@@ -24,6 +24,7 @@
 
 #include "decode_attention.h"  // hsum4
 #include "vec.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -142,7 +143,7 @@ void mla_decode_impl(const at::Tensor& q_latent, const at::Tensor& q_pe,
   const int64_t ls0 = q_latent.stride(0), ls1 = q_latent.stride(1);
   const int64_t rs0 = q_pe.stride(0), rs1 = q_pe.stride(1);
   const int64_t parts = mla_head_parts(batch, heads), per_part = heads / parts;
-  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_part * dim), acc(per_part * rank), scores(per_part * kMlaTile);
     std::vector<float> widened;  // bf16 rows as float32, each widened once for all heads
     std::vector<const float*> rows;

@@ -11,6 +11,7 @@
 
 #include "vec.h"
 #include "row_split.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -113,7 +114,7 @@ inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    llmkit_cpu::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         rms_norm_row(op + r * n, xp + r * xs, wp, n, static_cast<float>(eps));
     });
@@ -135,7 +136,7 @@ inline at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual,
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    llmkit_cpu::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* res = rp + r * rs;
         const scalar_t* xr = xp + r * xs;

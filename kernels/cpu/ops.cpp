@@ -16,6 +16,7 @@
 #include "quant_linear.h"
 #include "quant_repack.h"
 #include "rotary.h"
+#include "thread_pool.h"
 #include "tuning.h"
 
 #ifndef LLMKIT_OPS
@@ -60,6 +61,9 @@ TORCH_LIBRARY(LLMKIT_OPS, m) {
   m.def("set_linear_tuning(int prefetch_bytes, int thread_min_bytes) -> ()",
         &llmkit_cpu::tuning::set_linear_tuning);
   m.def("linear_tuning() -> int[]", &llmkit_cpu::tuning::linear_tuning);
+  // How long the kernels' idle threads spin before they sleep (0: torch's threads; thread_pool.h).
+  m.def("set_thread_pool_spin_us(int spin_us) -> ()", &llmkit_cpu::set_thread_pool_spin_us);
+  m.def("thread_pool_spin_us() -> int", &llmkit_cpu::thread_pool_spin_us);
 }
 
 TORCH_LIBRARY_IMPL(LLMKIT_OPS, CPU, m) {

@@ -19,6 +19,7 @@
 #include "quant_blocks.h"
 #include "row_split.h"
 #include "vec.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu::quant {
 
@@ -133,7 +134,7 @@ inline void quantize_activations(const at::Tensor& x, int64_t kp, bool portable,
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "quantized linear", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const int64_t stride = x.stride(0);
-    at::parallel_for(0, rows, row_split_grain(kp), [&](int64_t begin, int64_t end) {
+    llmkit_cpu::parallel_for(0, rows, row_split_grain(kp), [&](int64_t begin, int64_t end) {
       std::vector<float> row(keep_float ? 0 : kp);
       for (int64_t i = begin; i < end; ++i) {
         float* f = keep_float ? out.xf.data() + i * kp : row.data();

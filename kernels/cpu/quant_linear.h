@@ -37,6 +37,7 @@
 #include "quant_blocks.h"
 #include "quant_repack.h"
 #include "vec.h"
+#include "thread_pool.h"
 
 // Fixed-count loops over a tile's rows are unrolled before GCC decides where the arrays of
 // accumulators live: otherwise it keeps them in registers *and* stores them every iteration.
@@ -631,7 +632,7 @@ void quant_linear_impl(const QuantizedActivations& a, const uint8_t* packed, int
   // Threads split the weight into contiguous runs of groups; each streams its own (how many
   // threads share it changes no output: tuning.h).
   const int64_t grain = tuning::grain(group_stride);
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     const char* prefetch_end = reinterpret_cast<const char*>(packed + end * group_stride);
     float res[kMaxTileRows][kRows];
     // Row r of group g's results: its scale (int8, fp8) and bias, stored in T.

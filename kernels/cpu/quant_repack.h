@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "quant_blocks.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu::quant {
 
@@ -229,7 +230,7 @@ inline at::Tensor quant_repack(const at::Tensor& raw, const std::string& format,
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t row_bytes = raw.size(1);
   const int64_t src_block = info.gguf_bytes > 0 ? info.gguf_bytes : info.block_k;
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < kRows && g * kRows + r < n; ++r) {
         const uint8_t* row = src + (g * kRows + r) * row_bytes;
@@ -273,7 +274,7 @@ inline at::Tensor quant_dequantize(const at::Tensor& packed, const std::string& 
   const uint8_t* pp = packed.const_data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t nbk = padded_k(f, k) / info.block_k;
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+  llmkit_cpu::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = ip ? ip[i] : i, g = row / kRows, r = row % kRows;
       const float scale = sp ? sp[row] : 0.f;

@@ -10,6 +10,7 @@
 
 #include "vec.h"
 #include "row_split.h"
+#include "thread_pool.h"
 
 namespace llmkit_cpu {
 
@@ -27,7 +28,7 @@ inline void rotary_embedding_(at::Tensor& x, const at::Tensor& cos_sin) {
   LLMKIT_DISPATCH_FLOAT(x.scalar_type(), "rotary_embedding_", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cache = cos_sin.const_data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, row_split_grain(heads * dim),
+    llmkit_cpu::parallel_for(0, tokens, row_split_grain(heads * dim),
                      [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* cs = cache + t * dim;

@@ -82,6 +82,12 @@ class CpuDispatch:
     #: runs on fewer threads, which saves waking them (0: every thread, always). Speed only:
     #: calibrated.
     linear_thread_min_bytes: int = 8192
+    #: Microseconds an idle thread of the C++ kernels' own pool keeps spinning, yielding its
+    #: core to any other runnable thread, before it sleeps (``kernels/cpu/thread_pool.h``):
+    #: the next kernel of a step finds it awake without taking the core from another process.
+    #: 0: the kernels run on torch's OpenMP threads instead. Speed only; a wait policy, not
+    #: timed (a quiet start-up would always pick the longest spin).
+    thread_pool_spin_us: int = 2000
 
 
 #: The defaults of each tier (``None``: a CPU without AVX2, so without llmkit's kernels). Every
@@ -94,7 +100,8 @@ MINIMUMS: dict[str, int] = {
     "linear_small_batch_max_rows": 0, "linear_packed_max_rows": 0,
     "lora_small_batch_max_rows": 0, "attention_min_compiled_decode_rows": 1,
     "attention_max_expanded_query_len": 1, "step_graph_max_rows": 1, "top_p_candidates": 1,
-    "ranks_per_core": 1, "linear_prefetch_bytes": 0, "linear_thread_min_bytes": 0}
+    "ranks_per_core": 1, "linear_prefetch_bytes": 0, "linear_thread_min_bytes": 0,
+    "thread_pool_spin_us": 0}
 
 #: The fields a start-up timing may set: every value of each computes the same bits.
 CALIBRATED: tuple[str, ...] = ("linear_prefetch_bytes", "linear_thread_min_bytes")

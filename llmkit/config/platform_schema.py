@@ -32,6 +32,8 @@ change outputs; ``linear_prefetch_bytes`` and ``linear_thread_min_bytes`` change
     # speed only (each value computes the same bits): timed at first start unless given
     linear_prefetch_bytes: int | None = Field(default=None, ge=0)
     linear_thread_min_bytes: int | None = Field(default=None, ge=0)
+    # speed only, not timed: how long the kernels' idle threads spin (0: torch's threads)
+    thread_pool_spin_us: int | None = Field(default=None, ge=0)
 
 
 class PlatformConfig(_Component):
