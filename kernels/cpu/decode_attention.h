@@ -263,7 +263,7 @@ inline int64_t context_rows(const int64_t* lens, int64_t batch, int64_t window) 
   return rows;
 }
 
-// ``f(0, n)`` here, or split over the threads by at::parallel_for (a task each at least).
+// ``f(0, n)`` here, or split over the threads by llmkit_cpu::parallel_for (a task each at least).
 template <typename F>
 void run_decode_tasks(int64_t n, bool serial, const F& f) {
   if (serial)
