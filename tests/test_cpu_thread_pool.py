@@ -24,6 +24,7 @@ SPIN_US = CpuDispatch().thread_pool_spin_us
 @pytest.fixture(scope="module")
 def ops():
     ops = load_cpu_kernels()
+    ops.set_thread_pool_spin_us(SPIN_US)  # whatever an earlier test's platform left there
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # two threads even on a one-core runner: the pool must split
     yield ops
@@ -46,8 +47,11 @@ def _inputs():
 
 def _run(ops, inputs) -> list[torch.Tensor]:
     packed, x, w, (q, cache, table, lens) = inputs
-    return [weights.quant_linear(x[:1], packed), weights.quant_linear(x, packed),
-            ops.linear(x[:1].to(torch.bfloat16), w, None),
+    def quant_linear(rows):  # this tier's op (weights.quant_linear takes any loaded tier's)
+        return ops.quant_linear(rows, packed.data, packed.format, packed.out_features,
+                                packed.scales, None, False, False)
+
+    return [quant_linear(x[:1]), quant_linear(x), ops.linear(x[:1].to(torch.bfloat16), w, None),
             ops.paged_decode_attention(q, cache, table, lens, 0.125)]
 
 
@@ -109,18 +113,19 @@ def test_a_forked_child_gets_a_pool_of_its_own(ops):
     reference = _run(ops, inputs)  # the parent's pool is running
     pid = os.fork()
     if pid == 0:  # the child: the parent's workers are not here
-        ok = False
+        code = 3  # an exception
         try:
             torch.set_num_threads(2)
-            ok = all(torch.equal(a, b) for a, b in zip(_run(ops, inputs), reference))
-            ok = ok and bool(_pool_threads())  # it split the work over threads of its own
+            code = 1 if not all(torch.equal(a, b) for a, b in zip(_run(ops, inputs), reference)) \
+                else 2 if not _pool_threads() else 0  # 2: no threads of its own split the work
         finally:
-            os._exit(0 if ok else 1)
+            os._exit(code)
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            assert os.waitstatus_to_exitcode(status) == 0
+            code = os.waitstatus_to_exitcode(status)
+            assert code == 0, {1: "wrong bits", 2: "no pool threads", 3: "an exception"}.get(code)
             return
         time.sleep(0.05)
     os.kill(pid, 9)

@@ -79,10 +79,10 @@ class Pool {
   void ensure_workers(int64_t wanted) {
     for (; workers_ < wanted; ++workers_) {
       const uint32_t gen = uint32_t(claim_.load(std::memory_order_relaxed) >> 32);
-      std::thread([this, gen] {
-        pthread_setname_np(pthread_self(), "llmkit-kernels");
-        worker(gen);
-      }).detach();
+      std::thread thread([this, gen] { worker(gen); });
+      // Named here, not by the thread when it first runs: it has its name from the start.
+      pthread_setname_np(thread.native_handle(), "llmkit-kernels");
+      thread.detach();
     }
   }
 
@@ -170,7 +170,6 @@ inline Pool& pool() {
   }
   return *p;
 }
-
 
 }  // namespace pool_detail
 }  // namespace
