@@ -4,6 +4,7 @@ one caller, several callers at once and a forked child, and its idle threads go 
 (a waiting thread must not hold a core that another process wants)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -59,11 +60,9 @@ def _pool_threads() -> dict[int, str]:
     """State (``/proc``'s letter) of each of this process's kernel-pool threads, by id."""
     states = {}
     for task in Path("/proc/self/task").iterdir():
-        try:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile is not listed
             if (task / "comm").read_text().strip() == "llmkit-kernels":
                 states[int(task.name)] = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # the thread ended meanwhile
-            pass
     return states
 
 

@@ -7,9 +7,9 @@
 
 #include <type_traits>
 
-#include "vec.h"
 #include "row_split.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 namespace llmkit_cpu {
 

@@ -23,9 +23,9 @@
 #include <cstdint>
 
 #include "amx_quant_linear.h"
+#include "thread_pool.h"
 #include "tuning.h"
 #include "vec.h"
-#include "thread_pool.h"
 
 namespace llmkit_cpu::amx_bf16 {
 

@@ -28,8 +28,8 @@
 
 #include "quant_activation.h"
 #include "quant_blocks.h"
-#include "tuning.h"
 #include "thread_pool.h"
+#include "tuning.h"
 
 #if defined(LLMKIT_AMX)
 #include <immintrin.h>

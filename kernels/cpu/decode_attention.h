@@ -25,6 +25,7 @@
 
 #include "kv_quant.h"
 #include "linear.h"
+#include "thread_pool.h"
 #include "vec.h"
 
 namespace llmkit_cpu {
@@ -171,7 +172,6 @@ inline void decode_head_sdpa_order(const float* qf, const bf16* const* krows,
 
 // The AVX-512 tiers' own bf16 path (decode_group_bf16_avx512), after the helpers it shares.
 #include "decode_attention_avx512.h"
-#include "thread_pool.h"
 
 namespace llmkit_cpu {
 

@@ -12,9 +12,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_pool.h"
 #include "tuning.h"
 #include "vec.h"
-#include "thread_pool.h"
 
 namespace llmkit_cpu {
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "linear.h"
-#include "vec.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 namespace llmkit_cpu {
 

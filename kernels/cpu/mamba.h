@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+
 #include "thread_pool.h"
 
 namespace llmkit_cpu {

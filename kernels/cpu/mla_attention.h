@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "decode_attention.h"  // hsum4
-#include "vec.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 namespace llmkit_cpu {
 

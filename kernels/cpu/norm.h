@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "vec.h"
 #include "row_split.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 namespace llmkit_cpu {
 

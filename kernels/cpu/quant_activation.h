@@ -18,8 +18,8 @@
 
 #include "quant_blocks.h"
 #include "row_split.h"
-#include "vec.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 namespace llmkit_cpu::quant {
 

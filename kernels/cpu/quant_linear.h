@@ -36,8 +36,8 @@
 #include "quant_activation.h"
 #include "quant_blocks.h"
 #include "quant_repack.h"
-#include "vec.h"
 #include "thread_pool.h"
+#include "vec.h"
 
 // Fixed-count loops over a tile's rows are unrolled before GCC decides where the arrays of
 // accumulators live: otherwise it keeps them in registers *and* stores them every iteration.

@@ -3,14 +3,15 @@
 // for the next call spinning and yielding the core, then asleep.
 //
 // Why not at::parallel_for: a batch-1 decode step calls ~150 parallel kernels with a few
-// microseconds of Python between them. Under OpenMP's short spin (GOMP_SPINCOUNT=1000, which
-// llmkit sets so that a process sharing the cores is not starved by spinning threads) the other
-// thread is asleep at every call and each call pays a futex wake-up; a long spin keeps it
-// awake but takes the core from anything sharing it. Spinning with sched_yield() has both: a
-// core nobody else wants stays with the waiting worker, one that another process wants goes
-// to it. Chunks are claimed, not assigned: a worker that has not woken yet (its core busy
-// elsewhere) does not hold up the call; the caller runs what is unclaimed. Each chunk is the
-// same range whichever thread runs it, so the pool changes no output's bits.
+// microseconds of other work (the step graph's glue, small ops) between them. Under OpenMP's
+// short spin (GOMP_SPINCOUNT=1000, which llmkit sets so that a process sharing the cores is
+// not starved by spinning threads) the other thread is asleep at every call and each call
+// pays a futex wake-up; a long spin keeps it awake but takes the core from anything sharing
+// it. Spinning with sched_yield() has both: a core nobody else wants stays with the waiting
+// worker, one that another process wants goes to it. Chunks are claimed, not assigned: a
+// worker that has not woken yet (its core busy elsewhere) does not hold up the call; the
+// caller runs what is unclaimed. Each chunk is the same range whichever thread runs it, so
+// the pool changes no output's bits.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -45,8 +46,6 @@ inline void cpu_relax() {
 // longer than the gaps inside a decode step and the engine's own work between two steps,
 // short enough that an idle server's threads sleep); 0: at::parallel_for on torch's threads.
 std::atomic<int64_t> g_spin_us{2000};
-
-thread_local bool t_in_pool_call = false;
 
 class Pool {
  public:
@@ -111,7 +110,6 @@ class Pool {
   }
 
   void worker(uint32_t seen) {
-    t_in_pool_call = true;
     for (;;) {
       seen = wait_for_call(seen);
       work(seen);
@@ -190,24 +188,22 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
   const int64_t range = end - begin;
   const int64_t threads = at::get_num_threads();
-  // A call from inside a chunk, or from a second thread while one runs, runs here and now.
-  if (range <= grain || range == 1 || threads <= 1 || pool_detail::t_in_pool_call ||
+  // A call from inside a chunk (ours or at::parallel_for's: both hold a ParallelGuard), or
+  // from a second thread while one runs, runs here and now.
+  if (range <= grain || range == 1 || threads <= 1 || c10::ParallelGuard::is_enabled() ||
       at::in_parallel_region() || pool_detail::g_busy.exchange(true, std::memory_order_acquire)) {
     c10::ParallelGuard guard(true);
     f(begin, end);
     return;
   }
-  const int64_t used = std::min<int64_t>({threads, (range + std::max<int64_t>(grain, 1) - 1) /
-                                                       std::max<int64_t>(grain, 1), 0xffff});
+  const int64_t min_chunk = std::max<int64_t>(grain, 1);
+  // The chunk count fits the claim word's 16 bits.
+  const int64_t used = std::min<int64_t>({threads, (range + min_chunk - 1) / min_chunk, 0xffff});
   const int64_t chunk = (range + used - 1) / used;
   const int64_t chunks = (range + chunk - 1) / chunk;
   struct Release {
     ~Release() { pool_detail::g_busy.store(false, std::memory_order_release); }
   } release;
-  pool_detail::t_in_pool_call = true;
-  struct Leave {
-    ~Leave() { pool_detail::t_in_pool_call = false; }
-  } leave;
   pool_detail::pool().run(begin, end, chunk, chunks, f);
 }
 
