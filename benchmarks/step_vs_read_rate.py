@@ -12,12 +12,13 @@ MODEL is a Hugging Face folder or GGUF (default: the default model).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
 
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from llmkit.config.openmp_env import apply_engine_openmp_env
+
+apply_engine_openmp_env()  # the engine's wait policy, before torch loads (as `llmkit` sets it)
 
 
 def read_rate(x) -> float:
