@@ -44,12 +44,11 @@ POLICIES = {
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
-    "spin1k_openmp": {"GOMP_SPINCOUNT": "1000"},
-    "spin10k_openmp": {"GOMP_SPINCOUNT": "10000"},
 }
+POLICIES.update({f"{name}_openmp": POLICIES[name] for name in ("spin1k", "spin10k")})
 # Policies whose C++ kernels run on torch's OpenMP threads instead of their own pool (which
 # spins yielding its core, then sleeps: platform.dispatch.thread_pool_spin_us).
-OPENMP_KERNELS = {"spin1k_openmp", "spin10k_openmp"}
+OPENMP_KERNELS = {name for name in POLICIES if name.endswith("_openmp")}
 _OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
